@@ -1,0 +1,32 @@
+"""Exact composition of Gaussian rounds without subsampling: mu = sqrt(sum mu_r^2)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..conversions import epsilon_for_delta
+from .base import RoundAccountant, RoundCost
+
+__all__ = ["GdpAccountant", "compose_mu"]
+
+
+def compose_mu(mus: Sequence[float]) -> float:
+    """Adaptive composition of mu_r-GDP mechanisms is sqrt(sum mu_r^2)-GDP (Dong et al. 2022)."""
+    return math.sqrt(math.fsum(m * m for m in mus))
+
+
+class GdpAccountant(RoundAccountant):
+    """Exact and tight for rounds without subsampling (every ``sample_rate`` must be 1)."""
+
+    name = "gdp"
+
+    def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
+        if any(r.sample_rate != 1.0 for r in rounds):
+            raise ValueError(
+                "the 'gdp' accountant is exact only without subsampling (sample_rate = 1); "
+                "use the 'rdp' or 'prv' accountant for Poisson-subsampled rounds"
+            )
+        if not rounds:
+            return 0.0
+        return epsilon_for_delta(compose_mu([r.mu for r in rounds]), delta)

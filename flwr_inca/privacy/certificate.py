@@ -1,0 +1,234 @@
+"""Exact per-execution privacy certificates (SPEC §4).
+
+For honest party i, the adversary's view is exactly a Gaussian mechanism whose sensitivity, in units
+of the noise, is
+
+    mu_i^2 = min { t^T Sigma_eta^{-1} t : (B, A) t = h_i } = h_i^T Sigma^+ h_i,
+    Sigma = sigma_star^2 G_B + sigma_delta^2 G_A,
+
+for a unit change of ``x_i`` (the projected Gaussian mechanism of Koskela & Kulkarni). So party i is
+mu_i-GDP and the tight (epsilon, delta) is the analytic Gaussian mechanism's.
+
+To evaluate mu for many (sigma_star, sigma_delta) pairs from one factorization, the pencil
+``(G_B, G_A)`` is diagonalized once (:class:`SensitivityProfile`): with ``K = G_A + tau G_B`` and
+``F^T K F = I`` on the range of K, ``F^T (tau G_B) F = Q diag(beta) Q^T`` with beta in [0, 1], and
+
+    mu_i^2 = sum_j g_ij^2 / (sigma_star^2 beta_j / tau + sigma_delta^2 (1 - beta_j)),
+    g = Q^T F^T h.
+
+Every term is non-increasing in sigma_delta, so the sigma_delta meeting a target is found by bisection,
+and the sigma_delta -> infinity limit keeps only the beta_j = 1 directions (the noise-free sums the
+adversary learns, e.g. the sum of the finals). Eigenvalues within ``1e-9`` of 0 or 1 are snapped to
+it, which can only remove variance, i.e. only increase mu (the certificate stays conservative).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.linalg as la
+
+from ..protocol.trace import ExecutionTrace
+from .conversions import epsilon_for_delta
+from .linear_system import ObservationModel, build_model
+from .views import AdversaryView
+
+__all__ = ["SensitivityProfile", "Certificate", "certify", "profile"]
+
+_SNAP = 1e-9
+
+
+@dataclass(frozen=True)
+class SensitivityProfile:
+    """Spectral form of one view: mu_i(sigma_star, sigma_delta) for all honest i in O(r n_H)."""
+
+    honest: np.ndarray  # (n_H,)
+    g2: np.ndarray  # (r, n_H) squared coordinates of each h_i in the joint eigenbasis
+    beta: np.ndarray  # (r,) in [0, 1]: share of tau*G_B in each direction
+    tau: float
+    lost: np.ndarray  # (n_H,) bool: h_i not representable (numerically) -> mu = inf
+
+    @classmethod
+    def from_model(cls, model: ObservationModel) -> SensitivityProfile:
+        H, G_B, G_A = model.H, model.G_B, model.G_A
+        nH = model.honest.size
+        if H.shape[0] == 0:
+            return cls(model.honest, np.zeros((0, nH)), np.zeros(0), 1.0, np.zeros(nH, dtype=bool))
+        tr_b, tr_a = float(np.trace(G_B)), float(np.trace(G_A))
+        tau = tr_a / tr_b if tr_b > 0 and tr_a > 0 else 1.0
+        K = G_A + tau * G_B
+        # Whiten with K: J = F^T sqrt(tau) H where F^T K F = I on range(K). G_B = H H^T, so
+        # F^T tau G_B F = J J^T and a thin SVD J = Q S V^T gives beta = S^2, g_ij = S_j V_ij / sqrt(tau).
+        J, lost = _whiten(K, np.sqrt(tau) * H)
+        _, S, Vt = la.svd(J, full_matrices=False, check_finite=False, lapack_driver="gesdd")
+        beta = np.clip(S * S, 0.0, 1.0)
+        g2 = (S[:, None] * Vt) ** 2 / tau
+        beta[beta < _SNAP] = 0.0
+        beta[beta > 1 - _SNAP] = 1.0
+        return cls(model.honest, g2, beta, tau, lost)
+
+    def variances(self, sigma_star: float, sigma_delta: float) -> np.ndarray:
+        return sigma_star**2 * self.beta / self.tau + sigma_delta**2 * (1.0 - self.beta)
+
+    def mu(self, sigma_star: float, sigma_delta: float) -> np.ndarray:
+        """(n_H,) sensitivity of each honest party for a unit change of its value."""
+        v = self.variances(sigma_star, sigma_delta)
+        return self._mu_from_variances(v)
+
+    def mu_limit(self, sigma_star: float) -> np.ndarray:
+        """mu as sigma_delta -> infinity: only the noise-free (beta = 1) directions remain."""
+        v = np.where(self.beta == 1.0, sigma_star**2 / self.tau, np.inf)
+        return self._mu_from_variances(v)
+
+    def _mu_from_variances(self, v: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.where(v > 0, 1.0 / v, np.inf)
+            contrib = np.where(self.g2 > 0, self.g2 * inv[:, None], 0.0)
+        mu2 = contrib.sum(axis=0)
+        mu2[self.lost] = np.inf
+        return np.sqrt(mu2)
+
+    def min_sigma_delta(self, sigma_star: float, mu_target: float, rel_tol: float = 1e-6) -> float:
+        """Smallest sigma_delta with ``max_i mu_i <= mu_target`` (inf if no sigma_delta suffices)."""
+        if not np.all(np.isfinite(self.mu_limit(sigma_star))) or self.mu_limit(sigma_star).max(initial=0) > mu_target:
+            return math.inf
+        if self.mu(sigma_star, 0.0).max(initial=0) <= mu_target:
+            return 0.0
+        lo, hi = 0.0, 1.0
+        while self.mu(sigma_star, hi).max() > mu_target:
+            lo, hi = hi, hi * 4
+            if hi > 1e300:
+                return math.inf
+        while hi - lo > rel_tol * hi:
+            mid = (lo + hi) / 2
+            if self.mu(sigma_star, mid).max() > mu_target:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+
+@dataclass
+class Certificate:
+    """Per-party guarantee of one execution against one adversary view.
+
+    ``mu[i]`` is the GDP parameter of honest party i for a change of its value of size
+    ``value_sensitivity`` (1 for values in [0, 1]; 2C for vectors clipped to L2 norm C under
+    replace-one; C under zero-out).
+    """
+
+    mu: dict[int, float]
+    sigma_star: float
+    sigma_delta: float
+    value_sensitivity: float
+    view: AdversaryView
+    delta: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_mu(self) -> float:
+        return max(self.mu.values()) if self.mu else 0.0
+
+    @property
+    def weakest(self) -> list[int]:
+        """Honest parties sorted from the least to the most protected."""
+        return sorted(self.mu, key=lambda i: -self.mu[i])
+
+    @property
+    def epsilon(self) -> float | None:
+        """Tight epsilon of the weakest honest party at ``delta`` (None when no delta was given)."""
+        return None if self.delta is None else epsilon_for_delta(self.max_mu, self.delta)
+
+    def party_epsilon(self, party: int, delta: float | None = None) -> float:
+        d = self.delta if delta is None else delta
+        if d is None:
+            raise ValueError("give delta to convert mu to epsilon")
+        return epsilon_for_delta(self.mu[party], d)
+
+    def to_dict(self) -> dict:
+        out = {
+            "mu": {str(i): _json_float(v) for i, v in sorted(self.mu.items())},
+            "max_mu": _json_float(self.max_mu),
+            "sigma_star": self.sigma_star,
+            "sigma_delta": self.sigma_delta,
+            "value_sensitivity": self.value_sensitivity,
+            "threat": self.view.threat,
+            "corrupted": [int(c) for c in self.view.corrupted],
+        }
+        if self.delta is not None:
+            out["delta"] = self.delta
+            out["epsilon"] = _json_float(self.epsilon)
+        return out
+
+
+def _whiten(K: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(F^T X, lost)`` with ``F^T K F = I`` on the range of the PSD matrix K.
+
+    Cholesky when K is well conditioned (the usual case); otherwise an eigendecomposition that drops
+    K's null space. ``lost[j]`` flags a column of X with a component outside range(K) (then the
+    corresponding h is not a valid mean shift of the view and no guarantee is given).
+    """
+    lost = np.zeros(X.shape[1], dtype=bool)
+    try:
+        L = la.cholesky(K, lower=True, check_finite=False)
+        rcond = la.lapack.dpocon(L.T, np.abs(K).sum(axis=0).max())[0]
+        if rcond > 1e-10:
+            return la.solve_triangular(L, X, lower=True, check_finite=False), lost
+    except la.LinAlgError:
+        pass
+    kappa, U = la.eigh(K, check_finite=False)
+    keep = kappa > max(kappa.max(), 0.0) * K.shape[0] * np.finfo(float).eps * 16
+    U, kappa = U[:, keep], kappa[keep]
+    coords = U.T @ X
+    resid = np.linalg.norm(X - U @ coords, axis=0)
+    lost = resid > 1e-8 * np.maximum(np.linalg.norm(X, axis=0), 1e-300)
+    return coords / np.sqrt(kappa)[:, None], lost
+
+
+def _json_float(v: float) -> float | str:
+    return v if math.isfinite(v) else "inf"
+
+
+def profile(trace: ExecutionTrace, view: AdversaryView, method: str = "auto") -> SensitivityProfile:
+    """The :class:`SensitivityProfile` of ``view`` on ``trace`` (one factorization, any sigmas)."""
+    return SensitivityProfile.from_model(build_model(trace, view, method))
+
+
+def certify(
+    trace: ExecutionTrace,
+    view: AdversaryView,
+    *,
+    sigma_star: float | None = None,
+    sigma_delta: float | None = None,
+    value_sensitivity: float = 1.0,
+    delta: float | None = None,
+    method: str = "auto",
+) -> Certificate:
+    """Exact guarantee of every honest party in the recorded execution ``trace`` against ``view``.
+
+    Args:
+        trace: the execution (its sigmas are used unless overridden).
+        view: the adversary's observations (``collusion_view``, ``random_collusion``, ...).
+        sigma_star, sigma_delta: override the trace's noise levels (what-if analysis).
+        value_sensitivity: size of the change of one value the guarantee covers.
+        delta: if given, ``Certificate.epsilon`` converts the weakest mu with the analytic Gaussian.
+        method: linear-system builder, see :func:`flwr_inca.privacy.linear_system.build_model`.
+    """
+    s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
+    s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
+    for name, v in (("sigma_star", s_star), ("sigma_delta", s_delta)):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+    if not (math.isfinite(value_sensitivity) and value_sensitivity > 0):
+        raise ValueError(f"value_sensitivity must be > 0, got {value_sensitivity!r}")
+    if delta is not None and not (0 < delta < 1):
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    prof = profile(trace, view, method)
+    mu = prof.mu(s_star, s_delta) * value_sensitivity
+    cert = Certificate({int(i): float(m) for i, m in zip(prof.honest, mu)}, s_star, s_delta,
+                       float(value_sensitivity), view, delta)
+    if s_star == 0:
+        cert.notes.append("sigma_star = 0: the noise-free sums of the output reveal the values (mu = inf)")
+    return cert

@@ -1,0 +1,208 @@
+"""Injection schedules: how a party spreads ``x_i + eta*_i`` and its cancelling noise over T+1 steps.
+
+A schedule is a (c, Z)-Gaussian (paper Def. 3.3): with ``eta_k ~ N(0, sigma_delta^2)``, k = 1..T,
+the party injects at its t-th step ``v_t = c_t u + sum_k Z[t, k] eta_k`` where ``u = x_i + eta*_i``.
+Rows are 0-based: row 0 is the initialization step, row T the last mixing iteration.
+
+With dropouts every party follows the dropout-adapted schedule D^O (paper Sec. 3.2, SPEC §2, 0-based
+reading): at its r-th online step t < T it uses row r of (c, Z); at t = T, if online, it uses c_r and
+the negated sum of the Z-rows it has used, so that every noise term it injected is cancelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["InjectionSchedule", "adapted_rows"]
+
+_TOL = 1e-9
+_RANK_COND = 1e12
+
+
+@dataclass(frozen=True, eq=False)
+class InjectionSchedule:
+    """A (c, Z)-Gaussian injection schedule for T iterations.
+
+    Attributes:
+        c: shape (T+1,), fraction of ``x_i + eta*_i`` injected at each step; sums to 1.
+        Z: shape (T+1, T), coefficient of noise term ``eta_k`` (column k-1) at each step;
+            every column sums to 0 so that the noise cancels.
+        name: ``"incremental"``, ``"early"`` or ``"custom"``.
+    """
+
+    c: np.ndarray
+    Z: np.ndarray
+    name: str = "custom"
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def incremental(cls, iterations: int) -> InjectionSchedule:
+        """D_Inc (paper Ex. 3.2): inject 1/(T+1) of the value per step; one noise term outstanding."""
+        T = _check_iterations(iterations)
+        c = np.full(T + 1, 1.0 / (T + 1))
+        Z = np.zeros((T + 1, T))
+        idx = np.arange(T)
+        Z[idx, idx] = 1.0  # row t adds eta_{t+1} (column t)
+        Z[idx + 1, idx] = -1.0  # row t+1 cancels it
+        return cls(c, Z, "incremental")
+
+    @classmethod
+    def early(cls, iterations: int) -> InjectionSchedule:
+        """D_EI (paper Ex. 3.1): inject the whole value and all noise first, cancel one term per step."""
+        T = _check_iterations(iterations)
+        c = np.zeros(T + 1)
+        c[0] = 1.0
+        Z = np.zeros((T + 1, T))
+        Z[0, :] = 1.0
+        idx = np.arange(T)
+        Z[idx + 1, idx] = -1.0
+        return cls(c, Z, "early")
+
+    @classmethod
+    def custom(cls, c: Any, Z: Any) -> InjectionSchedule:
+        """A user-supplied (c, Z); raises ``ValueError`` naming the Valid condition that fails."""
+        c_arr = np.asarray(c, dtype=np.float64)
+        Z_arr = np.asarray(Z, dtype=np.float64)
+        if c_arr.ndim != 1 or c_arr.shape[0] < 2:
+            raise ValueError(f"schedule: c must be a vector of length T+1 >= 2, got shape {c_arr.shape}")
+        T = c_arr.shape[0] - 1
+        if Z_arr.shape != (T + 1, T):
+            raise ValueError(
+                f"schedule: Z must have shape (T+1, T) = ({T + 1}, {T}) to match c, got {Z_arr.shape}"
+            )
+        if not (np.all(np.isfinite(c_arr)) and np.all(np.isfinite(Z_arr))):
+            raise ValueError("schedule: c and Z must be finite")
+        schedule = cls(c_arr, Z_arr, "custom")
+        schedule.validate()
+        return schedule
+
+    @classmethod
+    def resolve(cls, schedule: str | InjectionSchedule, iterations: int) -> InjectionSchedule:
+        """Turn ``"incremental"``/``"early"``/an instance into a schedule for ``iterations``."""
+        if isinstance(schedule, InjectionSchedule):
+            if schedule.iterations != iterations:
+                raise ValueError(
+                    f"schedule: built for {schedule.iterations} iterations but iterations={iterations}"
+                )
+            return schedule
+        if schedule == "incremental":
+            return cls.incremental(iterations)
+        if schedule == "early":
+            return cls.early(iterations)
+        raise ValueError(
+            f"schedule: expected 'incremental', 'early' or an InjectionSchedule, got {schedule!r}"
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def iterations(self) -> int:
+        return int(self.c.shape[0] - 1)
+
+    @property
+    def is_incremental_pattern(self) -> bool:
+        """True when Z is D_Inc's bidiagonal pattern (one outstanding noise term at a time)."""
+        return bool(np.array_equal(self.Z, InjectionSchedule.incremental(self.iterations).Z))
+
+    # ------------------------------------------------------------------ validity
+    def validate(self) -> None:
+        """Check the three Valid conditions of paper Def. 3.4; raise ``ValueError`` naming the failure.
+
+        Given (i), (ii) implies (iii): the last row of Z is minus the sum of the others, so a null
+        vector of Z without its last row is a null vector of Z. (iii) is still checked, last.
+        """
+        T = self.iterations
+        if abs(float(self.c.sum()) - 1.0) > _TOL:
+            raise ValueError(
+                f"schedule violates Valid condition (i): sum of c must be 1, got {self.c.sum():.12g}"
+            )
+        col = np.abs(self.Z.sum(axis=0))
+        if np.any(col > _TOL):
+            k = int(np.argmax(col))
+            raise ValueError(
+                "schedule violates Valid condition (i): every column of Z must sum to 0, "
+                f"column {k} (noise term eta_{k + 1}) sums to {self.Z[:, k].sum():.12g}"
+            )
+        cz = np.column_stack([self.c, self.Z])
+        if not _invertible(cz):
+            raise ValueError(
+                f"schedule violates Valid condition (ii): [c | Z] ({T + 1}x{T + 1}) must be invertible"
+            )
+        if not _invertible(self.Z[:-1]):
+            raise ValueError(
+                f"schedule violates Valid condition (iii): Z without its last row ({T}x{T}) "
+                "must be invertible"
+            )
+
+    # ------------------------------------------------------------------ serialization
+    def to_json(self) -> str | dict[str, list]:
+        if self.name in ("incremental", "early"):
+            return self.name
+        return {"c": self.c.tolist(), "Z": self.Z.tolist()}
+
+    @classmethod
+    def from_json(cls, obj: Any, iterations: int) -> InjectionSchedule:
+        if isinstance(obj, str):
+            return cls.resolve(obj, iterations)
+        if isinstance(obj, dict) and set(obj) >= {"c", "Z"}:
+            schedule = cls.custom(obj["c"], obj["Z"])
+            if schedule.iterations != iterations:
+                raise ValueError(
+                    f"schedule: c has length {schedule.iterations + 1}, expected iterations+1 = "
+                    f"{iterations + 1}"
+                )
+            return schedule
+        raise ValueError(
+            "schedule: expected 'incremental', 'early' or {\"c\": [...], \"Z\": [[...]]}, "
+            f"got {obj!r:.80}"
+        )
+
+    def __repr__(self) -> str:
+        return f"InjectionSchedule({self.name!r}, iterations={self.iterations})"
+
+
+def adapted_rows(schedule: InjectionSchedule, online: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The dropout-adapted schedule D^O of every party (paper Sec. 3.2, SPEC §2, 0-based).
+
+    Args:
+        schedule: the (c, Z) schedule for T iterations.
+        online: bool array (T+1, n); ``online[t, i]`` says party i is online at step t (row 0 all True).
+
+    Returns:
+        ``(c_o, Z_o)`` with shapes (T+1, n) and (T+1, n, T): the coefficient of ``x_i + eta*_i`` and
+        of each noise term in party i's injection at step t (zero when offline).
+    """
+    T = schedule.iterations
+    online = np.asarray(online, dtype=bool)
+    n = online.shape[1]
+    c_o = np.zeros((T + 1, n))
+    Z_o = np.zeros((T + 1, n, T))
+    slot = np.zeros(n, dtype=np.int64)
+    used = np.zeros((n, T))
+    for t in range(T + 1):
+        on = np.flatnonzero(online[t])
+        r = slot[on]
+        c_o[t, on] = schedule.c[r]
+        if t < T:
+            rows = schedule.Z[r]
+            Z_o[t, on] = rows
+            used[on] += rows
+            slot[on] += 1
+        else:
+            Z_o[t, on] = -used[on]
+    return c_o, Z_o
+
+
+def _check_iterations(iterations: int) -> int:
+    if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
+        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
+    return int(iterations)
+
+
+def _invertible(matrix: np.ndarray) -> bool:
+    if matrix.shape[0] != matrix.shape[1]:
+        return False
+    s = np.linalg.svd(matrix, compute_uv=False)
+    return bool(s[-1] > 0 and s[0] / s[-1] < _RANK_COND)

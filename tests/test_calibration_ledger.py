@@ -1,0 +1,245 @@
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from flwr_inca import IncaConfig, PermanentDropout
+from flwr_inca.privacy import (
+    BudgetExceededError,
+    PrivacyLedger,
+    RoundCost,
+    calibrate,
+    certify,
+    classic_mu,
+    create_accountant,
+    epsilon_for_delta,
+    mu_for_epsilon,
+    random_collusion,
+)
+from flwr_inca.protocol import sample_trace
+from flwr_inca.protocol.utility import expected_mse
+
+N, EPS, DELTA = 60, 0.5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def calibrations():
+    kw = dict(iterations=12, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1), runs=12, seed=3)
+    return {p: calibrate(EPS, DELTA, N, procedure=p, **kw) for p in ("paper", "exact")}
+
+
+def _regenerate(cal, r):
+    trace_seed, view_seed = cal.run_seeds[r]
+    trace = sample_trace(N, IncaConfig(iterations=cal.iterations, neighbors=cal.neighbors, sigma_star=1,
+                                       sigma_delta=1, dropout=PermanentDropout(0.1)), trace_seed)
+    return trace, random_collusion(trace, 0.1, view_seed)
+
+
+@pytest.mark.parametrize("procedure", ["paper", "exact"])
+def test_calibrated_runs_are_certified_independently(calibrations, procedure):
+    """Every run counted as a success meets the stated target under the (dense, independent) check."""
+    cal = calibrations[procedure]
+    successes = 0
+    for r in range(cal.runs):
+        trace, view = _regenerate(cal, r)
+        cert = certify(trace, view, sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta, method="dense")
+        ok = cert.max_mu <= cal.mu_target * (1 + 1e-9)
+        successes += ok
+    assert successes / cal.runs == pytest.approx(cal.success_fraction)
+    assert cal.success_fraction == 1.0
+
+
+def test_paper_procedure_follows_the_paper(calibrations):
+    cal = calibrations["paper"]
+    n_o = N * (1 - 0.1 - 0.1)
+    assert cal.alpha == 1.3
+    assert cal.mu_target == pytest.approx(classic_mu(EPS, DELTA))
+    assert cal.sigma_star**2 == pytest.approx(1.3 * 2 * math.log(1.25 / DELTA) / (n_o * EPS**2), rel=1e-12)
+    # worst case over runs: some run needs exactly this sigma_delta (up to bisection tolerance)
+    needs = []
+    for r in range(cal.runs):
+        trace, view = _regenerate(cal, r)
+        from flwr_inca.privacy import profile
+
+        needs.append(profile(trace, view).min_sigma_delta(cal.sigma_star, cal.mu_target))
+    assert cal.sigma_delta == pytest.approx(max(needs), rel=1e-9)
+
+
+def test_exact_procedure_is_more_accurate_and_uses_tight_target(calibrations):
+    exact, paper = calibrations["exact"], calibrations["paper"]
+    assert exact.mu_target == pytest.approx(mu_for_epsilon(EPS, DELTA))
+    assert exact.mu_target > paper.mu_target
+    assert exact.predicted_mse < paper.predicted_mse
+    assert exact.alpha >= 1.0  # default min_alpha: never relies on other parties dropping out
+    best = min((row for row in exact.alternatives if row["success_fraction"] == 1.0),
+               key=lambda row: row["predicted_mse"])
+    assert best["alpha"] == exact.alpha
+
+
+def test_predicted_mse_is_the_mean_of_closed_form_run_mse(calibrations):
+    cal = calibrations["exact"]
+    mses = [expected_mse(_regenerate(cal, r)[0], cal.sigma_star, cal.sigma_delta) for r in range(cal.runs)]
+    assert cal.predicted_mse == pytest.approx(np.mean(mses), rel=1e-9)
+
+
+def test_calibration_config_and_dict(calibrations):
+    cal = calibrations["exact"]
+    cfg = cal.config(dropout=PermanentDropout(0.1))
+    assert cfg.sigma_star == cal.sigma_star and cfg.iterations == 12
+    d = cal.to_dict()
+    assert d["procedure"] == "exact" and len(d["run_seeds"]) == cal.runs
+    json.dumps(d)
+
+
+def test_value_sensitivity_scales_sigmas():
+    kw = dict(iterations=8, runs=3, seed=0, collusion=0.1)
+    a = calibrate(1.0, 1e-5, 30, **kw)
+    b = calibrate(1.0, 1e-5, 30, value_sensitivity=2.5, **kw)
+    assert b.sigma_star == pytest.approx(2.5 * a.sigma_star)
+    assert b.sigma_delta == pytest.approx(2.5 * a.sigma_delta)
+
+
+def test_eavesdrop_calibration_runs():
+    cal = calibrate(1.0, 1e-5, 30, iterations=8, neighbors=2, observed_fraction=0.5, runs=3, seed=1)
+    assert cal.threat.startswith("eavesdrop") and math.isfinite(cal.sigma_delta)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"delta": 1.0}, "delta"),
+        ({"runs": 0}, "runs"),
+        ({"collusion": 1.0}, "rho"),
+        ({"procedure": "magic"}, "procedure"),
+        ({"procedure": "paper", "epsilon": 2.0}, "epsilon < 1"),
+        ({"neighbors": 30}, "neighbors"),
+        ({"target_success": 0.0}, "target_success"),
+    ],
+)
+def test_calibration_bad_input(kwargs, match):
+    args = {"epsilon": 0.5, "delta": 1e-5, "parties": 30, "runs": 2, "iterations": 4}
+    args.update(kwargs)
+    eps, delta, n = args.pop("epsilon"), args.pop("delta"), args.pop("parties")
+    with pytest.raises(ValueError, match=match):
+        calibrate(eps, delta, n, **args)
+
+
+def test_impossible_target_is_reported_and_local_dp_level_is_flagged():
+    # one iteration and half the parties corrupted: some honest party has every message observed
+    kw = dict(iterations=1, collusion=0.5, runs=3, seed=0)
+    with pytest.raises(ValueError, match="impossible target for the paper's procedure"):
+        calibrate(0.5, 1e-5, 20, procedure="paper", **kw)
+    cal = calibrate(0.5, 1e-5, 20, procedure="exact", **kw)
+    assert cal.success_fraction == 1.0
+    assert cal.sigma_star >= 0.5 / cal.mu_target and "local-DP level" in cal.notes[0]
+
+
+# ------------------------------------------------------------------------------ accountants
+def test_gdp_composition_is_root_sum_of_squares():
+    acc = create_accountant("gdp")
+    mus = [0.3, 0.4, 1.2]
+    assert acc.epsilon([RoundCost(m) for m in mus], 1e-5) == pytest.approx(
+        epsilon_for_delta(math.sqrt(sum(m * m for m in mus)), 1e-5))
+    with pytest.raises(ValueError, match="subsampling"):
+        acc.epsilon([RoundCost(0.3, 0.1)], 1e-5)
+
+
+def test_opacus_accountants_bound_the_exact_value_without_subsampling():
+    rounds = [RoundCost(0.5)] * 4 + [RoundCost(0.25)] * 2
+    exact = create_accountant("gdp").epsilon(rounds, 1e-5)
+    rdp = create_accountant("rdp").epsilon(rounds, 1e-5)
+    prv = create_accountant("prv").epsilon(rounds, 1e-5)
+    assert exact <= prv <= exact + 0.011
+    assert exact <= rdp <= 1.2 * exact
+
+
+def test_opacus_accountants_with_subsampling_match_opacus_directly():
+    from opacus.accountants import RDPAccountant
+
+    rounds = [RoundCost(2.0, 0.05)] * 30
+    ours = create_accountant("rdp").epsilon(rounds, 1e-5)
+    theirs = RDPAccountant()
+    theirs.history = [(0.5, 0.05, 30)]
+    assert ours <= theirs.get_epsilon(1e-5) + 1e-9  # more orders can only tighten the bound
+    assert ours == pytest.approx(theirs.get_epsilon(1e-5), rel=0.05)
+    prv = create_accountant("prv").epsilon(rounds, 1e-5)
+    assert prv < ours  # PRV is tighter than RDP
+    # subsampling amplifies privacy
+    assert prv < create_accountant("gdp").epsilon([RoundCost(2.0)] * 30, 1e-5)
+
+
+def test_rdp_extended_orders_avoid_the_opacus_floor():
+    tiny = [RoundCost(0.001)]
+    assert create_accountant("rdp").epsilon(tiny, 1e-5) < 0.02  # Opacus's default orders floor at ~0.1
+
+
+# ------------------------------------------------------------------------------ ledger
+def test_ledger_composes_persists_and_resumes(tmp_path):
+    path = tmp_path / "ledger.json"
+    led = PrivacyLedger(path, delta=1e-5, max_epsilon=3.0)
+    eps = [led.spend(0.3) for _ in range(3)]
+    assert eps == sorted(eps) and eps[-1] == pytest.approx(epsilon_for_delta(math.sqrt(3) * 0.3, 1e-5))
+    again = PrivacyLedger(path, delta=1e-5, max_epsilon=3.0)
+    assert again.rounds == 3 and again.epsilon() == pytest.approx(led.epsilon())
+    data = json.loads(path.read_text())
+    assert data["format"] == "inca-ledger/1" and [r["round"] for r in data["rounds"]] == [1, 2, 3]
+
+
+def test_ledger_refuses_a_round_over_budget_and_records_nothing(tmp_path):
+    path = tmp_path / "ledger.json"
+    led = PrivacyLedger(path, delta=1e-5, max_epsilon=1.0)
+    led.spend(0.2)
+    before = path.read_bytes()
+    assert not led.can_afford(0.5)
+    with pytest.raises(BudgetExceededError, match=r"max_epsilon = 1"):
+        led.spend(0.5)
+    assert led.rounds == 1 and path.read_bytes() == before
+    led.spend(0.5, force=True, note="already exchanged")
+    assert led.rounds == 2 and led.epsilon() > 1.0
+
+
+def test_ledger_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "ledger.json"
+    led = PrivacyLedger(path, delta=1e-5)
+    led.spend(0.1)
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk died")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        led.spend(0.1)
+    assert path.read_bytes() == before and led.rounds == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]  # no temp file left behind
+
+
+def test_ledger_rejects_mismatched_or_broken_files(tmp_path):
+    path = tmp_path / "ledger.json"
+    PrivacyLedger(path, delta=1e-5).spend(0.1)
+    with pytest.raises(ValueError, match="delta"):
+        PrivacyLedger(path, delta=1e-6)
+    with pytest.raises(ValueError, match="accountant"):
+        PrivacyLedger(path, delta=1e-5, accountant="rdp")
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        PrivacyLedger(path, delta=1e-5)
+    path.write_text(json.dumps({"format": "inca-ledger/1", "delta": 1e-5, "accountant": "gdp",
+                                "rounds": [{"round": 2, "mu": 0.1}]}))
+    with pytest.raises(ValueError, match="out of order"):
+        PrivacyLedger(path, delta=1e-5)
+    with pytest.raises(ValueError, match="sample_rate"):
+        PrivacyLedger(None, delta=1e-5).spend(0.1, sample_rate=0.0)
+    with pytest.raises(ValueError, match="max_epsilon"):
+        PrivacyLedger(None, delta=1e-5, max_epsilon=-1)
+
+
+def test_ledger_with_subsampled_rounds(tmp_path):
+    led = PrivacyLedger(tmp_path / "l.json", delta=1e-5, accountant="prv", max_epsilon=5.0)
+    for _ in range(5):
+        led.spend(1.0, sample_rate=0.02)
+    assert 0 < led.epsilon() < epsilon_for_delta(math.sqrt(5), 1e-5)
+    assert PrivacyLedger(tmp_path / "l.json", delta=1e-5, accountant="prv").epsilon() == pytest.approx(led.epsilon())
