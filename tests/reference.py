@@ -143,3 +143,25 @@ def brute_force_mu(trace, corrupted, observed_mask, sigma_star, sigma_delta):
         else:
             mus[i] = float(np.linalg.norm(sol))
     return mus
+
+
+def all_messages(trace, values, noises):
+    """Every message value ``y_i^(t)`` (and its omega) of a recorded execution, recomputed one party
+    at a time with the party-side code: the plaintexts that must never appear at the relay."""
+    from flwr_inca.protocol.party import Incoming, IncaParty
+
+    n = trace.parties
+    parties = [IncaParty(values[i], trace.schedule, trace.sigma_star, trace.sigma_delta, noises[i])
+               for i in range(n)]
+    states = [p.compute(p.initial_state(), 0, [], 0.0) for p in parties]
+    out = [s.y.copy() for s in states]
+    for t, step in enumerate(trace.steps, start=1):
+        m = step.messages
+        new = list(states)
+        for i in step.online:
+            inc = [Incoming(w, states[s].y, states[s].omega)
+                   for s, r, w in zip(m.senders, m.receivers, m.weights) if r == i]
+            new[i] = parties[i].compute(states[i], t, inc, float(m.weights[m.senders == i].sum()))
+            out.append(new[i].y.copy())
+        states = new
+    return out

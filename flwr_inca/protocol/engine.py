@@ -9,7 +9,7 @@ noise it has injected and not yet cancelled (for D_Inc this is the single outsta
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,19 +133,27 @@ def replay(
     dissemination: str | Dissemination = "exact",
     noise: NoiseSource | None = None,
     progress: Progress | None = None,
+    finalists: Sequence[int] | None = None,
 ) -> IncaResult:
     """Re-run the recorded execution ``trace`` on values ``x``.
 
     With the same values, seed (or noise) and dissemination as the original run, the result is
-    bit-for-bit identical: the engine itself mixes from the trace's steps.
+    bit-for-bit identical: the engine itself mixes from the trace's steps. ``finalists`` restricts the
+    output to the final messages that were actually disseminated (default: every party online at T;
+    a deployment records the others as lost in ``trace.meta["finalists"]``).
     """
     trace.validate()
     values, scalar = _as_values(x)
     if values.shape[0] != trace.parties:
         raise ValueError(f"x has {values.shape[0]} rows but the trace has {trace.parties} parties")
     seed = resolve_seed(seed)
+    chosen = None
+    if finalists is not None:
+        chosen = np.unique(np.asarray(list(finalists), dtype=np.int64))
+        if not np.isin(chosen, trace.steps[-1].online).all():
+            raise ValueError("finalists must be parties online at the last iteration")
     return _execute(values, scalar, trace, noise or SeededNoise(seed), seed,
-                    resolve_dissemination(dissemination), progress)
+                    resolve_dissemination(dissemination), progress, finalists=chosen)
 
 
 # ---------------------------------------------------------------------------------------- core
@@ -158,6 +166,7 @@ def _execute(
     dissemination: Dissemination,
     progress: Progress | None,
     force_general: bool = False,
+    finalists: np.ndarray | None = None,
 ) -> IncaResult:
     n, d = values.shape
     dtype = values.dtype
@@ -242,7 +251,8 @@ def _execute(
         if progress is not None:
             progress(t, T)
 
-    finalists = trace.steps[-1].online
+    if finalists is None:
+        finalists = trace.steps[-1].online
     if finalists.size == 0:
         warnings.warn("every party dropped out: IncA produced no output (estimate is NaN)", stacklevel=3)
         estimate = np.full(d, np.nan)

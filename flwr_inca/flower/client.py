@@ -1,0 +1,130 @@
+"""Client side: make an existing Flower ClientApp IncA-capable in two lines.
+
+    app = ClientApp()
+    inca = IncaClient(app)          # registers the "train.inca_mix" handler
+
+    @inca.train()                   # instead of @app.train(): your function is unchanged
+    def train(msg, context): ...    # returns {"arrays": new model, "metrics": {...}} as for FedAvg
+
+The wrapper runs your train function, turns its model into an update (new - global), clips it to
+the L2 norm set by the strategy, and keeps it on the node. The update never leaves the node in the
+clear: the reply carries only a fresh public key. The node then takes part in the relayed mixing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from .node import RoundSecrets, handle_exchange
+from .wire import decode_request, encode_reply
+
+__all__ = ["IncaClient", "MIX_ACTION", "INCA_KEY", "flatten_arrays", "unflatten_arrays", "clip"]
+
+MIX_ACTION = "inca_mix"
+INCA_KEY = "inca"
+_STATE_SECRETS = "inca-secrets"
+_STATE_VALUE = "inca-value"
+
+TrainFn = Callable[[Message, Context], Message]
+
+
+def flatten_arrays(record: ArrayRecord) -> tuple[np.ndarray, list[tuple[str, tuple[int, ...], str]]]:
+    """All arrays of ``record`` as one float64 vector, with what is needed to undo it."""
+    spec, parts = [], []
+    for key, arr in record.items():
+        a = arr.numpy()
+        spec.append((key, tuple(a.shape), str(a.dtype)))
+        parts.append(np.asarray(a, dtype=np.float64).reshape(-1))
+    return (np.concatenate(parts) if parts else np.zeros(0)), spec
+
+
+def unflatten_arrays(vector: np.ndarray, spec: list[tuple[str, tuple[int, ...], str]]) -> ArrayRecord:
+    out, offset = {}, 0
+    for key, shape, dtype in spec:
+        size = int(np.prod(shape)) if shape else 1
+        out[key] = Array(np.asarray(vector[offset:offset + size].reshape(shape), dtype=np.dtype(dtype)))
+        offset += size
+    if offset != vector.size:
+        raise ValueError("vector size does not match the array spec")
+    return ArrayRecord(out)
+
+
+def clip(update: np.ndarray, norm: float) -> np.ndarray:
+    """``update`` scaled down to L2 norm at most ``norm`` (party-level sensitivity 2 * norm)."""
+    size = float(np.linalg.norm(update))
+    return update if size <= norm else update * (norm / size)
+
+
+class IncaClient:
+    """Registers IncA's handlers on ``app`` and wraps your train function.
+
+    Args:
+        app: the ClientApp.
+        insecure_fixed_seed: derive every secret from this seed instead of the OS CSPRNG. Makes runs
+            reproducible for tests; never use it in a deployment (anyone knowing it knows the noise).
+    """
+
+    def __init__(self, app: ClientApp, *, insecure_fixed_seed: int | None = None) -> None:
+        self.app = app
+        self.fixed_seed = insecure_fixed_seed
+        app.train(MIX_ACTION)(self._mix)
+
+    def train(self) -> Callable[[TrainFn], TrainFn]:
+        """Decorator replacing ``@app.train()`` for your train function."""
+
+        def decorate(fn: TrainFn) -> TrainFn:
+            def wrapped(msg: Message, context: Context) -> Message:
+                reply = fn(msg, context)
+                if INCA_KEY not in msg.content.config_records:
+                    return reply  # a plain FedAvg round: behave exactly as before
+                return self._join_round(msg, context, reply)
+
+            wrapped.__name__ = getattr(fn, "__name__", "train")
+            wrapped.__doc__ = fn.__doc__
+            self.app.train()(wrapped)
+            return fn
+
+        return decorate
+
+    # ------------------------------------------------------------------------------ handlers
+    def _join_round(self, msg: Message, context: Context, reply: Message) -> Message:
+        if reply.has_error():
+            return reply
+        cfg = msg.content.config_records[INCA_KEY]
+        round_ = int(cfg["round"])
+        arrays = reply.content.array_records
+        if len(arrays) != 1:
+            raise ValueError("the train function must reply with exactly one ArrayRecord (the new model)")
+        new, spec_new = flatten_arrays(next(iter(arrays.values())))
+        old, spec_old = flatten_arrays(msg.content.array_records[str(cfg["arrays-key"])])
+        if [s[:2] for s in spec_new] != [s[:2] for s in spec_old]:
+            raise ValueError("the returned model does not have the shapes of the global model")
+        value = clip(new - old, float(cfg["clip-norm"]))
+        secrets = RoundSecrets.generate(round_, self.fixed_seed, node=int(context.node_id) % 2**64)
+        context.state[_STATE_SECRETS] = ConfigRecord({
+            "round": round_, "noise-secret": secrets.noise_secret, "state-key": secrets.state_key,
+            "private-key": secrets.private_key,
+        })
+        context.state[_STATE_VALUE] = ArrayRecord({"x": Array(value)})
+        content = RecordDict({INCA_KEY: ConfigRecord({"public-key": secrets.public_key, "dim": int(value.size)})})
+        if bool(cfg.get("forward-metrics", False)):
+            for key, rec in reply.content.metric_records.items():
+                content[key] = MetricRecord(dict(rec))
+        return Message(content, reply_to=msg)
+
+    def _mix(self, msg: Message, context: Context) -> Message:
+        req, params = decode_request(dict(msg.content.config_records[INCA_KEY]))
+        stored = context.state.config_records.get(_STATE_SECRETS)
+        if stored is None or int(stored["round"]) != params.round:
+            raise RuntimeError(f"this node did not join IncA round {params.round}")
+        secrets = RoundSecrets(int(stored["round"]), stored["noise-secret"], stored["state-key"],
+                               stored["private-key"])
+        value = context.state.array_records[_STATE_VALUE]["x"].numpy()
+        if params.roster[req.party] != int(context.node_id) % 2**64:
+            raise RuntimeError("request addressed to another party")
+        reply = handle_exchange(req, params, req.party, secrets, value)
+        return Message(RecordDict({INCA_KEY: ConfigRecord(encode_reply(reply))}), reply_to=msg)

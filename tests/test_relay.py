@@ -1,0 +1,167 @@
+"""The relayed protocol (relay + party handlers) in process, without Flower: faults, tampering, replay."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cryptography")
+
+from flwr_inca import InjectionSchedule, replay  # noqa: E402
+from flwr_inca.flower.crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal  # noqa: E402
+from flwr_inca.flower.node import RoundParams, RoundSecrets, handle_exchange  # noqa: E402
+from flwr_inca.flower.relay import RoundRelay, drive  # noqa: E402
+from flwr_inca.protocol.party import PartyNoise  # noqa: E402
+
+ROUND = 3
+
+
+def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental", fault=None, tamper=None,
+              seed=0, log=None, final_retries=2):
+    n, d = values.shape
+    sched = InjectionSchedule.resolve(schedule, T)
+    roster = [10_000 + 7 * i for i in range(n)]
+    secrets = [RoundSecrets.generate(ROUND, fixed_seed=seed, node=roster[i]) for i in range(n)]
+    params = RoundParams(ROUND, T, k, s_star, s_delta, sched, roster, [s.public_key for s in secrets])
+    relay = RoundRelay(n, T, d, sched, s_star, s_delta)
+    counter = [0]
+
+    def exchange(commit, requests):
+        counter[0] += 1  # exchange number: commit for 1..T+1, then T+2, ... for final retries
+        replies = {}
+        for req in requests:
+            if fault is not None and fault(req.party, counter[0]):
+                continue  # the party errored or timed out in this exchange
+            if tamper is not None:  # what the party receives, not what the relay stores
+                req = replace(req, incoming=[replace(m, payload=tamper(m, commit)) for m in req.incoming])
+            rep = handle_exchange(req, params, req.party, secrets[req.party], values[req.party])
+            if log is not None:
+                log.append((req, rep))
+            replies[req.party] = rep
+        return replies
+
+    drive(relay, exchange, final_retries=final_retries)
+    noise = PartyNoise.explicit([PartyNoise(s.noise_secret, ROUND) for s in secrets], d, T)
+    return relay, noise
+
+
+def _check_replay(relay, noise, values):
+    trace = relay.trace()
+    res = replay(trace, values, seed=0, noise=noise, finalists=sorted(relay.finals))
+    est = relay.estimate()
+    assert np.allclose(res.estimate, est, atol=1e-10, rtol=1e-10)
+    return trace, res
+
+
+@pytest.mark.parametrize("schedule", ["incremental", "early"])
+def test_fault_free_round_is_exact(schedule):
+    values = np.random.default_rng(0).random((9, 4))
+    relay, noise = run_local(values, s_star=0.0, s_delta=50.0, schedule=schedule)
+    assert sorted(relay.finals) == list(range(9))
+    assert np.allclose(relay.estimate(), values.mean(axis=0), atol=1e-10)
+    trace, _ = _check_replay(relay, noise, values)
+    assert all(step.online.size == 9 for step in trace.steps)
+    assert relay.exchanges == 6  # T + 1: one per iteration plus the final report
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_random_failures_match_engine_replay(rate):
+    rng = np.random.default_rng(int(rate * 100))
+    values = rng.random((12, 3))
+    failures = {(i, u) for i in range(12) for u in range(1, 9) if rng.random() < rate}
+    relay, noise = run_local(values, T=6, k=2, fault=lambda i, u: (i, u) in failures)
+    trace, res = _check_replay(relay, noise, values)
+    online = trace.online_mask()
+    assert not online[1:].all()  # failures did make parties offline
+    # a party that failed the exchange committing to u is offline at u
+    for (i, u) in failures:
+        if u <= 6:
+            assert not online[u, i]
+
+
+def test_party_that_fails_forever_drops_out_and_noise_stays_consistent():
+    values = np.random.default_rng(1).random((8, 2))
+    relay, noise = run_local(values, T=4, fault=lambda i, u: i == 5 and u >= 3)
+    trace, _ = _check_replay(relay, noise, values)
+    assert 5 not in relay.finals and trace.online_mask()[2, 5] and not trace.online_mask()[3, 5]
+
+
+def test_timeout_at_final_report_is_retried_then_lost():
+    values = np.random.default_rng(2).random((6, 2))
+    relay, noise = run_local(values, T=3, s_star=0.0, s_delta=10.0, fault=lambda i, u: i == 2 and u == 4)
+    assert 2 in relay.finals  # the retry succeeded
+    assert np.allclose(relay.estimate(), values.mean(axis=0), atol=1e-10)
+    relay, noise = run_local(values, T=3, fault=lambda i, u: i == 2 and u >= 4)
+    assert 2 not in relay.finals and relay.missing_finals() == [2]
+    trace, _ = _check_replay(relay, noise, values)  # a lost final: output over the others
+    assert trace.meta["finalists"] == [0, 1, 3, 4, 5]
+
+
+def test_tampered_payload_is_rejected_and_retransmitted():
+    values = np.random.default_rng(3).random((7, 3))
+    done = set()
+
+    def tamper(m, commit):
+        if commit == 3 and m.receiver == 4 and (m.sender, m.receiver) not in done:
+            done.add((m.sender, m.receiver))
+            return m.payload[:-1] + bytes([m.payload[-1] ^ 1])
+        return m.payload
+
+    relay, noise = run_local(values, T=5, s_star=0.0, s_delta=20.0, tamper=tamper)
+    assert relay.rejected_payloads >= 1
+    trace, res = _check_replay(relay, noise, values)
+    # the receiver rejects at exchange 3, the sender re-encrypts at exchange 4, the receiver computes
+    # at exchange 5: it cannot commit to iterations 3 and 4 meanwhile
+    online = trace.online_mask()
+    assert not online[3, 4] and not online[4, 4] and online[5, 4]
+    assert sorted(relay.finals) == list(range(7))  # ... but it recovered
+    # all noise cancelled; party 4 missed 2 of T+1 = 6 steps, so it injected 4/6 of its value (D_Inc)
+    w = res.injected
+    assert w[4] == pytest.approx(4 / 6) and np.allclose(np.delete(w, 4), 1.0)
+    assert np.allclose(relay.estimate(), (w[:, None] * values).sum(axis=0) / w.sum(), atol=1e-9)
+
+
+def test_relay_never_sees_plaintext():
+    from reference import all_messages
+
+    values = np.random.default_rng(4).random((6, 5))
+    log = []
+    relay, noise = run_local(values, T=3, log=log)
+    blob = b"".join(
+        b"".join([req.state, *(m.payload for m in req.incoming), *(b for *_, b in req.retransmit),
+                  rep.state, *(m.payload for m in rep.outgoing)])
+        for req, rep in log)
+    secrets = [RoundSecrets.generate(ROUND, fixed_seed=0, node=10_000 + 7 * i) for i in range(6)]
+    messages = all_messages(relay.trace(), values, [PartyNoise(s.noise_secret, ROUND) for s in secrets])
+    assert len(messages) > 6
+    for y in messages + list(values):  # every plaintext a peer message or state carries
+        chunk = y.astype(np.float64).tobytes()
+        for j in range(0, len(chunk) - 16, 8):
+            assert chunk[j:j + 16] not in blob
+
+
+def test_malformed_commit_is_refused():
+    relay = RoundRelay(4, 2, 3, InjectionSchedule.incremental(2), 1.0, 1.0)
+    from flwr_inca.flower.relay import Outgoing, Reply
+
+    reqs = relay.requests(1)
+    bad = {0: Reply(0, computed=0, state=b"s", outgoing=[Outgoing(0, 1, 0.7, b"x" * 10, 1),
+                                                         Outgoing(0, 2, 0.7, b"x" * 10, 1)])}
+    relay.ingest(1, bad, reqs)
+    assert 0 not in relay.online[1] and relay.invalid_replies == 1
+
+
+def test_crypto_binds_sender_receiver_round_iteration():
+    a, b, c = KeyPair(), KeyPair(), KeyPair()
+    k_ab = pair_key(a, b.public, 1)
+    assert k_ab == pair_key(b, a.public, 1) and k_ab != pair_key(a, b.public, 2)
+    payload = seal(k_ab, b"hello", associated_data(1, 2, 1, 5))
+    assert open_sealed(k_ab, payload, associated_data(1, 2, 1, 5)) == b"hello"
+    for ad in [associated_data(1, 3, 1, 5), associated_data(2, 1, 1, 5), associated_data(1, 2, 1, 6),
+               associated_data(1, 2, 2, 5)]:
+        with pytest.raises(PayloadRejected):
+            open_sealed(k_ab, payload, ad)
+    with pytest.raises(PayloadRejected):
+        open_sealed(pair_key(a, c.public, 1), payload, associated_data(1, 2, 1, 5))
+    with pytest.raises(PayloadRejected):
+        open_sealed(k_ab, payload[:-1] + b"\x00", associated_data(1, 2, 1, 5))
