@@ -8,18 +8,26 @@ from pathlib import Path
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` atomically: temp file in the same directory, fsync, rename.
+    """Write ``text`` (UTF-8) to ``path`` atomically, see :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
-    A crash leaves either the old file or the new one, never a half-written file.
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same directory, fsync, rename.
+
+    A crash leaves either the old file or the new one, never a half-written file. ``durable=False``
+    skips the fsyncs (readers never see a partial file, but a power loss may lose the write): for
+    caches that can be rebuilt.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -27,6 +35,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+    if not durable:
+        return
     try:  # persist the rename itself
         dir_fd = os.open(target.parent, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds

@@ -10,6 +10,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from flwr_inca.flower import IncaClient
+from flwr_inca.flower.wire import FIELD, peek_request
 
 FIXED_SEED = 11
 SLEEP = 4.0  # seconds a "timed out" node stays silent (> the strategy's exchange_timeout)
@@ -27,8 +28,8 @@ def faults(msg: Message, context: Context, call_next):
     kind = error (raise) or timeout (sleep past the exchange timeout) during a mixing exchange.
     """
     if msg.metadata.message_type == "train.inca_mix":
-        cfg = msg.content.config_records["inca"]
-        key = (int(context.node_config["partition-id"]), int(cfg["round"]), int(cfg["commit"]))
+        rnd, commit, _ = peek_request(msg.content.config_records["inca"][FIELD])
+        key = (int(context.node_config["partition-id"]), rnd, commit)
         for item in filter(None, os.environ.get("INCA_TEST_FAULTS", "").split(";")):
             pid, rnd, commit, kind = item.split(":")
             if (int(pid), int(rnd), int(commit)) == key:

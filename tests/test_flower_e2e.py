@@ -92,7 +92,7 @@ def faulty_run(tmp_path_factory):
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         recording = RecordingGrid(grid)
-        strategy = TamperingStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, clip_norm=1.0,
+        strategy = TamperingStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, clip_norm=1.0, precision="float64",
                                      exchange_timeout=2.5, ledger_path=tmp / "ledger.json",
                                      trace_dir=tmp / "traces", forward_client_metrics=True, seed=3,
                                      fraction_evaluate=0.5, min_available_nodes=NODES,

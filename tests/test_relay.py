@@ -9,7 +9,7 @@ pytest.importorskip("cryptography")
 
 from flwr_inca import InjectionSchedule, replay  # noqa: E402
 from flwr_inca.flower.crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal  # noqa: E402
-from flwr_inca.flower.node import RoundParams, RoundSecrets, handle_exchange  # noqa: E402
+from flwr_inca.flower.node import MemoryStore, RoundParams, RoundSecrets, handle_exchange  # noqa: E402
 from flwr_inca.flower.relay import RoundRelay, drive  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise  # noqa: E402
 
@@ -17,27 +17,42 @@ ROUND = 3
 
 
 def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental", fault=None, tamper=None,
-              seed=0, log=None, final_retries=2):
+              seed=0, log=None, final_retries=2, precision="float64", lost_replies=None, wipe=None):
+    """Run one relayed round in process.
+
+    ``fault(i, e)``: party i fails exchange e before doing anything; ``lost_replies(i, e)``: it does
+    the work (and stores its state) but the reply never arrives; ``wipe(i, e)``: its storage is lost
+    before exchange e.
+    """
     n, d = values.shape
     sched = InjectionSchedule.resolve(schedule, T)
     roster = [10_000 + 7 * i for i in range(n)]
     secrets = [RoundSecrets.generate(ROUND, fixed_seed=seed, node=roster[i]) for i in range(n)]
-    params = RoundParams(ROUND, T, k, s_star, s_delta, sched, roster, [s.public_key for s in secrets])
-    relay = RoundRelay(n, T, d, sched, s_star, s_delta)
+    stores = [MemoryStore() for _ in range(n)]
+    for i in range(n):
+        stores[i].save_value(ROUND, values[i])
+    params = RoundParams(ROUND, T, k, s_star, s_delta, sched, roster, [s.public_key for s in secrets], precision)
+    relay = RoundRelay(n, T, d, sched, s_star, s_delta, precision)
     counter = [0]
 
     def exchange(commit, requests):
         counter[0] += 1  # exchange number: commit for 1..T+1, then T+2, ... for final retries
+        e = counter[0]
         replies = {}
         for req in requests:
-            if fault is not None and fault(req.party, counter[0]):
+            i = req.party
+            if fault is not None and fault(i, e):
                 continue  # the party errored or timed out in this exchange
+            if wipe is not None and wipe(i, e):
+                stores[i].states.clear()
             if tamper is not None:  # what the party receives, not what the relay stores
                 req = replace(req, incoming=[replace(m, payload=tamper(m, commit)) for m in req.incoming])
-            rep = handle_exchange(req, params, req.party, secrets[req.party], values[req.party])
+            rep = handle_exchange(req, params, i, secrets[i], stores[i])
             if log is not None:
                 log.append((req, rep))
-            replies[req.party] = rep
+            if lost_replies is not None and lost_replies(i, e):
+                continue  # computed and stored, but the relay never hears about it
+            replies[i] = rep
         return replies
 
     drive(relay, exchange, final_retries=final_retries)
@@ -121,6 +136,37 @@ def test_tampered_payload_is_rejected_and_retransmitted():
     assert np.allclose(relay.estimate(), (w[:, None] * values).sum(axis=0) / w.sum(), atol=1e-9)
 
 
+def test_lost_replies_after_computing_are_harmless():
+    rng = np.random.default_rng(8)
+    values = rng.random((10, 3))
+    lost = {(i, e) for i in range(10) for e in range(1, 8) if rng.random() < 0.25}
+    relay, noise = run_local(values, T=6, k=2, lost_replies=lambda i, e: (i, e) in lost)
+    trace, _ = _check_replay(relay, noise, values)
+    assert not trace.online_mask()[1:].all()
+
+
+def test_party_that_loses_its_storage_is_restored_from_its_own_payload():
+    values = np.random.default_rng(9).random((7, 4))
+    relay, noise = run_local(values, T=5, s_star=0.0, s_delta=30.0, wipe=lambda i, e: i == 3 and e == 4)
+    assert relay.restores == 1
+    trace, res = _check_replay(relay, noise, values)
+    assert 3 in relay.finals
+    w = res.injected
+    assert np.allclose(relay.estimate(), (w[:, None] * values).sum(axis=0) / w.sum(), atol=1e-9)
+
+
+def test_float32_messages_match_the_engine_to_float32_precision():
+    values = np.random.default_rng(10).random((12, 6))
+    for sd in [1.0, 50.0]:
+        relay, noise = run_local(values, T=6, s_star=0.2, s_delta=sd, precision="float32",
+                                 fault=lambda i, e: (i + e) % 7 == 0)
+        trace = relay.trace()
+        res = replay(trace, values, seed=0, noise=noise, finalists=sorted(relay.finals))
+        # rounding each state to float32: errors of eps32 * |y| per step, |y| ~ sigma_delta
+        tol = 50 * np.finfo(np.float32).eps * sd * np.sqrt(12 * 6)
+        assert np.abs(res.estimate - relay.estimate()).max() < tol
+
+
 def test_relay_never_sees_plaintext():
     from reference import all_messages
 
@@ -128,13 +174,13 @@ def test_relay_never_sees_plaintext():
     log = []
     relay, noise = run_local(values, T=3, log=log)
     blob = b"".join(
-        b"".join([req.state, *(m.payload for m in req.incoming), *(b for *_, b in req.retransmit),
-                  rep.state, *(m.payload for m in rep.outgoing)])
+        b"".join([*(m.payload for m in req.incoming), *(m.payload for m in rep.outgoing),
+                  *(m.payload for m in rep.retransmissions)])
         for req, rep in log)
     secrets = [RoundSecrets.generate(ROUND, fixed_seed=0, node=10_000 + 7 * i) for i in range(6)]
     messages = all_messages(relay.trace(), values, [PartyNoise(s.noise_secret, ROUND) for s in secrets])
     assert len(messages) > 6
-    for y in messages + list(values):  # every plaintext a peer message or state carries
+    for y in messages + list(values):  # every plaintext a peer message carries
         chunk = y.astype(np.float64).tobytes()
         for j in range(0, len(chunk) - 16, 8):
             assert chunk[j:j + 16] not in blob
@@ -145,10 +191,13 @@ def test_malformed_commit_is_refused():
     from flwr_inca.flower.relay import Outgoing, Reply
 
     reqs = relay.requests(1)
-    bad = {0: Reply(0, computed=0, state=b"s", outgoing=[Outgoing(0, 1, 0.7, b"x" * 10, 1),
-                                                         Outgoing(0, 2, 0.7, b"x" * 10, 1)])}
+    size = relay.payload_bytes
+    bad = {0: Reply(0, computed=0, outgoing=[Outgoing(0, 1, 0.7, b"x" * size, 1), Outgoing(0, 2, 0.7, b"x" * size, 1)]),
+           1: Reply(1, computed=0, outgoing=[Outgoing(1, 0, 0.5, b"x" * 10, 1)]),
+           2: Reply(2, computed=0, outgoing=[])}
     relay.ingest(1, bad, reqs)
-    assert 0 not in relay.online[1] and relay.invalid_replies == 1
+    assert relay.online[1] == set() and relay.invalid_replies == 3
+    assert relay.version == [-1, -1, -1, -1]  # computations are accepted only with a valid commit
 
 
 def test_crypto_binds_sender_receiver_round_iteration():

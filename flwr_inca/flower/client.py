@@ -9,25 +9,31 @@
 The wrapper runs your train function, turns its model into an update (new - global), clips it to
 the L2 norm set by the strategy, and keeps it on the node. The update never leaves the node in the
 clear: the reply carries only a fresh public key. The node then takes part in the relayed mixing.
+
+Round data (the update, the roster, the states computed during mixing) lives in node-local storage,
+by default a private directory under the system's temp dir (``state_dir`` to choose another); the
+round's secrets live in the node's ``context.state``.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .node import RoundSecrets, handle_exchange
-from .wire import decode_request, encode_reply
+from .node import DirectoryStore, RoundSecrets, handle_exchange
+from .wire import FIELD, decode_request, encode_reply
 
 __all__ = ["IncaClient", "MIX_ACTION", "INCA_KEY", "flatten_arrays", "unflatten_arrays", "clip"]
 
 MIX_ACTION = "inca_mix"
 INCA_KEY = "inca"
 _STATE_SECRETS = "inca-secrets"
-_STATE_VALUE = "inca-value"
 
 TrainFn = Callable[[Message, Context], Message]
 
@@ -64,14 +70,23 @@ class IncaClient:
 
     Args:
         app: the ClientApp.
+        state_dir: node-local directory for round data (default: ``<tmp>/flwr-inca-<uid>``); each
+            node uses ``<state_dir>/run-<run id>/node-<node id>``.
         insecure_fixed_seed: derive every secret from this seed instead of the OS CSPRNG. Makes runs
             reproducible for tests; never use it in a deployment (anyone knowing it knows the noise).
     """
 
-    def __init__(self, app: ClientApp, *, insecure_fixed_seed: int | None = None) -> None:
+    def __init__(self, app: ClientApp, *, state_dir: str | os.PathLike[str] | None = None,
+                 insecure_fixed_seed: int | None = None) -> None:
         self.app = app
         self.fixed_seed = insecure_fixed_seed
+        self.state_dir = Path(state_dir) if state_dir is not None else None
         app.train(MIX_ACTION)(self._mix)
+
+    def store(self, context: Context) -> DirectoryStore:
+        """This node's storage for the current run."""
+        root = self.state_dir or Path(tempfile.gettempdir()) / f"flwr-inca-{os.getuid()}"
+        return DirectoryStore(root / f"run-{context.run_id}" / f"node-{int(context.node_id) % 2**64}")
 
     def train(self) -> Callable[[TrainFn], TrainFn]:
         """Decorator replacing ``@app.train()`` for your train function."""
@@ -105,11 +120,10 @@ class IncaClient:
             raise ValueError("the returned model does not have the shapes of the global model")
         value = clip(new - old, float(cfg["clip-norm"]))
         secrets = RoundSecrets.generate(round_, self.fixed_seed, node=int(context.node_id) % 2**64)
+        self.store(context).save_value(round_, value)
         context.state[_STATE_SECRETS] = ConfigRecord({
-            "round": round_, "noise-secret": secrets.noise_secret, "state-key": secrets.state_key,
-            "private-key": secrets.private_key,
+            "round": round_, "noise-secret": secrets.noise_secret, "private-key": secrets.private_key,
         })
-        context.state[_STATE_VALUE] = ArrayRecord({"x": Array(value)})
         content = RecordDict({INCA_KEY: ConfigRecord({"public-key": secrets.public_key, "dim": int(value.size)})})
         if bool(cfg.get("forward-metrics", False)):
             for key, rec in reply.content.metric_records.items():
@@ -117,14 +131,33 @@ class IncaClient:
         return Message(content, reply_to=msg)
 
     def _mix(self, msg: Message, context: Context) -> Message:
-        req, params = decode_request(dict(msg.content.config_records[INCA_KEY]))
         stored = context.state.config_records.get(_STATE_SECRETS)
-        if stored is None or int(stored["round"]) != params.round:
-            raise RuntimeError(f"this node did not join IncA round {params.round}")
-        secrets = RoundSecrets(int(stored["round"]), stored["noise-secret"], stored["state-key"],
-                               stored["private-key"])
-        value = context.state.array_records[_STATE_VALUE]["x"].numpy()
+        if stored is None:
+            raise RuntimeError("this node did not join the IncA round")
+        round_ = int(stored["round"])
+        store = self.store(context)
+        blob = store.load_blob(round_, "roster")
+        kept = _unpack_roster(blob) if blob is not None and len(blob) % 40 == 0 else None
+        try:
+            req, params = decode_request(msg.content.config_records[INCA_KEY][FIELD], kept)
+        except ValueError as exc:
+            if "without roster" in str(exc):  # lost (should not happen): ask the relay to send it again
+                return Message(RecordDict({INCA_KEY: ConfigRecord({"need-roster": True})}), reply_to=msg)
+            raise
+        if params.round != round_:
+            raise RuntimeError(f"this node joined round {round_}, the request is for round {params.round}")
+        if kept is None or kept[0] != params.roster:  # write-once for the round
+            store.save_blob(round_, "roster", np.asarray(params.roster, dtype="<u8").tobytes()
+                            + b"".join(params.public_keys))
+        secrets = RoundSecrets(round_, stored["noise-secret"], stored["private-key"])
         if params.roster[req.party] != int(context.node_id) % 2**64:
             raise RuntimeError("request addressed to another party")
-        reply = handle_exchange(req, params, req.party, secrets, value)
-        return Message(RecordDict({INCA_KEY: ConfigRecord(encode_reply(reply))}), reply_to=msg)
+        reply = handle_exchange(req, params, req.party, secrets, store)
+        return Message(RecordDict({INCA_KEY: ConfigRecord({FIELD: encode_reply(reply, has_roster=True)})}),
+                       reply_to=msg)
+
+
+def _unpack_roster(blob: bytes) -> tuple[list[int], list[bytes]]:
+    n = len(blob) // 40
+    ids = np.frombuffer(blob[: 8 * n], dtype="<u8").tolist()
+    return [int(v) for v in ids], [blob[8 * n + 32 * j: 8 * n + 32 * (j + 1)] for j in range(n)]

@@ -13,10 +13,13 @@ iteration; for iteration ``u``:
 
 A party that errors, times out or rejects a payload while computing keeps its computation pending
 (it is not online at the next iteration, since it cannot commit) and receives the task again later;
-a rejected payload is re-encrypted by its sender from the sender's sealed state. Computation is
-deterministic, so retries are safe, and the party's mutable state travels sealed through the relay,
-so a late reply from a straggler can never make party and relay disagree. The recorded
-``inca-trace/1`` is therefore exactly Algorithm 2 with the online sets ``O^(t)`` above.
+a rejected payload is re-encrypted by its sender. A computation is accepted only together with a
+valid commit (or final report), and parties keep every computed state as an immutable version in
+node-local storage; the relay tells each party which version it accepted, so a late reply from a
+straggler can never make party and relay disagree, and computation is deterministic, so retries are
+safe. A party that lost its storage is restored from its own last committed payload (a sender can
+decrypt what it sent). The recorded ``inca-trace/1`` is exactly Algorithm 2 with the online sets
+``O^(t)`` above.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..protocol.party import PartyState
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.topology import Messages, check_column_stochastic
 from ..protocol.trace import ExecutionTrace, TraceStep
@@ -33,9 +37,9 @@ from .crypto import NONCE
 __all__ = ["Outgoing", "Request", "Reply", "RoundRelay", "payload_size", "drive"]
 
 
-def payload_size(d: int) -> int:
-    """Bytes of one sealed peer message carrying (omega, y) for a d-dim value."""
-    return NONCE + 16 + 8 + 8 * d
+def payload_size(d: int, precision: np.dtype | type = np.float64) -> int:
+    """Bytes of one sealed peer message (a party state in ``precision``) for a d-dim value."""
+    return NONCE + 16 + PartyState.size(d, precision)
 
 
 @dataclass
@@ -55,12 +59,13 @@ class Request:
 
     party: int
     commit: int  # iteration to commit to (send messages for); T + 1 = report the final message
-    state: bytes  # the party's sealed state (b"" before initialization)
+    version: int  # last computed iteration the relay accepted (-1: none); the party loads that state
     task: int = -1  # iteration to compute, -1 for none
     incoming: list[Outgoing] = field(default_factory=list)
     delivered_weight: float = 0.0
-    retransmit: list[tuple[int, int, bytes]] = field(default_factory=list)  # (iteration, receiver, sealed state)
+    retransmit: list[tuple[int, int, int]] = field(default_factory=list)  # (iteration, receiver, version)
     final: bool = False  # report the final message (online at T)
+    restore: Outgoing | None = None  # the party's own last committed payload, if it lost its state
 
 
 @dataclass
@@ -69,33 +74,37 @@ class Reply:
 
     party: int
     computed: int = -1  # iteration computed in this exchange, -1 for none
-    state: bytes = b""  # sealed state after the computation
     rejected: list[int] = field(default_factory=list)  # senders whose payloads failed authentication
     outgoing: list[Outgoing] = field(default_factory=list)  # commit for Request.commit
     retransmissions: list[Outgoing] = field(default_factory=list)
     final: np.ndarray | None = None
     final_omega: float | None = None
+    need_restore: bool = False  # the party does not hold the state version it was told to use
 
 
 class RoundRelay:
     """Bookkeeping of one round among ``n`` parties (indices 0..n-1) for ``iterations`` iterations."""
 
     def __init__(self, n: int, iterations: int, d: int, schedule: InjectionSchedule,
-                 sigma_star: float, sigma_delta: float) -> None:
+                 sigma_star: float, sigma_delta: float, precision: np.dtype | type = np.float64) -> None:
         if n < 2:
             raise ValueError(f"a round needs at least 2 parties, got {n}")
         self.n, self.T, self.d = n, iterations, d
         self.schedule, self.sigma_star, self.sigma_delta = schedule, sigma_star, sigma_delta
+        self.payload_bytes = payload_size(d, precision)
         self.online: list[set[int]] = [set(range(n))] + [set() for _ in range(iterations)]  # O^(t)
         self.outbox: list[dict[tuple[int, int], Outgoing]] = [dict() for _ in range(iterations + 1)]
-        self.state: list[bytes] = [b""] * n
-        self.commit_state: list[dict[int, bytes]] = [dict() for _ in range(n)]  # state sealed when committing to u
+        self.version = [-1] * n  # last computed iteration accepted from each party
+        self.commit_version: list[dict[int, int]] = [dict() for _ in range(n)]  # version sent at commit u
+        self.restore_point: list[Outgoing | None] = [None] * n  # a payload of the party's last commit
+        self.need_restore = [False] * n
         self.pending: list[int | None] = [0] * n  # everyone computes step 0
         self.bad: set[tuple[int, int, int]] = set()  # (iteration, sender, receiver) awaiting retransmission
         self.retransmit_due: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # (iteration, receiver)
         self.finals: dict[int, tuple[np.ndarray, float]] = {}
         self.rejected_payloads = 0
         self.invalid_replies = 0
+        self.restores = 0
         self.exchanges = 0
 
     # ---------------------------------------------------------------------------- requests
@@ -105,15 +114,12 @@ class RoundRelay:
     def requests(self, commit: int) -> list[Request]:
         """Requests for the exchange that commits to iteration ``commit`` (T + 1: final reports)."""
         out = []
+        final_round = commit > self.T
         for i in range(self.n):
+            if final_round and (i not in self.online[self.T] or i in self.finals) and not self.retransmit_due[i]:
+                continue  # nothing left to do for this party
+            req = Request(i, commit, self.version[i], final=final_round and i in self.online[self.T])
             t = self.pending[i]
-            final_round = commit > self.T
-            if final_round and i not in self.online[self.T]:
-                if not self.retransmit_due[i]:
-                    continue  # dropped before the end and owes nothing
-            if final_round and i in self.finals and not self.retransmit_due[i]:
-                continue
-            req = Request(i, commit, self.state[i], final=final_round and i in self.online[self.T])
             if t is not None and self._task_ready(i, t):
                 req.task = t
                 if t > 0:
@@ -121,7 +127,9 @@ class RoundRelay:
                     req.incoming = [m for (s, r), m in sorted(box.items()) if r == i and s in self.online[t]]
                     req.delivered_weight = float(sum(m.weight for (s, r), m in box.items()
                                                      if s == i and r in self.online[t]))
-            req.retransmit = [(u, r, self.commit_state[i][u]) for (u, r) in self.retransmit_due[i]]
+            req.retransmit = [(u, r, self.commit_version[i][u]) for (u, r) in self.retransmit_due[i]]
+            if self.need_restore[i]:
+                req.restore = self.restore_point[i]
             out.append(req)
         return out
 
@@ -144,11 +152,19 @@ class RoundRelay:
         # retransmissions first: they only replace payloads known to be bad
         for m in rep.retransmissions:
             key = (m.iteration, i, m.receiver)
-            if key in self.bad and (i, m.receiver) in self.outbox[m.iteration] and len(m.payload) == payload_size(self.d):
+            if key in self.bad and (i, m.receiver) in self.outbox[m.iteration] and len(m.payload) == self.payload_bytes:
                 old = self.outbox[m.iteration][(i, m.receiver)]
                 self.outbox[m.iteration][(i, m.receiver)] = Outgoing(i, m.receiver, old.weight, m.payload, m.iteration)
                 self.bad.discard(key)
                 self.retransmit_due[i] = [x for x in self.retransmit_due[i] if x != (m.iteration, m.receiver)]
+        if rep.need_restore:
+            if self.restore_point[i] is None:
+                raise ValueError("nothing to restore the party from")
+            self.need_restore[i] = True
+            return
+        if req.restore is not None:
+            self.need_restore[i] = False
+            self.restores += 1
         if rep.rejected:
             if req.task < 0:
                 raise ValueError("rejected payloads without a task")
@@ -160,39 +176,44 @@ class RoundRelay:
                 if (req.task, i) not in self.retransmit_due[s]:
                     self.retransmit_due[s].append((req.task, i))
             return  # no computation, hence no commit
-        if req.task >= 0:
-            if rep.computed != req.task or not rep.state:
-                return  # did not compute: pending stays, cannot commit
-            self.state[i] = rep.state
-            self.pending[i] = None
-        elif rep.computed >= 0:
+        if req.task < 0 and rep.computed >= 0:
             raise ValueError("computed without a task")
-        if self.pending[i] is not None:
+        computed = req.task >= 0 and rep.computed == req.task
+        if self.pending[i] is not None and not computed:
             return  # still has a pending computation: cannot commit
+        # a computation counts only with its commit (or final report): validate that first
         if commit <= self.T:
-            self._commit(commit, i, rep.outgoing)
-        elif rep.final is not None and i in self.online[self.T]:
-            y = np.asarray(rep.final, dtype=np.float64)
-            if y.shape != (self.d,) or not np.all(np.isfinite(y)) or not np.isfinite(rep.final_omega or np.nan):
-                raise ValueError("malformed final message")
-            self.finals[i] = (y, float(rep.final_omega))
+            self._check_commit(commit, i, rep.outgoing)
+        elif req.final:
+            y = None if rep.final is None else np.asarray(rep.final, dtype=np.float64)
+            if y is None or y.shape != (self.d,) or not np.all(np.isfinite(y)) \
+                    or rep.final_omega is None or not np.isfinite(rep.final_omega):
+                raise ValueError("missing or malformed final message")
+        if computed:
+            self.version[i] = req.task
+            self.pending[i] = None
+        if commit <= self.T:
+            for m in rep.outgoing:
+                self.outbox[commit][(i, m.receiver)] = Outgoing(i, m.receiver, m.weight, m.payload, commit)
+            self.online[commit].add(i)
+            self.commit_version[i][commit] = self.version[i]
+            first = rep.outgoing[0]
+            self.restore_point[i] = Outgoing(i, first.receiver, first.weight, first.payload, commit)
+            self.pending[i] = commit
+        elif req.final and computed:
+            self.finals[i] = (np.asarray(rep.final, dtype=np.float64), float(rep.final_omega))
 
-    def _commit(self, u: int, i: int, outgoing: list[Outgoing]) -> None:
+    def _check_commit(self, u: int, i: int, outgoing: list[Outgoing]) -> None:
+        if not outgoing:
+            raise ValueError("a commit must send at least one message")
         msgs = Messages(np.array([m.sender for m in outgoing], dtype=np.int64),
                         np.array([m.receiver for m in outgoing], dtype=np.int64),
                         np.array([m.weight for m in outgoing], dtype=np.float64))
         if np.any(msgs.senders != i):
             raise ValueError("a party can only send its own messages")
         check_column_stochastic(msgs, self.n, where=f"party {i} at iteration {u}")
-        size = payload_size(self.d)
-        if any(len(m.payload) != size for m in outgoing):
+        if any(len(m.payload) != self.payload_bytes for m in outgoing):
             raise ValueError("malformed payload")
-        for m in outgoing:
-            self.outbox[u][(i, m.receiver)] = Outgoing(i, m.receiver, m.weight, m.payload, u)
-        self.online[u].add(i)
-        self.commit_state[i][u] = self.state[i]
-        if u > 0:
-            self.pending[i] = u
 
     # ---------------------------------------------------------------------------- results
     def trace(self, meta: dict | None = None) -> ExecutionTrace:

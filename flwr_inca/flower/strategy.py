@@ -38,7 +38,7 @@ from ..privacy.views import random_collusion, random_eavesdrop
 from .client import INCA_KEY, MIX_ACTION, flatten_arrays, unflatten_arrays
 from .node import RoundParams
 from .relay import Reply, Request, RoundRelay, drive
-from .wire import decode_reply, encode_request
+from .wire import FIELD, decode_reply, encode_request
 
 __all__ = ["IncaStrategy", "RoundRecord"]
 
@@ -80,6 +80,10 @@ class IncaStrategy(FedAvg):
             draws, worst kept); or ``observed_fraction`` for Eavesdrop DP.
         min_finalists: a round fails (model unchanged) if fewer nodes report final messages.
         exchange_timeout: seconds to wait for the nodes in each mixing exchange.
+        poll_interval: seconds between polls for replies (Flower's ``send_and_receive`` polls every
+            0.1 s; IncA makes T + 2 exchanges per round, so it polls faster).
+        precision: of the peer messages, "float32" (default: the precision of the model, and the
+            bandwidth of FedAvg) or "float64" (exact arithmetic, twice the bytes).
         ledger_path: where the privacy ledger is persisted (None: memory only); a restarted
             ServerApp resumes the budget it spent.
         trace_dir: if set, each round's ``inca-trace/1`` is saved there.
@@ -113,6 +117,8 @@ class IncaStrategy(FedAvg):
         schedule: str = "incremental",
         min_finalists: int = 2,
         exchange_timeout: float = 60.0,
+        poll_interval: float = 0.01,
+        precision: str = "float32",
         final_retries: int = 2,
         ledger_path: str | Path | None = "inca_ledger.json",
         trace_dir: str | Path | None = None,
@@ -148,6 +154,10 @@ class IncaStrategy(FedAvg):
             raise ValueError(f"min_finalists must be an integer >= 1, got {min_finalists!r}")
         if not (exchange_timeout > 0):
             raise ValueError(f"exchange_timeout must be > 0 seconds, got {exchange_timeout!r}")
+        if precision not in ("float32", "float64"):
+            raise ValueError(f"precision must be 'float32' or 'float64', got {precision!r}")
+        if not (0 < poll_interval <= exchange_timeout):
+            raise ValueError(f"poll_interval must be in (0, exchange_timeout], got {poll_interval!r}")
         if not (0 <= collusion < 1):
             raise ValueError(f"collusion fraction must be in [0, 1), got {collusion!r}")
         if observed_fraction is not None and not (0 <= observed_fraction <= 1):
@@ -165,6 +175,8 @@ class IncaStrategy(FedAvg):
         self.sample_rate = float(sample_rate)
         self.collusion, self.observed_fraction, self.threat_draws = collusion, observed_fraction, threat_draws
         self.min_finalists, self.exchange_timeout = min_finalists, float(exchange_timeout)
+        self.poll_interval = float(poll_interval)
+        self.precision = precision
         self.final_retries = int(final_retries)
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.forward_client_metrics = bool(forward_client_metrics)
@@ -230,19 +242,35 @@ class IncaStrategy(FedAvg):
         return self._certify(sample_trace(n, config, seed=(self.seed * 1_000_003 + n) % 2**63), 0)
 
     # ----------------------------------------------------------------------------- round
+    def _send_and_receive(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+        """``Grid.send_and_receive`` with this strategy's poll interval (same semantics: replies in
+        arrival order; nodes that did not answer within ``timeout`` are simply absent)."""
+        pending = set(grid.push_messages(messages))
+        deadline = time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            got = list(grid.pull_messages(pending))
+            replies.extend(got)
+            pending.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll_interval)
+        return replies
+
     def _mix_exchange(self, grid: Grid, params: RoundParams, roster: list[int], requests: list[Request],
-                      counters: dict[str, int]) -> dict[int, Reply]:
+                      counters: dict[str, int], has_roster: set[int]) -> dict[int, Reply]:
         messages = []
         for req in requests:
             forwarded = [replace(m, payload=self.relay_payload(m.sender, m.receiver, m.iteration, m.payload))
                          for m in req.incoming]
-            content = RecordDict({INCA_KEY: ConfigRecord(encode_request(replace(req, incoming=forwarded), params))})
+            data = encode_request(replace(req, incoming=forwarded), params, with_roster=req.party not in has_roster)
+            content = RecordDict({INCA_KEY: ConfigRecord({FIELD: data})})
             messages.append(Message(content, dst_node_id=roster[req.party],
                                     message_type=f"{MessageType.TRAIN}.{MIX_ACTION}"))
         index = {node: i for i, node in enumerate(roster)}
         replies: dict[int, Reply] = {}
         arrived = 0
-        for msg in grid.send_and_receive(messages, timeout=self.exchange_timeout):
+        for msg in self._send_and_receive(grid, messages, self.exchange_timeout):
             i = index.get(int(msg.metadata.src_node_id))
             if i is None:
                 continue
@@ -250,10 +278,17 @@ class IncaStrategy(FedAvg):
             if msg.has_error():
                 counters["errors"] += 1
                 continue
+            record = msg.content.config_records.get(INCA_KEY)
+            if record is None or record.get("need-roster"):
+                has_roster.discard(i)
+                continue
             try:
-                replies[i] = decode_reply(dict(msg.content.config_records[INCA_KEY]), i)
+                replies[i], keeps_roster = decode_reply(record[FIELD], i)
             except (KeyError, ValueError):
                 counters["malformed"] += 1
+                continue
+            if keeps_roster:
+                has_roster.add(i)
         counters["timeouts"] += len(requests) - arrived
         return replies
 
@@ -277,7 +312,7 @@ class IncaStrategy(FedAvg):
         keys: dict[int, bytes] = {}
         metrics: dict[int, MetricRecord] = {}
         dims = set()
-        for msg in grid.send_and_receive(messages, timeout=timeout):
+        for msg in self._send_and_receive(grid, messages, timeout):
             if msg.has_error():
                 log(INFO, "\t> node %d did not join the round: %s", msg.metadata.src_node_id,
                     msg.error.reason.splitlines()[0][:200] if msg.error.reason else msg.error.code)
@@ -305,12 +340,13 @@ class IncaStrategy(FedAvg):
         s_star, s_delta = self._sigmas(n)
         schedule = InjectionSchedule.resolve(self.schedule_name, self.iterations)
         params = RoundParams(server_round, self.iterations, min(self.neighbors, n - 1), s_star, s_delta,
-                             schedule, roster, [keys[nid] for nid in roster])
-        relay = RoundRelay(n, self.iterations, d, schedule, s_star, s_delta)
+                             schedule, roster, [keys[nid] for nid in roster], self.precision)
+        relay = RoundRelay(n, self.iterations, d, schedule, s_star, s_delta, self.precision)
         counters = {"errors": 0, "malformed": 0, "timeouts": 0}
+        has_roster: set[int] = set()  # nodes that keep the roster: their requests omit it
 
         def exchange(commit: int, requests: list[Request]) -> dict[int, Reply]:
-            return self._mix_exchange(grid, params, roster, requests, counters)
+            return self._mix_exchange(grid, params, roster, requests, counters, has_roster)
 
         def progress(u: int, total: int) -> None:
             online = len(relay.online[u]) if u <= self.iterations else len(relay.finals)
@@ -338,6 +374,7 @@ class IncaStrategy(FedAvg):
             "inca-epsilon": float(record.epsilon), "inca-mu": float(record.mu), "inca-parties": n,
             "inca-finalists": len(relay.finals), "inca-online-fraction": float(online),
             "inca-rejected-payloads": relay.rejected_payloads, "inca-errors": counters["errors"],
+            "inca-restores": relay.restores,
             "inca-timeouts": counters["timeouts"],
             "inca-sigma-star": float(s_star), "inca-sigma-delta": float(s_delta),
             "inca-round-failed": int(bool(record.failed)),

@@ -75,19 +75,31 @@ class PartyState:
     last: int
     slot: int
 
-    def to_bytes(self) -> bytes:
-        y = np.ascontiguousarray(self.y, dtype=np.float64)
-        return struct.pack("<dqqq", self.omega, self.last, self.slot, y.size) + y.tobytes()
+    def to_bytes(self, dtype: np.dtype | type = np.float64) -> bytes:
+        """``omega, last, slot, d, itemsize`` then ``y`` in ``dtype`` (float32 or float64)."""
+        dt = np.dtype(dtype)
+        if dt not in (np.float32, np.float64):
+            raise ValueError(f"party state: dtype must be float32 or float64, got {dt}")
+        y = np.ascontiguousarray(self.y, dtype=dt)
+        return struct.pack(_HEAD, self.omega, self.last, self.slot, y.size, dt.itemsize) + y.tobytes()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PartyState:
-        head = struct.calcsize("<dqqq")
+        head = struct.calcsize(_HEAD)
         if len(data) < head:
             raise ValueError("party state: truncated")
-        omega, last, slot, d = struct.unpack_from("<dqqq", data)
-        if len(data) != head + 8 * d:
+        omega, last, slot, d, itemsize = struct.unpack_from(_HEAD, data)
+        if itemsize not in (4, 8) or len(data) != head + itemsize * d:
             raise ValueError("party state: wrong length")
-        return cls(np.frombuffer(data, dtype=np.float64, offset=head).copy(), omega, last, slot)
+        dt = np.float32 if itemsize == 4 else np.float64
+        return cls(np.frombuffer(data, dtype=dt, offset=head).astype(np.float64), omega, last, slot)
+
+    @staticmethod
+    def size(d: int, dtype: np.dtype | type = np.float64) -> int:
+        return struct.calcsize(_HEAD) + np.dtype(dtype).itemsize * d
+
+
+_HEAD = "<dqqqB"
 
 
 @dataclass(frozen=True)
@@ -100,25 +112,39 @@ class Incoming:
 
 
 class IncaParty:
-    """The computations of one party (value ``x`` of shape (d,)) in one round."""
+    """The computations of one party (value ``x`` of shape (d,)) in one round.
+
+    Only ``x + eta*`` enters the protocol; a caller that kept it for this noise and ``sigma_star``
+    may pass ``x_tilde`` instead of ``x`` (``x=None``).
+    """
 
     def __init__(
         self,
-        x: np.ndarray,
+        x: np.ndarray | None,
         schedule: InjectionSchedule,
         sigma_star: float,
         sigma_delta: float,
         noise: PartyNoise,
+        precision: np.dtype | type = np.float64,
+        x_tilde: np.ndarray | None = None,
     ) -> None:
-        self.x = np.asarray(x, dtype=np.float64).reshape(-1)
-        if not np.all(np.isfinite(self.x)):
-            raise ValueError("party value must be finite")
+        self.precision = np.dtype(precision)
+        if self.precision not in (np.float32, np.float64):
+            raise ValueError(f"precision must be float32 or float64, got {self.precision}")
         self.schedule = schedule
         self.sigma_star = float(sigma_star)
         self.sigma_delta = float(sigma_delta)
         self.noise = noise
-        self.d = self.x.size
-        self.x_tilde = self.x + self.sigma_star * noise.star(self.d)  # x + eta*
+        if x_tilde is not None:
+            self.x_tilde = np.asarray(x_tilde, dtype=np.float64).reshape(-1)
+        elif x is not None:
+            x = np.asarray(x, dtype=np.float64).reshape(-1)
+            self.x_tilde = x + self.sigma_star * noise.star(x.size)  # x + eta*
+        else:
+            raise ValueError("give the party's value x (or x + eta*)")
+        if not np.all(np.isfinite(self.x_tilde)):
+            raise ValueError("party value must be finite")
+        self.d = self.x_tilde.size
 
     @property
     def iterations(self) -> int:
@@ -151,6 +177,8 @@ class IncaParty:
                 (Algorithm 2, line 13).
 
         Already computed iterations (``t <= state.last``) return ``state`` unchanged (idempotent).
+        The result is rounded to the party's ``precision``: what it keeps is exactly what it sends,
+        so the weight it gives away and the weight it keeps still sum to its message.
         """
         if t <= state.last:
             return state
@@ -160,8 +188,8 @@ class IncaParty:
         if t == 0:
             if incoming or delivered_weight:
                 raise ValueError("nothing is exchanged at initialization (t = 0)")
-            z, share = self.injection(0, final=T == 0)
-            return PartyState(z, share, 0, 1)
+            z, share = self.injection(0, final=False)
+            return PartyState(self._round(z), share, 0, 1)
         if state.last < 0:
             raise ValueError("the party must be initialized (t = 0) before mixing")
         keep = 1.0 - float(delivered_weight)
@@ -175,4 +203,7 @@ class IncaParty:
             omega += msg.weight * msg.omega
         final = t == T
         z, share = self.injection(state.slot, final)
-        return PartyState(y + z, omega + share, t, state.slot + (0 if final else 1))
+        return PartyState(self._round(y + z), omega + share, t, state.slot + (0 if final else 1))
+
+    def _round(self, y: np.ndarray) -> np.ndarray:
+        return y if self.precision == np.float64 else y.astype(self.precision).astype(np.float64)
