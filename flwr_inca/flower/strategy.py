@@ -89,6 +89,10 @@ class IncaStrategy(FedAvg):
         trace_dir: if set, each round's ``inca-trace/1`` is saved there.
         forward_client_metrics: also aggregate the train metrics nodes report (not protected).
         calibration_runs, calibration_dropout: simulated runs (and dropout model) for calibration.
+        budget_check_runs: simulated executions whose worst certified cost is the predicted cost of
+            the next round when checking ``max_epsilon``. The certified cost of the actual round
+            may still exceed it (its topology is random); it is then recorded exactly, and training
+            stops.
         seed: seeds the server's choices (certification draws); None = fresh.
     """
 
@@ -125,6 +129,7 @@ class IncaStrategy(FedAvg):
         forward_client_metrics: bool = False,
         calibration_runs: int = 20,
         calibration_dropout: DropoutModel | None = None,
+        budget_check_runs: int = 10,
         seed: int | None = None,
         weighted_by_key: str = "num-examples",
         arrayrecord_key: str = "arrays",
@@ -181,6 +186,10 @@ class IncaStrategy(FedAvg):
         self.trace_dir = Path(trace_dir) if trace_dir is not None else None
         self.forward_client_metrics = bool(forward_client_metrics)
         self.calibration_runs, self.calibration_dropout = int(calibration_runs), calibration_dropout
+        if isinstance(budget_check_runs, bool) or not isinstance(budget_check_runs, int) or budget_check_runs < 1:
+            raise ValueError(f"budget_check_runs must be an integer >= 1, got {budget_check_runs!r}")
+        self.budget_check_runs = budget_check_runs
+        self._predicted: dict[int, float] = {}
         self.seed = seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self.ledger = PrivacyLedger(ledger_path, delta=self.delta, max_epsilon=max_epsilon,
                                     accountant=accountant or ("gdp" if self.sample_rate == 1 else "prv"))
@@ -234,12 +243,17 @@ class IncaStrategy(FedAvg):
         return worst
 
     def predicted_mu(self, n: int) -> float:
-        """mu a round with n parties is expected to cost (certified on a simulated execution)."""
-        s_star, s_delta = self._sigmas(n)
-        config = IncaConfig(iterations=self.iterations, neighbors=min(self.neighbors, n - 1),
-                            sigma_star=s_star, sigma_delta=s_delta, schedule=self.schedule_name,
-                            dropout=self.calibration_dropout)
-        return self._certify(sample_trace(n, config, seed=(self.seed * 1_000_003 + n) % 2**63), 0)
+        """Predicted cost of a round with n parties: the worst certified mu over
+        ``budget_check_runs`` simulated executions (cached per n)."""
+        if n not in self._predicted:
+            s_star, s_delta = self._sigmas(n)
+            config = IncaConfig(iterations=self.iterations, neighbors=min(self.neighbors, n - 1),
+                                sigma_star=s_star, sigma_delta=s_delta, schedule=self.schedule_name,
+                                dropout=self.calibration_dropout)
+            self._predicted[n] = max(
+                self._certify(sample_trace(n, config, seed=(self.seed * 1_000_003 + 7919 * n + r) % 2**63), 10**9 + r)
+                for r in range(self.budget_check_runs))
+        return self._predicted[n]
 
     # ----------------------------------------------------------------------------- round
     def _send_and_receive(self, grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
