@@ -1,0 +1,1 @@
+"""Logistic regression on MNIST with IncA: a Flower App (see ../README.md)."""
