@@ -219,3 +219,30 @@ def test_budget_exhaustion_stops_cleanly_and_restart_resumes(tmp_path_factory, r
         assert result.train_metrics_clientapp == {}
         assert ledger.rounds >= 1
         assert ledger.epsilon_after(strategy.predicted_mu(10)) > 9.0
+
+
+def test_round_with_too_few_finals_fails_and_keeps_the_model(tmp_path):
+    # six of ten nodes stop answering after committing to iteration 2: too few finals
+    faults = [f"{pid}:1:{commit}:error" for pid in range(6) for commit in range(3, T + 4)]
+    os.environ["INCA_TEST_FAULTS"] = ";".join(faults)
+    out: dict = {}
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = IncaStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, min_finalists=6,
+                                ledger_path=tmp_path / "ledger.json", exchange_timeout=10, seed=2,
+                                fraction_evaluate=0.0, min_available_nodes=NODES, min_train_nodes=NODES)
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=1)
+        out.update(strategy=strategy, result=result)
+
+    try:
+        _simulate(app)
+    finally:
+        os.environ.pop("INCA_TEST_FAULTS", None)
+    strategy, result = out["strategy"], out["result"]
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["inca-round-failed"] == 1 and metrics["inca-finalists"] < 6
+    assert "final message" in strategy.rounds[1].failed
+    assert len(result.arrays) == 0  # the model was never replaced
+    assert strategy.ledger.rounds == 1 and metrics["inca-epsilon"] > 0  # the messages were exchanged
