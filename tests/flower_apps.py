@@ -43,6 +43,11 @@ client = ClientApp(mods=[faults])
 inca = IncaClient(client, insecure_fixed_seed=FIXED_SEED)
 
 
+secure_client = ClientApp()  # secrets from the OS CSPRNG, as in a deployment
+secure_inca = IncaClient(secure_client)
+
+
+@secure_inca.train()
 @inca.train()
 def train(msg: Message, context: Context) -> Message:
     pid = int(context.node_config["partition-id"])

@@ -71,10 +71,10 @@ class TamperingStrategy(IncaStrategy):
         return super()._train_round(server_round, *args, **kwargs)
 
 
-def _simulate(server_app, nodes=NODES):
+def _simulate(server_app, nodes=NODES, client_app=None):
     from flwr.simulation import run_simulation
 
-    run_simulation(server_app=server_app, client_app=flower_apps.client, num_supernodes=nodes,
+    run_simulation(server_app=server_app, client_app=client_app or flower_apps.client, num_supernodes=nodes,
                    backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
 
 
@@ -246,3 +246,36 @@ def test_round_with_too_few_finals_fails_and_keeps_the_model(tmp_path):
     assert "final message" in strategy.rounds[1].failed
     assert len(result.arrays) == 0  # the model was never replaced
     assert strategy.ledger.rounds == 1 and metrics["inca-epsilon"] > 0  # the messages were exchanged
+
+
+def test_strategy_started_twice_in_one_run_starts_each_round_afresh(tmp_path):
+    # the second start numbers its rounds from 1 again; the nodes' secrets are fresh (CSPRNG) and
+    # nothing of the first instance's round 1 (roster, public keys, cached values) may be used
+    out: dict = {}
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        arrays, strategies = ArrayRecord(INITIAL), []
+        for _ in range(2):
+            strategy = IncaStrategy(iterations=3, sigma_star=0.0, sigma_delta=3.0, clip_norm=100.0,
+                                    precision="float64", ledger_path=None, exchange_timeout=10,
+                                    forward_client_metrics=True, fraction_evaluate=0.0,
+                                    min_available_nodes=NODES, min_train_nodes=NODES)
+            arrays = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1).arrays
+            strategies.append((strategy, arrays))
+        out["runs"] = strategies
+
+    _simulate(app, client_app=flower_apps.secure_client)
+    old = INITIAL
+    for strategy, arrays in out["runs"]:
+        record = strategy.rounds[1]
+        assert not record.failed and len(record.finalists) == NODES
+        # sigma_star = 0, no dropouts: the round's update is exactly the mean of the local updates
+        updates = []
+        for node in record.roster:
+            pid = int(record.client_metrics[node]["partition-id"])
+            new = flower_apps.local_update(old, pid, 1)
+            updates.append(flatten_arrays(ArrayRecord(new))[0] - flatten_arrays(ArrayRecord(old))[0])
+        assert np.allclose(record.update, np.mean(updates, axis=0), atol=1e-9)
+        old = arrays.to_numpy_ndarrays()

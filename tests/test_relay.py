@@ -17,18 +17,19 @@ ROUND = 3
 
 
 def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental", fault=None, tamper=None,
-              seed=0, log=None, final_retries=2, precision="float64", lost_replies=None, wipe=None):
+              seed=0, log=None, final_retries=2, precision="float64", lost_replies=None, wipe=None,
+              stores=None):
     """Run one relayed round in process.
 
     ``fault(i, e)``: party i fails exchange e before doing anything; ``lost_replies(i, e)``: it does
     the work (and stores its state) but the reply never arrives; ``wipe(i, e)``: its storage is lost
-    before exchange e.
+    before exchange e. ``stores``: the parties' node-local stores (fresh ones by default).
     """
     n, d = values.shape
     sched = InjectionSchedule.resolve(schedule, T)
     roster = [10_000 + 7 * i for i in range(n)]
     secrets = [RoundSecrets.generate(ROUND, fixed_seed=seed, node=roster[i]) for i in range(n)]
-    stores = [MemoryStore() for _ in range(n)]
+    stores = [MemoryStore() for _ in range(n)] if stores is None else stores
     for i in range(n):
         stores[i].save_value(ROUND, values[i])
     params = RoundParams(ROUND, T, k, s_star, s_delta, sched, roster, [s.public_key for s in secrets], precision)
@@ -153,6 +154,21 @@ def test_party_that_loses_its_storage_is_restored_from_its_own_payload():
     assert 3 in relay.finals
     w = res.injected
     assert np.allclose(relay.estimate(), (w[:, None] * values).sum(axis=0) / w.sum(), atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["memory", "directory"])
+def test_rejoining_a_round_number_uses_nothing_from_the_earlier_instance(kind, tmp_path):
+    # a restarted strategy numbers its rounds from 1 again: the nodes' storage still holds the old
+    # instance's data for that round number (cached x + eta*, states, roster with old public keys)
+    from flwr_inca.flower.node import DirectoryStore
+
+    rng = np.random.default_rng(9)
+    first, second = rng.random((6, 3)), rng.random((6, 3)) + 5.0
+    stores = [MemoryStore() if kind == "memory" else DirectoryStore(tmp_path / f"node-{i}") for i in range(6)]
+    run_local(first, seed=0, stores=stores)
+    relay, noise = run_local(second, seed=1, stores=stores)  # fresh secrets, as in a deployment
+    assert sorted(relay.finals) == list(range(6))
+    _check_replay(relay, noise, second)
 
 
 def test_float32_messages_match_the_engine_to_float32_precision():

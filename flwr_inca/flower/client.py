@@ -146,7 +146,7 @@ class IncaClient:
             raise
         if params.round != round_:
             raise RuntimeError(f"this node joined round {round_}, the request is for round {params.round}")
-        if kept is None or kept[0] != params.roster:  # write-once for the round
+        if kept != (params.roster, params.public_keys):  # write-once for the round
             store.save_blob(round_, "roster", np.asarray(params.roster, dtype="<u8").tobytes()
                             + b"".join(params.public_keys))
         secrets = RoundSecrets(round_, stored["noise-secret"], stored["private-key"])

@@ -69,7 +69,10 @@ class RoundParams:
 class NodeStore(Protocol):
     """Node-local storage of a party's round data (every item is immutable once written).
 
-    ``save_blob``/``load_blob`` keep small named items of the round (the roster, caches).
+    ``save_value`` starts a round: it drops all round data kept so far, of any round, including an
+    earlier instance of the same round number (a restarted strategy numbers rounds from 1 again, and
+    its secrets are fresh: nothing cached for the old instance may be used). ``save_blob``/``load_blob``
+    keep small named items of the round (the roster, caches).
     """
 
     def save_value(self, round: int, value: np.ndarray) -> None: ...
@@ -89,6 +92,9 @@ class MemoryStore:
         self.blobs: dict[tuple[int, str], bytes] = {}
 
     def save_value(self, round: int, value: np.ndarray) -> None:
+        self.values.clear()
+        self.states.clear()
+        self.blobs.clear()
         self.values[round] = np.array(value, dtype=np.float64)
 
     def load_value(self, round: int) -> np.ndarray | None:
@@ -110,8 +116,8 @@ class MemoryStore:
 class DirectoryStore:
     """Files under ``root`` (private to the node: mode 0700); every write is atomic.
 
-    Layout: ``round-<r>/value.f64`` and ``round-<r>/state-<version>.bin``. Joining a new round removes
-    older rounds. States are not fsynced: a state lost in a crash is restored through the relay.
+    Layout: ``round-<r>/value.f64`` and ``round-<r>/state-<version>.bin``. Joining a round removes
+    all earlier round data. States are not fsynced: a state lost in a crash is restored through the relay.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -122,11 +128,10 @@ class DirectoryStore:
 
     def save_value(self, round: int, value: np.ndarray) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for old in self.root.glob("round-*"):
-            if old.name != f"round-{round}":
-                for f in old.iterdir():
-                    f.unlink(missing_ok=True)
-                old.rmdir()
+        for old in self.root.glob("round-*"):  # every earlier round, this number included
+            for f in old.iterdir():
+                f.unlink(missing_ok=True)
+            old.rmdir()
         atomic_write_bytes(self._dir(round) / "value.f64", np.ascontiguousarray(value, dtype=np.float64).tobytes())
 
     def load_value(self, round: int) -> np.ndarray | None:
