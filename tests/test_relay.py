@@ -171,6 +171,20 @@ def test_rejoining_a_round_number_uses_nothing_from_the_earlier_instance(kind, t
     _check_replay(relay, noise, second)
 
 
+def test_directory_store_is_private_to_the_node(tmp_path):
+    import stat
+
+    from flwr_inca.flower.node import DirectoryStore
+
+    root = tmp_path / "node"
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)  # a pre-existing, world-readable directory
+    store = DirectoryStore(root)
+    store.save_value(1, np.arange(3.0))
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert np.array_equal(store.load_value(1), np.arange(3.0))
+
+
 def test_float32_messages_match_the_engine_to_float32_precision():
     values = np.random.default_rng(10).random((12, 6))
     for sd in [1.0, 50.0]:

@@ -129,6 +129,7 @@ class DirectoryStore:
 
     def save_value(self, round: int, value: np.ndarray) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)  # also when it existed: the round data is the node's secret
         for old in self.root.glob("round-*"):  # every earlier round, this number included
             for f in old.iterdir():
                 f.unlink(missing_ok=True)
