@@ -243,3 +243,9 @@ def test_ledger_with_subsampled_rounds(tmp_path):
         led.spend(1.0, sample_rate=0.02)
     assert 0 < led.epsilon() < epsilon_for_delta(math.sqrt(5), 1e-5)
     assert PrivacyLedger(tmp_path / "l.json", delta=1e-5, accountant="prv").epsilon() == pytest.approx(led.epsilon())
+
+
+def test_min_alpha_above_the_grid_is_used():
+    cal = calibrate(1.0, 1e-5, 10, iterations=5, runs=5, min_alpha=20)
+    assert cal.alpha == 20 and [a["alpha"] for a in cal.alternatives] == [20]
+    assert cal.success_fraction == 1.0

@@ -242,3 +242,13 @@ def test_bad_views_rejected():
     other = _trace(7, 3, 1, None, 0)
     with pytest.raises(ValueError, match="does not match"):
         certify(trace, random_collusion(other, 0.2))
+
+
+@pytest.mark.parametrize("n, fraction, expected", [(5, 0.1, 1), (4, 0.1, 1), (25, 0.1, 3), (30, 0.1, 3),
+                                                    (200, 0.1, 20), (10, 0.0, 0), (10, 0.99, 9)])
+def test_random_coalitions_round_up(n, fraction, expected):
+    # rounding down (or half to even) would certify against fewer colluders than the stated fraction
+    trace = _trace(n, 2, 1, None, 0)
+    assert random_collusion(trace, fraction, seed=0).corrupted.size == expected
+    eaves = random_eavesdrop(trace, 0.25, seed=0)  # n messages at iteration 1: ceil(n/4) intercepted
+    assert eaves.observed[0].sum() == -(-n // 4)

@@ -363,3 +363,32 @@ def test_replay_rejects_mismatched_values(rng):
     result = run_inca(rng.random((6, 2)), IncaConfig(iterations=2, sigma_star=1.0, sigma_delta=1.0), seed=0)
     with pytest.raises(ValueError, match="6 parties"):
         replay(result.trace, rng.random((5, 2)), seed=0)
+
+
+@pytest.mark.parametrize("schedule", ["incremental", "early"])
+def test_noise_std_matches_the_replayed_noise_with_lost_finals(schedule):
+    # brute force by linearity: one coordinate per noise draw (unit impulse, zero values), so the
+    # replayed estimate's coordinates are exactly the draws' coefficients in the estimate
+    from flwr_inca.protocol.noise import ExplicitNoise
+    from flwr_inca.protocol.utility import noise_std
+
+    n, T = 7, 4
+    config = IncaConfig(iterations=T, neighbors=2, sigma_star=0.7, sigma_delta=3.0, schedule=schedule,
+                        dropout=TemporaryDropout(0.3))
+    for seed in range(4):
+        trace = sample_trace(n, config, seed=seed)
+        online_T = trace.steps[-1].online
+        D = n + n * T
+        star, eta = np.zeros((n, D)), np.zeros((n, T, D))
+        for i in range(n):
+            star[i, i] = 1.0
+            for k in range(T):
+                eta[i, k, n + i * T + k] = 1.0
+        for finalists in (online_T, online_T[1:]):
+            if finalists.size == 0:
+                continue
+            est = replay(trace, np.zeros((n, D)), seed=0, noise=ExplicitNoise(star, eta),
+                         finalists=finalists).estimate
+            assert noise_std(trace, finalists) == pytest.approx(float(np.sqrt(np.sum(est**2))), rel=1e-9)
+    with pytest.raises(ValueError, match="finalists"):
+        noise_std(trace, [i for i in range(n) if i not in set(online_T.tolist())][:1] or [n + 5])

@@ -94,6 +94,7 @@ def faulty_run(tmp_path_factory):
         recording = RecordingGrid(grid)
         strategy = TamperingStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, clip_norm=1.0, precision="float64",
                                      exchange_timeout=2.5, ledger_path=tmp / "ledger.json",
+                                     max_noise_inflation=float("inf"),  # keep rounds with lost finals
                                      trace_dir=tmp / "traces", forward_client_metrics=True, seed=3,
                                      fraction_evaluate=0.5, min_available_nodes=NODES,
                                      min_train_nodes=NODES)
@@ -131,6 +132,20 @@ def test_training_completes_with_failures(faulty_run):
     assert sorted(p.name for p in (faulty_run["tmp"] / "traces").iterdir()) == [
         "round-0001.json", "round-0002.json", "round-0003.json"]
     assert len(result.evaluate_metrics_clientapp) == ROUNDS  # FedAvg-style evaluation still runs
+    # a node failed its final report (and the retries): with the default guard that round would fail,
+    # since the lost final takes its share of the cancelling noise with it
+    default = IncaStrategy(sigma_star=0.2, sigma_delta=3.0, ledger_path=None)
+    lost = 0
+    for rnd, record in strategy.rounds.items():
+        online_T = record.trace.steps[-1].online.tolist()
+        noise, why = default._noise_check(record.trace, record.finalists, record.roster)
+        assert result.train_metrics_clientapp[rnd]["inca-noise-std"] == pytest.approx(noise)
+        if record.finalists != online_T:
+            lost += 1
+            assert "were lost" in why
+        else:
+            assert why == ""
+    assert lost >= 1, faulty_run["faults"]
 
 
 def test_tampered_payload_rejected_and_round_still_consistent(faulty_run):

@@ -39,24 +39,40 @@ TrainFn = Callable[[Message, Context], Message]
 
 
 def flatten_arrays(record: ArrayRecord) -> tuple[np.ndarray, list[tuple[str, tuple[int, ...], str]]]:
-    """All arrays of ``record`` as one float64 vector, with what is needed to undo it."""
+    """The floating-point arrays of ``record`` as one float64 vector, with what is needed to undo it.
+
+    Other arrays (integer counters such as BatchNorm's ``num_batches_tracked``) are left out: they
+    are neither clipped nor averaged, and keep the global model's value (see :func:`unflatten_arrays`).
+    """
     spec, parts = [], []
     for key, arr in record.items():
         a = arr.numpy()
         spec.append((key, tuple(a.shape), str(a.dtype)))
-        parts.append(np.asarray(a, dtype=np.float64).reshape(-1))
+        if _averaged(a.dtype):
+            parts.append(np.asarray(a, dtype=np.float64).reshape(-1))
     return (np.concatenate(parts) if parts else np.zeros(0)), spec
 
 
-def unflatten_arrays(vector: np.ndarray, spec: list[tuple[str, tuple[int, ...], str]]) -> ArrayRecord:
+def unflatten_arrays(vector: np.ndarray, spec: list[tuple[str, tuple[int, ...], str]],
+                     keep: ArrayRecord | None = None) -> ArrayRecord:
+    """Inverse of :func:`flatten_arrays`; arrays it left out are copied from ``keep``."""
     out, offset = {}, 0
     for key, shape, dtype in spec:
+        if not _averaged(np.dtype(dtype)):
+            if keep is None or key not in keep:
+                raise ValueError(f"array {key!r} ({dtype}) is not averaged: give the record to keep it from")
+            out[key] = Array(np.array(keep[key].numpy()))
+            continue
         size = int(np.prod(shape)) if shape else 1
         out[key] = Array(np.asarray(vector[offset:offset + size].reshape(shape), dtype=np.dtype(dtype)))
         offset += size
     if offset != vector.size:
         raise ValueError("vector size does not match the array spec")
     return ArrayRecord(out)
+
+
+def _averaged(dtype: np.dtype) -> bool:
+    return bool(np.issubdtype(dtype, np.floating))
 
 
 def clip(update: np.ndarray, norm: float) -> np.ndarray:

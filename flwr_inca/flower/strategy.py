@@ -31,6 +31,7 @@ from ..protocol.dropout import DropoutModel
 from ..protocol.engine import sample_trace
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.trace import ExecutionTrace
+from ..protocol.utility import noise_std
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.certificate import certify
 from ..privacy.ledger import PrivacyLedger
@@ -79,6 +80,10 @@ class IncaStrategy(FedAvg):
         collusion: fraction rho of corrupted nodes certified against (random sets, ``threat_draws``
             draws, worst kept); or ``observed_fraction`` for Eavesdrop DP.
         min_finalists: a round fails (model unchanged) if fewer nodes report final messages.
+        max_noise_inflation: a node online at the last iteration whose final message is lost takes
+            its share of the others' cancelling noise with it; the round fails (model unchanged) if
+            that makes the noise of the update more than this factor larger than with every final
+            (reported as ``inca-noise-std``, per coordinate).
         exchange_timeout: seconds to wait for the nodes in each mixing exchange.
         poll_interval: seconds between polls for replies (Flower's ``send_and_receive`` polls every
             0.1 s; IncA makes T + 2 exchanges per round, so it polls faster).
@@ -120,6 +125,7 @@ class IncaStrategy(FedAvg):
         threat_draws: int = 3,
         schedule: str = "incremental",
         min_finalists: int = 2,
+        max_noise_inflation: float = 2.0,
         exchange_timeout: float = 60.0,
         poll_interval: float = 0.01,
         precision: str = "float32",
@@ -157,6 +163,8 @@ class IncaStrategy(FedAvg):
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         if isinstance(min_finalists, bool) or not isinstance(min_finalists, int) or min_finalists < 1:
             raise ValueError(f"min_finalists must be an integer >= 1, got {min_finalists!r}")
+        if not (max_noise_inflation >= 1):
+            raise ValueError(f"max_noise_inflation must be >= 1, got {max_noise_inflation!r}")
         if not (exchange_timeout > 0):
             raise ValueError(f"exchange_timeout must be > 0 seconds, got {exchange_timeout!r}")
         if precision not in ("float32", "float64"):
@@ -180,6 +188,7 @@ class IncaStrategy(FedAvg):
         self.sample_rate = float(sample_rate)
         self.collusion, self.observed_fraction, self.threat_draws = collusion, observed_fraction, threat_draws
         self.min_finalists, self.exchange_timeout = min_finalists, float(exchange_timeout)
+        self.max_noise_inflation = float(max_noise_inflation)
         self.poll_interval = float(poll_interval)
         self.precision = precision
         self.final_retries = int(final_retries)
@@ -193,6 +202,11 @@ class IncaStrategy(FedAvg):
         self.seed = seed if seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         self.ledger = PrivacyLedger(ledger_path, delta=self.delta, max_epsilon=max_epsilon,
                                     accountant=accountant or ("gdp" if self.sample_rate == 1 else "prv"))
+        try:  # fail now, not after a round has spent privacy
+            self.ledger.epsilon_after(1.0, self.sample_rate)
+        except ValueError as exc:
+            raise ValueError(f"accountant {self.ledger.accountant.name!r} cannot account sample_rate = "
+                             f"{self.sample_rate}: {exc}") from exc
         self.calibrations: dict[int, Calibration] = {}
         self.rounds: dict[int, RoundRecord] = {}
 
@@ -241,6 +255,36 @@ class IncaStrategy(FedAvg):
                 view = random_collusion(trace, self.collusion, seed)
             worst = max(worst, certify(trace, view, value_sensitivity=self.value_sensitivity).max_mu)
         return worst
+
+    def _certify_and_spend(self, trace: ExecutionTrace, server_round: int) -> tuple[float, float]:
+        """Certify a round whose messages were exchanged and record its cost: ``(mu, epsilon)``.
+
+        The cost is spent whatever happens: without a certificate (an error while certifying) the
+        round is recorded as unbounded (mu = inf) before the error surfaces.
+        """
+        try:
+            mu = self._certify(trace, server_round)
+        except Exception:
+            self.ledger.spend(math.inf, self.sample_rate, force=True, note=f"round {server_round}: not certified")
+            raise
+        return mu, self.ledger.spend(mu, self.sample_rate, force=True, note=f"round {server_round}")
+
+    def _noise_check(self, trace: ExecutionTrace, finalists: list[int], roster: list[int]) -> tuple[float, str]:
+        """The update's noise std per coordinate, and why the round must fail ("" if it need not):
+        lost final messages that leave more than ``max_noise_inflation`` times the noise."""
+        if not finalists:
+            return math.inf, ""
+        noise = noise_std(trace, finalists)
+        missing = sorted(set(trace.steps[-1].online.tolist()) - set(finalists))
+        if not missing:
+            return noise, ""
+        full = noise_std(trace)
+        tiny = 1e-12 * max(trace.sigma_star, trace.sigma_delta, 1e-300)  # round-off of exact cancellation
+        if noise + tiny <= self.max_noise_inflation * (full + tiny):
+            return noise, ""
+        return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the update's "
+                       f"noise std is {noise:.3g} per coordinate instead of {full:.3g} "
+                       f"(max_noise_inflation = {self.max_noise_inflation})")
 
     def predicted_mu(self, n: int) -> float:
         """Predicted cost of a round with n parties: the worst certified mu over
@@ -373,16 +417,19 @@ class IncaStrategy(FedAvg):
         if self.trace_dir is not None:
             trace.save(self.trace_dir / f"round-{server_round:04d}.json")
         # the messages were exchanged: the round's privacy cost is spent whatever happens next
-        record.mu = self._certify(trace, server_round)
-        record.epsilon = self.ledger.spend(record.mu, self.sample_rate, force=True, note=f"round {server_round}")
+        record.mu, record.epsilon = self._certify_and_spend(trace, server_round)
         estimate = relay.estimate()
+        noise, lost_finals = self._noise_check(trace, record.finalists, roster)
         if estimate is None or len(relay.finals) < self.min_finalists:
             record.failed = (f"only {len(relay.finals)} final message(s) reported "
                              f"(min_finalists = {self.min_finalists})")
             new_arrays = None
+        elif lost_finals:
+            record.failed = lost_finals
+            new_arrays = None
         else:
             record.update = estimate
-            new_arrays = unflatten_arrays(vector + estimate, spec)
+            new_arrays = unflatten_arrays(vector + estimate, spec, keep=arrays)
         online = np.mean([len(o) / n for o in relay.online[1:]])
         out = {
             "inca-epsilon": float(record.epsilon), "inca-mu": float(record.mu), "inca-parties": n,
@@ -391,6 +438,7 @@ class IncaStrategy(FedAvg):
             "inca-restores": relay.restores,
             "inca-timeouts": counters["timeouts"],
             "inca-sigma-star": float(s_star), "inca-sigma-delta": float(s_delta),
+            "inca-noise-std": float(noise),
             "inca-round-failed": int(bool(record.failed)),
         }
         if self.forward_client_metrics and metrics:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..protocol.trace import ExecutionTrace
 from .certificate import Certificate, certify
-from .views import AdversaryView, collusion_view, random_collusion
+from .views import AdversaryView, coalition_size, collusion_view, random_collusion
 
 __all__ = ["AdversarialResult", "adversarial_collusion"]
 
@@ -55,7 +55,7 @@ def adversarial_collusion(
     value_sensitivity: float = 1.0,
     delta: float | None = None,
 ) -> AdversarialResult:
-    """Greedy search for a corrupted set of ``round(fraction * n)`` parties maximizing some honest
+    """Greedy search for a corrupted set of ``ceil(fraction * n)`` parties maximizing some honest
     party's mu.
 
     Targets: the ``candidates`` parties with the fewest distinct receivers (and the weakest party
@@ -67,7 +67,7 @@ def adversarial_collusion(
     f = float(fraction)
     if not (0.0 < f < 1.0):
         raise ValueError(f"collusion fraction must be in (0, 1), got {fraction!r}")
-    budget = min(int(round(f * n)), n - 1)
+    budget = min(coalition_size(f, n), n - 1)
     if budget < 1:
         raise ValueError(f"fraction {fraction} of {n} parties corrupts nobody")
     kw = dict(sigma_star=sigma_star, sigma_delta=sigma_delta, value_sensitivity=value_sensitivity, delta=delta)

@@ -232,6 +232,8 @@ def calibrate(
                                  "much (more iterations, fewer neighbours or a weaker threat may help)")
             candidates = sorted({a for a in DEFAULT_ALPHAS if a > floor * 1.005 and a >= min_alpha}
                                 | {floor * f for f in FLOOR_FACTORS if floor > 0 and floor * f >= min_alpha})
+            if not candidates:  # min_alpha above the whole grid: it is the only choice
+                candidates = [max(min_alpha, floor * 1.01)]
 
     rows = []
     for alpha in candidates:

@@ -19,7 +19,8 @@ To evaluate mu for many (sigma_star, sigma_delta) pairs from one factorization, 
 Every term is non-increasing in sigma_delta, so the sigma_delta meeting a target is found by bisection,
 and the sigma_delta -> infinity limit keeps only the beta_j = 1 directions (the noise-free sums the
 adversary learns, e.g. the sum of the finals). Eigenvalues within ``1e-9`` of 0 or 1 are snapped to
-it, which can only remove variance, i.e. only increase mu (the certificate stays conservative).
+it, so that exactly noise-free directions are recognised as such; this moves each variance by at most
+1e-9 of the larger sigma^2, i.e. mu by at most about 1e-9 relative.
 """
 
 from __future__ import annotations

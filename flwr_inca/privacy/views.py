@@ -11,6 +11,7 @@ of parties online at T are always observed (they are the output).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from ..protocol.trace import ExecutionTrace
 
 __all__ = [
     "AdversaryView",
+    "coalition_size",
     "collusion_view",
     "eavesdrop_view",
     "random_collusion",
@@ -105,19 +107,25 @@ def eavesdrop_view(trace: ExecutionTrace, intercepted: Iterable[tuple[int, int]]
     return AdversaryView("eavesdrop", np.zeros(0, dtype=np.int64), observed)
 
 
+def coalition_size(fraction: float, total: int) -> int:
+    """``ceil(fraction * total)``, ignoring float noise (0.1 * 30 is 3, not 4)."""
+    return min(int(math.ceil(fraction * total - 1e-9)), total)
+
+
 def random_collusion(trace: ExecutionTrace, fraction: float, seed: int | None = None) -> AdversaryView:
-    """Corrupt ``round(fraction * n)`` parties chosen uniformly (seeded)."""
+    """Corrupt ``ceil(fraction * n)`` parties chosen uniformly (seeded); rounding up keeps the
+    certificate conservative (0.1 of 5 parties is one corrupted party, not none)."""
     f = float(fraction)
     if not (0.0 <= f < 1.0):
         raise ValueError(f"collusion fraction rho must be in [0, 1), got {fraction!r}")
     n = trace.parties
-    count = min(int(round(f * n)), n - 1)
+    count = min(coalition_size(f, n), n - 1)
     C = np.random.default_rng(seed).choice(n, size=count, replace=False)
     return collusion_view(trace, C)
 
 
 def random_eavesdrop(trace: ExecutionTrace, fraction: float, seed: int | None = None) -> AdversaryView:
-    """Intercept ``round(fraction * m_t)`` of the ``m_t`` delivered messages of every iteration."""
+    """Intercept ``ceil(fraction * m_t)`` of the ``m_t`` delivered messages of every iteration."""
     f = float(fraction)
     if not (0.0 <= f <= 1.0):
         raise ValueError(f"observed fraction must be in [0, 1], got {fraction!r}")
@@ -125,7 +133,7 @@ def random_eavesdrop(trace: ExecutionTrace, fraction: float, seed: int | None = 
     observed = _finals(trace)
     for t, step in enumerate(trace.steps):
         m = step.messages
-        count = int(round(f * len(m)))
+        count = coalition_size(f, len(m))
         if count:
             pick = rng.choice(len(m), size=count, replace=False)
             observed[t, m.senders[pick]] = True

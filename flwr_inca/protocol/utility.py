@@ -14,21 +14,30 @@ not cancel (only ``eta*`` without permanent dropouts, since then ``a = 0``).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .schedules import adapted_rows
 from .trace import ExecutionTrace
 
-__all__ = ["output_coefficients", "expected_mse"]
+__all__ = ["output_coefficients", "noise_std", "expected_mse"]
 
 
-def output_coefficients(trace: ExecutionTrace) -> tuple[np.ndarray, np.ndarray]:
+def output_coefficients(trace: ExecutionTrace, finalists=None) -> tuple[np.ndarray, np.ndarray]:
     """``(b, a)``: coefficients of ``x_i + eta*_i`` (n,) and of each noise term ``eta_{i,k}`` (n, T)
-    in the sum of the final messages of the parties online at T."""
+    in the sum of the final messages of the parties online at T (or of ``finalists``, a subset of
+    them, when some final messages were lost: their share of the noise then no longer cancels)."""
     n, T = trace.parties, trace.iterations
     c_o, Z_o = adapted_rows(trace.schedule, trace.online_mask())
+    online_T = trace.steps[-1].online
+    if finalists is None:
+        finalists = online_T
+    finalists = np.asarray(finalists, dtype=np.int64).reshape(-1)
+    if not np.isin(finalists, online_T).all():
+        raise ValueError("finalists must be parties online at the last iteration")
     u = np.zeros(n)
-    u[trace.steps[-1].online] = 1.0
+    u[finalists] = 1.0
     b = np.zeros(n)
     a = np.zeros((n, T))
     for t in range(T, -1, -1):
@@ -37,6 +46,17 @@ def output_coefficients(trace: ExecutionTrace) -> tuple[np.ndarray, np.ndarray]:
         if t > 0:
             u = trace.steps[t - 1].matrix(n).T @ u
     return b, a
+
+
+def noise_std(trace: ExecutionTrace, finalists=None) -> float:
+    """Standard deviation, per coordinate, of the noise in the estimate ``sum(y) / sum(omega)`` over
+    ``finalists`` (default: every party online at T): ``sqrt(s*^2 |b|^2 + sD^2 |a|^2) / sum(b)``.
+    ``inf`` when the finalists carry no value."""
+    b, a = output_coefficients(trace, finalists)
+    total = b.sum()
+    if total <= 0:
+        return float("inf")
+    return math.sqrt(trace.sigma_star**2 * float(b @ b) + trace.sigma_delta**2 * float(np.sum(a * a))) / total
 
 
 def expected_mse(
