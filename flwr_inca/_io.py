@@ -1,9 +1,10 @@
-"""Small I/O helpers shared by traces and the privacy ledger."""
+"""Small I/O helpers shared by traces, the privacy ledger and node-local storage."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -17,17 +18,20 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool 
 
     A crash leaves either the old file or the new one, never a half-written file. ``durable=False``
     skips the fsyncs (readers never see a partial file, but a power loss may lose the write): for
-    caches that can be rebuilt.
+    caches that can be rebuilt, written often (node-local party states), so the temporary name is
+    simply unique per process and thread, which keeps concurrent writers apart.
     """
     target = Path(path)
+    if not durable:
+        _replace_quickly(target, data)
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-            if durable:
-                fh.flush()
-                os.fsync(fh.fileno())
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -35,8 +39,6 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool 
         except FileNotFoundError:
             pass
         raise
-    if not durable:
-        return
     try:  # persist the rename itself
         dir_fd = os.open(target.parent, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -47,3 +49,19 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool 
         pass
     finally:
         os.close(dir_fd)
+
+
+def _replace_quickly(target: Path, data: bytes) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        fh = open(tmp, "wb")
+    except FileNotFoundError:  # the directory does not exist yet
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(tmp, "wb")
+    try:
+        with fh:
+            fh.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

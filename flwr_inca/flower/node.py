@@ -12,7 +12,6 @@ import hashlib
 import os
 import secrets as _secrets
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -149,17 +148,8 @@ class DirectoryStore:
         return self.load_blob(round, f"state-{version}")
 
     def save_blob(self, round: int, name: str, data: bytes) -> None:
-        # atomic, not durable (what a crash loses is restored through the relay); the temporary name
-        # is unique per process and thread, so concurrent writers (a straggler and its retry) never mix
-        target = self._dir(round) / f"{name}.bin"
-        tmp = target.with_name(f".{name}.{os.getpid()}-{threading.get_ident()}.tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-        except FileNotFoundError:  # first write of the round (the value is written durably)
-            atomic_write_bytes(target, data, durable=False)
-            return
-        os.replace(tmp, target)
+        # atomic, not durable: what a crash loses is restored through the relay
+        atomic_write_bytes(self._dir(round) / f"{name}.bin", data, durable=False)
 
     def load_blob(self, round: int, name: str) -> bytes | None:
         try:

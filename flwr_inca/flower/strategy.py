@@ -203,7 +203,7 @@ class IncaStrategy(FedAvg):
         self.ledger = PrivacyLedger(ledger_path, delta=self.delta, max_epsilon=max_epsilon,
                                     accountant=accountant or ("gdp" if self.sample_rate == 1 else "prv"))
         try:  # fail now, not after a round has spent privacy
-            self.ledger.epsilon_after(1.0, self.sample_rate)
+            self.ledger.accountant.check_sample_rate(self.sample_rate)
         except ValueError as exc:
             raise ValueError(f"accountant {self.ledger.accountant.name!r} cannot account sample_rate = "
                              f"{self.sample_rate}: {exc}") from exc

@@ -53,10 +53,15 @@ def noise_std(trace: ExecutionTrace, finalists=None) -> float:
     ``finalists`` (default: every party online at T): ``sqrt(s*^2 |b|^2 + sD^2 |a|^2) / sum(b)``.
     ``inf`` when the finalists carry no value."""
     b, a = output_coefficients(trace, finalists)
+    return math.sqrt(_noise_variance(b, a, trace.sigma_star, trace.sigma_delta))
+
+
+def _noise_variance(b: np.ndarray, a: np.ndarray, sigma_star: float, sigma_delta: float) -> float:
+    """Per-coordinate variance of the noise in ``(b . (x + eta*) + a . eta) / sum(b)``."""
     total = b.sum()
     if total <= 0:
         return float("inf")
-    return math.sqrt(trace.sigma_star**2 * float(b @ b) + trace.sigma_delta**2 * float(np.sum(a * a))) / total
+    return (sigma_star**2 * float(b @ b) + sigma_delta**2 * float(np.sum(a * a))) / total**2
 
 
 def expected_mse(
@@ -78,5 +83,4 @@ def expected_mse(
         return float("inf")
     n = trace.parties
     lost = value_variance * float(np.sum((b / total - 1.0 / n) ** 2))
-    noise = (s_star**2 * float(b @ b) + s_delta**2 * float(np.sum(a * a))) / total**2
-    return lost + noise
+    return lost + _noise_variance(b, a, s_star, s_delta)

@@ -33,6 +33,10 @@ class RoundAccountant(ABC):
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
         """Epsilon of all ``rounds`` together at ``delta`` (0 for no rounds)."""
 
+    def check_sample_rate(self, sample_rate: float) -> None:
+        """Raise ``ValueError`` if this accountant cannot account rounds with ``sample_rate`` (cheap:
+        callers check before spending anything)."""
+
 
 def grouped(rounds: Sequence[RoundCost]) -> list[tuple[float, float, int]]:
     """``(noise_multiplier, sample_rate, count)`` triples, identical rounds merged (order is

@@ -21,12 +21,16 @@ class GdpAccountant(RoundAccountant):
 
     name = "gdp"
 
-    def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
-        if any(r.sample_rate != 1.0 for r in rounds):
+    def check_sample_rate(self, sample_rate: float) -> None:
+        if sample_rate != 1.0:
             raise ValueError(
                 "the 'gdp' accountant is exact only without subsampling (sample_rate = 1); "
                 "use the 'rdp' or 'prv' accountant for Poisson-subsampled rounds"
             )
+
+    def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
+        for r in rounds:
+            self.check_sample_rate(r.sample_rate)
         if not rounds:
             return 0.0
         return epsilon_for_delta(compose_mu([r.mu for r in rounds]), delta)
