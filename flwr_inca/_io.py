@@ -21,10 +21,10 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool 
     caches that can be rebuilt, written often (node-local party states), so the temporary name is
     simply unique per process and thread, which keeps concurrent writers apart.
     """
-    target = Path(path)
     if not durable:
-        _replace_quickly(target, data)
+        _replace_quickly(os.fspath(path), data)
         return
+    target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -51,17 +51,22 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool 
         os.close(dir_fd)
 
 
-def _replace_quickly(target: Path, data: bytes) -> None:
-    tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+def _replace_quickly(target: str, data: bytes) -> None:
+    # plain strings: this runs on every mixing step of a node, where pathlib costs more than the I/O
+    head, name = os.path.split(target)
+    tmp = os.path.join(head, f".{name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         fh = open(tmp, "wb")
     except FileNotFoundError:  # the directory does not exist yet
-        target.parent.mkdir(parents=True, exist_ok=True)
+        os.makedirs(head or ".", exist_ok=True)
         fh = open(tmp, "wb")
     try:
         with fh:
             fh.write(data)
         os.replace(tmp, target)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
         raise

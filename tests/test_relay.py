@@ -9,7 +9,14 @@ pytest.importorskip("cryptography")
 
 from flwr_inca import InjectionSchedule, replay  # noqa: E402
 from flwr_inca.flower.crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal  # noqa: E402
-from flwr_inca.flower.node import MemoryStore, RoundParams, RoundSecrets, handle_exchange  # noqa: E402
+from flwr_inca.flower.node import (  # noqa: E402
+    MemoryLRU,
+    MemoryStore,
+    RoundMemo,
+    RoundParams,
+    RoundSecrets,
+    handle_exchange,
+)
 from flwr_inca.flower.relay import RoundRelay, drive  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise  # noqa: E402
 
@@ -18,12 +25,13 @@ ROUND = 3
 
 def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental", fault=None, tamper=None,
               seed=0, log=None, final_retries=2, precision="float64", lost_replies=None, wipe=None,
-              stores=None):
+              stores=None, memo=None):
     """Run one relayed round in process.
 
     ``fault(i, e)``: party i fails exchange e before doing anything; ``lost_replies(i, e)``: it does
     the work (and stores its state) but the reply never arrives; ``wipe(i, e)``: its storage is lost
     before exchange e. ``stores``: the parties' node-local stores (fresh ones by default).
+    ``memo(i, e)``: the process memory (a RoundMemo) party i uses in exchange e, or None.
     """
     n, d = values.shape
     sched = InjectionSchedule.resolve(schedule, T)
@@ -48,7 +56,7 @@ def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental",
                 stores[i].states.clear()
             if tamper is not None:  # what the party receives, not what the relay stores
                 req = replace(req, incoming=[replace(m, payload=tamper(m, commit)) for m in req.incoming])
-            rep = handle_exchange(req, params, i, secrets[i], stores[i])
+            rep = handle_exchange(req, params, i, secrets[i], stores[i], None if memo is None else memo(i, e))
             if log is not None:
                 log.append((req, rep))
             if lost_replies is not None and lost_replies(i, e):
@@ -169,6 +177,119 @@ def test_rejoining_a_round_number_uses_nothing_from_the_earlier_instance(kind, t
     relay, noise = run_local(second, seed=1, stores=stores)  # fresh secrets, as in a deployment
     assert sorted(relay.finals) == list(range(6))
     _check_replay(relay, noise, second)
+
+
+def _faulty_round(values, **kwargs):
+    rng = np.random.default_rng(21)
+    bad = {(i, e) for i in range(values.shape[0]) for e in range(1, 9) if rng.random() < 0.15}
+    return run_local(values, T=6, k=2, fault=lambda i, e: (i, e) in bad,
+                     lost_replies=lambda i, e: (i, e + 1) in bad, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["one process", "two processes", "tiny memory"])
+def test_process_memory_changes_no_result(layout):
+    # memory only saves reads and draws: with it, every message and the result are bit-identical
+    values = np.random.default_rng(20).random((10, 7))
+    plain, plain_log = [], []
+    relay0, noise = _faulty_round(values, log=plain_log)
+    lrus = [MemoryLRU(), MemoryLRU()] if layout != "tiny memory" else [MemoryLRU(4 * 7 * 8 * 3)]
+    tokens = [bytes([i]) * 16 for i in range(10)]
+    pick = np.random.default_rng(3)
+    served = lambda i, e: RoundMemo(lrus[int(pick.integers(2)) if layout == "two processes" else 0], tokens[i])  # noqa: E731
+    log = []
+    relay1, _ = _faulty_round(values, log=log, memo=served)
+    assert len(lrus[0]) > 0
+    assert np.array_equal(relay0.estimate(), relay1.estimate())
+    assert relay0.trace().to_dict() == relay1.trace().to_dict()
+    assert [[_routing(m) for m in rep.outgoing] for _, rep in plain_log] == \
+        [[_routing(m) for m in rep.outgoing] for _, rep in log]
+    _check_replay(relay1, noise, values)
+    # storage lost while the process still remembers: no restore is needed, the result stays exact
+    relay2, _ = _faulty_round(values, memo=served, wipe=lambda i, e: i == 3 and e == 4)
+    _check_replay(relay2, noise, values)
+
+
+def _routing(m):  # what an outgoing message is, its (random-nonce) ciphertext aside
+    return (m.sender, m.receiver, m.iteration, m.weight, len(m.payload))
+
+
+def test_process_memory_of_an_earlier_round_instance_is_never_used():
+    # the same secrets (fixed seed) and round number, new values: only the instance token tells the
+    # two apart, and it must
+    rng = np.random.default_rng(22)
+    first, second = rng.random((6, 3)), rng.random((6, 3)) + 5.0
+    lru = MemoryLRU()
+    run_local(first, memo=lambda i, e: RoundMemo(lru, b"first-instance-" + bytes([i])))
+    relay, noise = run_local(second, memo=lambda i, e: RoundMemo(lru, b"second-instance" + bytes([i])))
+    _check_replay(relay, noise, second)
+    # the control: had the token been reused, the first instance's x + eta* would have leaked in
+    stale, _ = run_local(second, memo=lambda i, e: RoundMemo(lru, b"first-instance-" + bytes([i])))
+    assert not np.allclose(stale.estimate(), relay.estimate())
+
+
+def test_memory_lru_keeps_recent_items_within_its_budget():
+    lru = MemoryLRU(1000)
+    for j in range(10):
+        lru.put(("a", j), j, 200)
+    assert lru.bytes <= 1000 and len(lru) == 5 and lru.get(("a", 4)) is None and lru.get(("a", 9)) == 9
+    lru.get(("a", 5))  # used: now the most recent
+    lru.put(("b",), "x", 200)
+    assert lru.get(("a", 5)) == 5 and lru.get(("a", 6)) is None
+    lru.put(("big",), "y", 251)  # over a quarter of the budget: not kept
+    assert lru.get(("big",)) is None and lru.bytes <= 1000
+    with pytest.raises(ValueError, match="max_bytes"):
+        MemoryLRU(-1)
+    with pytest.raises(ValueError, match="instance token"):
+        RoundMemo(lru, b"short")
+
+
+def test_party_noise_cache_halves_the_draws_of_d_inc_and_changes_no_number():
+    from flwr_inca.flower.node import _TermMemo
+
+    sched = InjectionSchedule.incremental(6)
+    draws = []
+
+    class Counting(PartyNoise):
+        def _rng(self, kind, index):
+            draws.append((kind, index))
+            return super()._rng(kind, index)
+
+    def run(cache):
+        from flwr_inca.protocol.party import IncaParty
+
+        party = IncaParty(np.arange(5.0), sched, 0.5, 3.0, Counting(b"k" * 32, 2, cache))
+        state, out = party.initial_state(), []
+        for t in range(7):
+            state = party.compute(state, t, [], 0.0)
+            out.append(state.y)
+        return np.array(out)
+
+    plain = run(None)
+    n_plain = len(draws)
+    draws.clear()
+    cached = run(_TermMemo(RoundMemo(MemoryLRU(), b"t" * 16)))
+    assert np.array_equal(plain, cached)
+    assert n_plain == 1 + 2 * 6 and len(draws) == 1 + 6  # eta* and each term once
+
+
+def test_choose_neighbors_is_uniform_over_the_other_parties():
+    from itertools import combinations
+
+    from flwr_inca.flower.node import choose_neighbors
+
+    n, k, me, runs = 6, 2, 2, 20_000
+    counts = {c: 0 for c in combinations([j for j in range(n) if j != me], k)}
+    for it in range(runs):
+        picks = choose_neighbors(b"s" * 32, 1, it, me, n, k)
+        assert len(set(picks)) == k and me not in picks and all(0 <= p < n for p in picks)
+        counts[tuple(sorted(picks))] += 1
+    expected = runs / len(counts)
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    assert chi2 < 30  # 9 degrees of freedom: P(chi2 > 30) < 0.001
+    assert choose_neighbors(b"s" * 32, 1, 7, me, n, k) == choose_neighbors(b"s" * 32, 1, 7, me, n, k)
+    assert choose_neighbors(b"s" * 32, 1, 0, 0, 2, 1) == [1]
+    with pytest.raises(ValueError, match="neighbors"):
+        choose_neighbors(b"s" * 32, 1, 0, 0, 3, 3)
 
 
 def test_directory_store_is_private_to_the_node(tmp_path):

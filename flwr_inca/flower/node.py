@@ -4,6 +4,12 @@ A party keeps its round data in node-local storage (:class:`NodeStore`): its val
 when it joins the round, and every state it computes, as an immutable version per iteration. The relay
 tells it which version to build on, so retries and stragglers are harmless; if the version is gone
 (storage lost), the relay sends back one of the party's own committed payloads, which it can decrypt.
+
+Because every item is immutable, the process that serves a node may also keep recently used items in
+memory (:class:`RoundMemo`, a view of a bounded :class:`MemoryLRU`): the parsed roster, ``x + eta*``,
+its states, its X25519 keys and the cancelling noise term it drew for the next step. A memo is keyed
+by a random token drawn when the node joins the round, so nothing of an earlier round instance (a
+restarted strategy reuses round numbers, a fixed test seed reuses secrets) is ever taken for this one.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ import hashlib
 import os
 import secrets as _secrets
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,7 +32,8 @@ from ..protocol.schedules import InjectionSchedule
 from .crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal
 from .relay import Outgoing, Reply, Request
 
-__all__ = ["RoundSecrets", "RoundParams", "NodeStore", "MemoryStore", "DirectoryStore", "handle_exchange"]
+__all__ = ["RoundSecrets", "RoundParams", "NodeStore", "MemoryStore", "DirectoryStore", "MemoryLRU", "RoundMemo",
+           "handle_exchange"]
 
 
 @dataclass(frozen=True)
@@ -122,9 +131,10 @@ class DirectoryStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self._root = os.fspath(root)  # plain strings on the hot path: pathlib costs more than the I/O
 
-    def _dir(self, round: int) -> Path:
-        return self.root / f"round-{round}"
+    def _file(self, round: int, name: str) -> str:
+        return os.path.join(self._root, f"round-{round}", name)
 
     def save_value(self, round: int, value: np.ndarray) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -133,13 +143,11 @@ class DirectoryStore:
             for f in old.iterdir():
                 f.unlink(missing_ok=True)
             old.rmdir()
-        atomic_write_bytes(self._dir(round) / "value.f64", np.ascontiguousarray(value, dtype=np.float64).tobytes())
+        atomic_write_bytes(self._file(round, "value.f64"), np.ascontiguousarray(value, dtype=np.float64).tobytes())
 
     def load_value(self, round: int) -> np.ndarray | None:
-        try:
-            return np.frombuffer((self._dir(round) / "value.f64").read_bytes(), dtype=np.float64).copy()
-        except FileNotFoundError:
-            return None
+        data = self._read(self._file(round, "value.f64"))
+        return None if data is None else np.frombuffer(data, dtype=np.float64).copy()
 
     def save_state(self, round: int, version: int, data: bytes) -> None:
         self.save_blob(round, f"state-{version}", data)
@@ -149,45 +157,132 @@ class DirectoryStore:
 
     def save_blob(self, round: int, name: str, data: bytes) -> None:
         # atomic, not durable: what a crash loses is restored through the relay
-        atomic_write_bytes(self._dir(round) / f"{name}.bin", data, durable=False)
+        atomic_write_bytes(self._file(round, f"{name}.bin"), data, durable=False)
 
     def load_blob(self, round: int, name: str) -> bytes | None:
+        return self._read(self._file(round, f"{name}.bin"))
+
+    @staticmethod
+    def _read(path: str) -> bytes | None:
         try:
-            return (self._dir(round) / f"{name}.bin").read_bytes()
+            with open(path, "rb") as fh:
+                return fh.read()
         except FileNotFoundError:
             return None
 
 
+class MemoryLRU:
+    """A process's memory of immutable round items: least recently used first out, at most ``max_bytes``.
+
+    Thread-safe. Items larger than a quarter of the budget are not kept (they would evict everything
+    else for one use).
+    """
+
+    def __init__(self, max_bytes: int = 64 * 2**20) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self._items: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
+
+    def put(self, key: tuple, value: Any, nbytes: int) -> None:
+        if nbytes * 4 > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._items[key] = (value, nbytes)
+            self.bytes += nbytes
+            while self.bytes > self.max_bytes:
+                _, (_, size) = self._items.popitem(last=False)
+                self.bytes -= size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.bytes = 0
+
+
+class RoundMemo:
+    """The items of one round instance in a :class:`MemoryLRU` (keys prefixed by the instance token).
+
+    ``instance`` must be unique to the node's participation in one round (random bytes drawn when it
+    joins): items are immutable within an instance, so a hit is always the value storage would give.
+    """
+
+    def __init__(self, lru: MemoryLRU, instance: bytes) -> None:
+        if len(instance) < 16:
+            raise ValueError("instance token must be at least 16 random bytes")
+        self.lru, self.instance = lru, bytes(instance)
+
+    def get(self, *name: Any) -> Any:
+        return self.lru.get((self.instance, *name))
+
+    def put(self, value: Any, *name: Any, nbytes: int | None = None) -> Any:
+        """Keep ``value`` under ``name`` (arrays are made read-only: they are shared); returns it."""
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
+        size = nbytes if nbytes is not None else (value.nbytes if isinstance(value, np.ndarray) else 64)
+        self.lru.put((self.instance, *name), value, size + 64)
+        return value
+
+
+class _TermMemo:
+    """The cancelling noise terms of one party in a :class:`RoundMemo` (``PartyNoise``'s cache)."""
+
+    def __init__(self, memo: RoundMemo) -> None:
+        self.memo = memo
+
+    def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        return self.memo.get("term", *key)
+
+    def __setitem__(self, key: tuple[int, int], draw: np.ndarray) -> None:
+        self.memo.put(draw, "term", *key)
+
+
 def handle_exchange(request: Request, params: RoundParams, me: int, secrets: RoundSecrets,
-                    store: NodeStore) -> Reply:
-    """Process one request for party index ``me``, whose round data is in ``store``."""
+                    store: NodeStore, memo: RoundMemo | None = None) -> Reply:
+    """Process one request for party index ``me``, whose round data is in ``store``.
+
+    ``memo`` (optional) is this process's memory of the round instance: what it holds is not read
+    from ``store`` or recomputed, and what is computed here is kept in it.
+    """
     if not (0 <= me < len(params.roster)):
         raise ValueError("party is not in the roster")
     if secrets.round != params.round:
         raise ValueError(f"this party joined round {secrets.round}, the request is for round {params.round}")
-    noise = PartyNoise(secrets.noise_secret, params.round)
-    cache = f"xtilde-{params.sigma_star!r}"  # x + eta*: drawn once per round
-    cached = store.load_blob(params.round, cache)
-    value = None
-    x_tilde = np.frombuffer(cached, dtype=np.float64).copy() if cached is not None else None
-    if x_tilde is None:
-        value = store.load_value(params.round)
-        if value is None:
-            raise RuntimeError(f"the node has no value for round {params.round} (storage lost)")
+    noise = PartyNoise(secrets.noise_secret, params.round, None if memo is None else _TermMemo(memo))
     precision = np.dtype(params.precision)
-    keys = KeyPair(secrets.private_key)
+    keys = memo.get("keys") if memo is not None else None
+    if keys is None:
+        keys = KeyPair(secrets.private_key)
+        if memo is not None:
+            memo.put(keys, "keys")
     if keys.public != params.public_keys[me]:
         raise ValueError("the roster does not hold this party's public key")
-    party = IncaParty(value, params.schedule, params.sigma_star, params.sigma_delta, noise, precision, x_tilde)
-    if x_tilde is None:
-        store.save_blob(params.round, cache, party.x_tilde.tobytes())
+    party = _party(params, secrets, noise, precision, store, memo)
     node, d = params.roster[me], party.d
-    pair_keys: dict[int, bytes] = {}
 
     def key_with(j: int) -> bytes:
-        if j not in pair_keys:
-            pair_keys[j] = pair_key(keys, params.public_keys[j], params.round)
-        return pair_keys[j]
+        key = memo.get("pair", j) if memo is not None else None
+        if key is None:
+            key = pair_key(keys, params.public_keys[j], params.round)
+            if memo is not None:
+                memo.put(key, "pair", j)
+        return key
 
     def message_ad(sender: int, receiver: int, iteration: int) -> bytes:
         return associated_data(params.roster[sender], params.roster[receiver], params.round, iteration)
@@ -195,17 +290,29 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
     def load(version: int) -> PartyState | None:
         if version < 0:
             return party.initial_state()
+        state = memo.get("state", version) if memo is not None else None
+        if state is not None:
+            return state
         data = store.load_state(params.round, version)
+        if data is None:
+            return None
         try:
-            return None if data is None else PartyState.from_bytes(data)
+            return remember(PartyState.from_bytes(data))
         except ValueError:  # damaged: as good as lost, the relay can restore it
             return None
+
+    def remember(state: PartyState) -> PartyState:
+        if memo is not None:
+            state.y.flags.writeable = False  # shared from now on
+            memo.put(state, "state", state.last, nbytes=state.y.nbytes)
+        return state
 
     if request.restore is not None:  # our own committed payload: we can open it (pair keys are symmetric)
         m = request.restore
         old = PartyState.from_bytes(open_sealed(key_with(m.receiver), m.payload,
                                                 message_ad(me, m.receiver, m.iteration)))
         store.save_state(params.round, old.last, old.to_bytes(precision))
+        remember(old)
     state = load(request.version)
     if state is None:
         return Reply(me, need_restore=True)
@@ -233,19 +340,57 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
             return reply
         state = party.compute(state, request.task, incoming, request.delivered_weight)
         store.save_state(params.round, request.task, state.to_bytes(precision))  # before anyone sees it
+        remember(state)
         reply.computed = request.task
     T = params.iterations
     if request.commit <= T:
-        n = len(params.roster)
-        k = min(params.neighbors, n - 1)
-        digest = hashlib.sha256(secrets.noise_secret + struct.pack("<qq", params.round, request.commit) + b"peers")
-        rng = np.random.default_rng(np.frombuffer(digest.digest()[:16], dtype=np.uint64))
-        others = np.array([j for j in range(n) if j != me])
         plaintext = state.to_bytes(precision)
-        for r in rng.choice(others, size=k, replace=False).tolist():
+        k = min(params.neighbors, len(params.roster) - 1)
+        for r in choose_neighbors(secrets.noise_secret, params.round, request.commit, me, len(params.roster), k):
             payload = seal(key_with(r), plaintext, message_ad(me, r, request.commit))
-            reply.outgoing.append(Outgoing(me, int(r), 1.0 / (k + 1), payload, request.commit))
+            reply.outgoing.append(Outgoing(me, r, 1.0 / (k + 1), payload, request.commit))
     elif request.final and state.last == T:
         reply.final = state.y
         reply.final_omega = state.omega
     return reply
+
+
+def choose_neighbors(noise_secret: bytes, round: int, iteration: int, me: int, n: int, k: int) -> list[int]:
+    """The ``k`` out-neighbours party ``me`` picks among the other ``n - 1`` for ``iteration``.
+
+    Uniform without replacement (Floyd's algorithm), driven by SHA-256 of the party's own secret in
+    counter mode (bias at most n / 2**64), so the relay has no say and a retry picks the same peers.
+    """
+    if not (0 <= k <= n - 1):
+        raise ValueError(f"neighbors must be in [0, n - 1] = [0, {n - 1}], got {k}")
+    head = noise_secret + struct.pack("<qq", round, iteration) + b"peers"
+    picks: list[int] = []
+    taken: set[int] = set()
+    for j, top in enumerate(range(n - 1 - k, n - 1)):  # Floyd: a uniform k-subset of range(n - 1)
+        draw = int.from_bytes(hashlib.sha256(head + struct.pack("<q", j)).digest()[:8], "little") % (top + 1)
+        pick = top if draw in taken else draw
+        taken.add(pick)
+        picks.append(pick)
+    return [p + (p >= me) for p in picks]  # skip ``me`` itself
+
+
+def _party(params: RoundParams, secrets: RoundSecrets, noise: PartyNoise, precision: np.dtype,
+           store: NodeStore, memo: RoundMemo | None) -> IncaParty:
+    """The party's computations, with ``x + eta*`` drawn once per round (kept in ``store`` and ``memo``)."""
+    name = f"xtilde-{params.sigma_star!r}"
+    x_tilde = memo.get(name) if memo is not None else None
+    if x_tilde is not None:
+        return IncaParty(None, params.schedule, params.sigma_star, params.sigma_delta, noise, precision, x_tilde)
+    cached = store.load_blob(params.round, name)
+    if cached is not None:
+        x_tilde = np.frombuffer(cached, dtype=np.float64).copy()
+        party = IncaParty(None, params.schedule, params.sigma_star, params.sigma_delta, noise, precision, x_tilde)
+    else:
+        value = store.load_value(params.round)
+        if value is None:
+            raise RuntimeError(f"the node has no value for round {params.round} (storage lost)")
+        party = IncaParty(value, params.schedule, params.sigma_star, params.sigma_delta, noise, precision)
+        store.save_blob(params.round, name, party.x_tilde.tobytes())
+    if memo is not None:
+        memo.put(party.x_tilde, name)
+    return party

@@ -115,6 +115,7 @@ class RoundRelay:
         """Requests for the exchange that commits to iteration ``commit`` (T + 1: final reports)."""
         out = []
         final_round = commit > self.T
+        routed: dict[int, tuple[dict[int, list[Outgoing]], dict[int, float]]] = {}
         for i in range(self.n):
             if final_round and (i not in self.online[self.T] or i in self.finals) and not self.retransmit_due[i]:
                 continue  # nothing left to do for this party
@@ -123,15 +124,28 @@ class RoundRelay:
             if t is not None and self._task_ready(i, t):
                 req.task = t
                 if t > 0:
-                    box = self.outbox[t]
-                    req.incoming = [m for (s, r), m in sorted(box.items()) if r == i and s in self.online[t]]
-                    req.delivered_weight = float(sum(m.weight for (s, r), m in box.items()
-                                                     if s == i and r in self.online[t]))
+                    if t not in routed:
+                        routed[t] = self._delivered(t)
+                    incoming, delivered = routed[t]
+                    req.incoming = incoming.get(i, [])
+                    req.delivered_weight = delivered.get(i, 0.0)
             req.retransmit = [(u, r, self.commit_version[i][u]) for (u, r) in self.retransmit_due[i]]
             if self.need_restore[i]:
                 req.restore = self.restore_point[i]
             out.append(req)
         return out
+
+    def _delivered(self, t: int) -> tuple[dict[int, list[Outgoing]], dict[int, float]]:
+        """Messages of iteration ``t`` between parties online at ``t``: by receiver (in sender order),
+        and the total weight each sender got delivered. One pass over the outbox."""
+        on = self.online[t]
+        incoming: dict[int, list[Outgoing]] = {}
+        delivered: dict[int, float] = {}
+        for (s, r), m in sorted(self.outbox[t].items()):
+            if s in on and r in on:
+                incoming.setdefault(r, []).append(m)
+                delivered[s] = delivered.get(s, 0.0) + m.weight
+        return incoming, delivered
 
     # ---------------------------------------------------------------------------- replies
     def ingest(self, commit: int, replies: dict[int, Reply], requests: list[Request]) -> None:

@@ -9,6 +9,7 @@ malformed, so a broken message is a failed exchange, never data.
 from __future__ import annotations
 
 import struct
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,7 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
         Z = np.frombuffer(rd.raw(8 * (T + 1) * T), dtype="<f8").reshape(T + 1, T)
         schedule = InjectionSchedule.custom(c, Z)
     else:
-        schedule = InjectionSchedule.resolve("incremental" if kind == 0 else "early", T)
+        schedule = _named_schedule(kind, T)
     if has_roster:
         (n,) = rd.take("<I")
         ids = np.frombuffer(rd.raw(8 * n), dtype="<u8").tolist()
@@ -135,6 +136,15 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
                          "float32" if prec == 4 else "float64")
     req = Request(party, commit, version, task, incoming, dw, [tuple(x) for x in retransmit], bool(final), restore)
     return req, params
+
+
+@lru_cache(maxsize=64)
+def _named_schedule(kind: int, iterations: int) -> InjectionSchedule:
+    """Built once per (kind, T) in a process, not once per request; shared, hence read-only."""
+    schedule = InjectionSchedule.resolve("incremental" if kind == 0 else "early", iterations)
+    schedule.c.flags.writeable = False
+    schedule.Z.flags.writeable = False
+    return schedule
 
 
 def encode_reply(rep: Reply, has_roster: bool = False) -> bytes:

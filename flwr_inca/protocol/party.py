@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -25,6 +26,13 @@ __all__ = ["PartyNoise", "PartyState", "IncaParty", "Incoming"]
 _STAR, _TERM = 0, 1
 
 
+class TermCache(Protocol):
+    """Where :class:`PartyNoise` may keep its draws of cancelling terms, keyed by ``(k, d)``."""
+
+    def get(self, key: tuple[int, int]) -> np.ndarray | None: ...
+    def __setitem__(self, key: tuple[int, int], draw: np.ndarray) -> None: ...
+
+
 class PartyNoise:
     """Unit Gaussian draws of one party for one round, derived from a secret.
 
@@ -32,13 +40,18 @@ class PartyNoise:
     SHA-256(secret, round, kind, index), so any draw can be regenerated on demand (memory O(d), and
     retries are deterministic). Seed the secret from a CSPRNG (``secrets.token_bytes(32)``); a fixed
     secret is for tests only.
+
+    ``cache`` (optional, anything with ``get(key)`` and ``cache[key] = draw``, keys ``(k, d)``) keeps
+    the cancelling terms drawn: under D_Inc a party cancels at each step the term it drew at the step
+    before, so a cache halves its draws. Cached draws are the same numbers, only not drawn again.
     """
 
-    def __init__(self, secret: bytes, round: int = 0) -> None:
+    def __init__(self, secret: bytes, round: int = 0, cache: TermCache | None = None) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ValueError("secret must be at least 16 bytes")
         self.secret = bytes(secret)
         self.round = int(round)
+        self.cache = cache
 
     def _rng(self, kind: int, index: int) -> np.random.Generator:
         digest = hashlib.sha256(self.secret + struct.pack("<qqq", self.round, kind, index)).digest()
@@ -51,7 +64,13 @@ class PartyNoise:
 
     def term(self, k: int, d: int) -> np.ndarray:
         """Unit draws of the cancelling term ``eta_k`` (k = 1..T), shape (d,)."""
-        return self._rng(_TERM, k).standard_normal(d)
+        if self.cache is None:
+            return self._rng(_TERM, k).standard_normal(d)
+        draw = self.cache.get((k, d))
+        if draw is None:
+            draw = self._rng(_TERM, k).standard_normal(d)
+            self.cache[(k, d)] = draw
+        return draw
 
     @staticmethod
     def explicit(noises: list[PartyNoise], d: int, iterations: int) -> ExplicitNoise:
