@@ -15,6 +15,7 @@ from flwr_inca.flower.node import (  # noqa: E402
     RoundMemo,
     RoundParams,
     RoundSecrets,
+    draw_noise_ahead,
     handle_exchange,
 )
 from flwr_inca.flower.relay import RoundRelay, drive  # noqa: E402
@@ -25,13 +26,14 @@ ROUND = 3
 
 def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental", fault=None, tamper=None,
               seed=0, log=None, final_retries=2, precision="float64", lost_replies=None, wipe=None,
-              stores=None, memo=None):
+              stores=None, memo=None, ahead=False, on_start=None):
     """Run one relayed round in process.
 
     ``fault(i, e)``: party i fails exchange e before doing anything; ``lost_replies(i, e)``: it does
     the work (and stores its state) but the reply never arrives; ``wipe(i, e)``: its storage is lost
     before exchange e. ``stores``: the parties' node-local stores (fresh ones by default).
     ``memo(i, e)``: the process memory (a RoundMemo) party i uses in exchange e, or None.
+    ``ahead``: parties draw their noise into storage when they join; ``on_start()`` runs after that.
     """
     n, d = values.shape
     sched = InjectionSchedule.resolve(schedule, T)
@@ -40,6 +42,10 @@ def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental",
     stores = [MemoryStore() for _ in range(n)] if stores is None else stores
     for i in range(n):
         stores[i].save_value(ROUND, values[i])
+        if ahead:
+            draw_noise_ahead(stores[i], secrets[i], T, d)
+    if on_start is not None:
+        on_start()
     params = RoundParams(ROUND, T, k, s_star, s_delta, sched, roster, [s.public_key for s in secrets], precision)
     relay = RoundRelay(n, T, d, sched, s_star, s_delta, precision)
     counter = [0]
@@ -244,7 +250,7 @@ def test_memory_lru_keeps_recent_items_within_its_budget():
 
 
 def test_party_noise_cache_halves_the_draws_of_d_inc_and_changes_no_number():
-    from flwr_inca.flower.node import _TermMemo
+    from flwr_inca.flower.node import StoredNoise
 
     sched = InjectionSchedule.incremental(6)
     draws = []
@@ -267,9 +273,32 @@ def test_party_noise_cache_halves_the_draws_of_d_inc_and_changes_no_number():
     plain = run(None)
     n_plain = len(draws)
     draws.clear()
-    cached = run(_TermMemo(RoundMemo(MemoryLRU(), b"t" * 16)))
+    cached = run(StoredNoise(MemoryStore(), 2, RoundMemo(MemoryLRU(), b"t" * 16)))
     assert np.array_equal(plain, cached)
     assert n_plain == 1 + 2 * 6 and len(draws) == 1 + 6  # eta* and each term once
+
+
+@pytest.mark.parametrize("schedule", ["incremental", "early"])
+def test_noise_drawn_ahead_is_the_noise_drawn_on_demand(schedule, monkeypatch):
+    values = np.random.default_rng(23).random((8, 5))
+    relay0, noise = _faulty_round(values, schedule=schedule)
+    import flwr_inca.flower.node as node
+
+    draws = []
+
+    class Counting(PartyNoise):
+        def _rng(self, kind, index):
+            draws.append((kind, index))
+            return super()._rng(kind, index)
+
+    monkeypatch.setattr(node, "PartyNoise", Counting)  # the parties' noise, not the replay's
+    relay1, _ = _faulty_round(values, schedule=schedule, ahead=True, on_start=draws.clear)
+    assert draws == []  # mixing only read what was drawn at join
+    _faulty_round(values, schedule=schedule, ahead=False, on_start=draws.clear)
+    assert len(draws) >= 8 * 7  # the control: without it, every party draws eta* and 6 terms
+    assert np.array_equal(relay0.estimate(), relay1.estimate())
+    assert relay0.trace().to_dict() == relay1.trace().to_dict()
+    _check_replay(relay1, noise, values)
 
 
 def test_choose_neighbors_is_uniform_over_the_other_parties():
@@ -349,6 +378,22 @@ def test_malformed_commit_is_refused():
     relay.ingest(1, bad, reqs)
     assert relay.online[1] == set() and relay.invalid_replies == 3
     assert relay.version == [-1, -1, -1, -1]  # computations are accepted only with a valid commit
+
+
+def test_hkdf_is_rfc5869():
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    from flwr_inca.flower.crypto import hkdf_sha256
+
+    # RFC 5869, test case 1 (first 32 bytes of its 42-byte output)
+    ikm, salt, info = bytes([0x0B] * 22), bytes(range(13)), bytes(range(0xF0, 0xFA))
+    assert hkdf_sha256(ikm, salt, info).hex() == \
+        "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf"
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # and the reference implementation
+        ikm, salt, info = (rng.bytes(int(rng.integers(1, 80))) for _ in range(3))
+        assert hkdf_sha256(ikm, salt, info) == HKDF(hashes.SHA256(), 32, salt, info).derive(ikm)
 
 
 def test_crypto_binds_sender_receiver_round_iteration():

@@ -7,7 +7,7 @@
     def train(msg, context): ...    # returns {"arrays": new model, "metrics": {...}} as for FedAvg
 
 The wrapper runs your train function, turns its model into an update (new - global), clips it to
-the L2 norm set by the strategy, and keeps it on the node. The update never leaves the node in the
+the L2 norm set by the strategy, and keeps it on the node, with the round's unit noise drawn ahead. The update never leaves the node in the
 clear: the reply carries only a fresh public key. The node then takes part in the relayed mixing.
 
 Round data (the update, the roster, the states computed during mixing) lives in node-local storage,
@@ -28,7 +28,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .node import DirectoryStore, MemoryLRU, RoundMemo, RoundSecrets, handle_exchange
+from .node import DirectoryStore, MemoryLRU, RoundMemo, RoundSecrets, draw_noise_ahead, handle_exchange
 from .wire import FIELD, decode_request, encode_reply
 
 __all__ = ["IncaClient", "MIX_ACTION", "INCA_KEY", "PROCESS_MEMORY", "flatten_arrays", "unflatten_arrays", "clip"]
@@ -98,10 +98,17 @@ class IncaClient:
             reproducible for tests; never use it in a deployment (anyone knowing it knows the noise).
         remember: keep recently used round items in :data:`PROCESS_MEMORY` (storage stays the
             reference; results are the same either way).
+        noise_ahead_bytes: draw the round's unit noise ((T + 1) * d float64 values) into node storage
+            while joining, beside local training, when it takes at most this many bytes; otherwise
+            (or with 0) each mixing step draws its own. Same numbers either way.
     """
 
     def __init__(self, app: ClientApp, *, state_dir: str | os.PathLike[str] | None = None,
-                 insecure_fixed_seed: int | None = None, remember: bool = True) -> None:
+                 insecure_fixed_seed: int | None = None, remember: bool = True,
+                 noise_ahead_bytes: int = 64 * 2**20) -> None:
+        if isinstance(noise_ahead_bytes, bool) or not isinstance(noise_ahead_bytes, int) or noise_ahead_bytes < 0:
+            raise ValueError(f"noise_ahead_bytes must be an integer >= 0, got {noise_ahead_bytes!r}")
+        self.noise_ahead_bytes = noise_ahead_bytes
         self.app = app
         self.fixed_seed = insecure_fixed_seed
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -110,8 +117,9 @@ class IncaClient:
 
     def store(self, context: Context) -> DirectoryStore:
         """This node's storage for the current run."""
-        root = self.state_dir or Path(tempfile.gettempdir()) / f"flwr-inca-{os.getuid()}"
-        return DirectoryStore(root / f"run-{context.run_id}" / f"node-{int(context.node_id) % 2**64}")
+        root = os.fspath(self.state_dir) if self.state_dir else os.path.join(tempfile.gettempdir(),
+                                                                               f"flwr-inca-{os.getuid()}")
+        return DirectoryStore(os.path.join(root, f"run-{context.run_id}", f"node-{int(context.node_id) % 2**64}"))
 
     def train(self) -> Callable[[TrainFn], TrainFn]:
         """Decorator replacing ``@app.train()`` for your train function."""
@@ -145,7 +153,11 @@ class IncaClient:
             raise ValueError("the returned model does not have the shapes of the global model")
         value = clip(new - old, float(cfg["clip-norm"]))
         secrets = RoundSecrets.generate(round_, self.fixed_seed, node=int(context.node_id) % 2**64)
-        self.store(context).save_value(round_, value)
+        store = self.store(context)
+        store.save_value(round_, value)
+        iterations = int(cfg.get("iterations", 0))
+        if 0 < (iterations + 1) * value.size * 8 <= self.noise_ahead_bytes:
+            draw_noise_ahead(store, secrets, iterations, value.size)
         context.state[_STATE_SECRETS] = ConfigRecord({
             "round": round_, "noise-secret": secrets.noise_secret, "private-key": secrets.private_key,
             # names this participation in memory; random even under a fixed seed, since a restarted

@@ -33,7 +33,7 @@ from .crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair
 from .relay import Outgoing, Reply, Request
 
 __all__ = ["RoundSecrets", "RoundParams", "NodeStore", "MemoryStore", "DirectoryStore", "MemoryLRU", "RoundMemo",
-           "handle_exchange"]
+           "StoredNoise", "draw_noise_ahead", "handle_exchange"]
 
 
 @dataclass(frozen=True)
@@ -125,13 +125,17 @@ class MemoryStore:
 class DirectoryStore:
     """Files under ``root`` (private to the node: mode 0700); every write is atomic.
 
-    Layout: ``round-<r>/value.f64`` and ``round-<r>/state-<version>.bin``. Joining a round removes
-    all earlier round data. States are not fsynced: a state lost in a crash is restored through the relay.
+    Layout: ``round-<r>/value.f64``, ``round-<r>/state-<version>.bin`` and other named items
+    (``noise-<k>.bin``: unit noise drawn ahead, as secret as the value). Joining a round removes all
+    earlier round data. States are not fsynced: a state lost in a crash is restored through the relay.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
         self._root = os.fspath(root)  # plain strings on the hot path: pathlib costs more than the I/O
+
+    @property
+    def root(self) -> Path:
+        return Path(self._root)
 
     def _file(self, round: int, name: str) -> str:
         return os.path.join(self._root, f"round-{round}", name)
@@ -240,17 +244,39 @@ class RoundMemo:
         return value
 
 
-class _TermMemo:
-    """The cancelling noise terms of one party in a :class:`RoundMemo` (``PartyNoise``'s cache)."""
+class StoredNoise:
+    """:class:`PartyNoise`'s cache for one party and round: unit draws in process memory (if a memo is
+    given), else drawn ahead into node storage (:func:`draw_noise_ahead`), else drawn on demand."""
 
-    def __init__(self, memo: RoundMemo) -> None:
-        self.memo = memo
+    def __init__(self, store: NodeStore, round: int, memo: RoundMemo | None = None) -> None:
+        self.store, self.round, self.memo = store, round, memo
 
     def get(self, key: tuple[int, int]) -> np.ndarray | None:
-        return self.memo.get("term", *key)
+        k, d = key
+        if self.memo is not None:
+            draw = self.memo.get("noise", k, d)
+            if draw is not None:
+                return draw
+        data = self.store.load_blob(self.round, f"noise-{k}")
+        if data is None or len(data) != 8 * d:
+            return None
+        draw = np.frombuffer(data, dtype=np.float64)  # read-only: shared from now on
+        if self.memo is not None:
+            self.memo.put(draw, "noise", k, d)
+        return draw
 
     def __setitem__(self, key: tuple[int, int], draw: np.ndarray) -> None:
-        self.memo.put(draw, "term", *key)
+        if self.memo is not None:
+            self.memo.put(draw, "noise", *key)
+
+
+def draw_noise_ahead(store: NodeStore, secrets: RoundSecrets, iterations: int, d: int) -> None:
+    """Draw the party's unit noise of the round (``eta*`` and ``eta_1..eta_T``) into ``store`` now,
+    beside local training, so that its mixing steps only read it. Same numbers as drawn on demand."""
+    noise = PartyNoise(secrets.noise_secret, secrets.round)
+    store.save_blob(secrets.round, "noise-0", noise.star(d).tobytes())
+    for k in range(1, iterations + 1):
+        store.save_blob(secrets.round, f"noise-{k}", noise.term(k, d).tobytes())
 
 
 def handle_exchange(request: Request, params: RoundParams, me: int, secrets: RoundSecrets,
@@ -264,7 +290,7 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
         raise ValueError("party is not in the roster")
     if secrets.round != params.round:
         raise ValueError(f"this party joined round {secrets.round}, the request is for round {params.round}")
-    noise = PartyNoise(secrets.noise_secret, params.round, None if memo is None else _TermMemo(memo))
+    noise = PartyNoise(secrets.noise_secret, params.round, StoredNoise(store, params.round, memo))
     precision = np.dtype(params.precision)
     keys = memo.get("keys") if memo is not None else None
     if keys is None:

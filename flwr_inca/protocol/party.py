@@ -27,7 +27,7 @@ _STAR, _TERM = 0, 1
 
 
 class TermCache(Protocol):
-    """Where :class:`PartyNoise` may keep its draws of cancelling terms, keyed by ``(k, d)``."""
+    """Where :class:`PartyNoise` may keep its unit draws: ``(0, d)`` for ``eta*``, ``(k, d)`` for ``eta_k``."""
 
     def get(self, key: tuple[int, int]) -> np.ndarray | None: ...
     def __setitem__(self, key: tuple[int, int], draw: np.ndarray) -> None: ...
@@ -41,9 +41,10 @@ class PartyNoise:
     retries are deterministic). Seed the secret from a CSPRNG (``secrets.token_bytes(32)``); a fixed
     secret is for tests only.
 
-    ``cache`` (optional, anything with ``get(key)`` and ``cache[key] = draw``, keys ``(k, d)``) keeps
-    the cancelling terms drawn: under D_Inc a party cancels at each step the term it drew at the step
-    before, so a cache halves its draws. Cached draws are the same numbers, only not drawn again.
+    ``cache`` (optional, anything with ``get(key)`` and ``cache[key] = draw``; key ``(0, d)`` is
+    ``eta*``, ``(k, d)`` the term ``eta_k``) keeps what was drawn, and may hold draws made ahead: under
+    D_Inc a party cancels at each step the term it drew at the step before, so a cache halves its
+    draws. Cached draws are the same numbers, only not drawn again.
     """
 
     def __init__(self, secret: bytes, round: int = 0, cache: TermCache | None = None) -> None:
@@ -59,16 +60,19 @@ class PartyNoise:
         return np.random.Generator(np.random.Philox(key=key))
 
     def star(self, d: int) -> np.ndarray:
-        """Unit draws of ``eta*``, shape (d,)."""
-        return self._rng(_STAR, 0).standard_normal(d)
+        """Unit draws of ``eta*``, shape (d,) (cache key ``(0, d)``)."""
+        return self._draw(_STAR, 0, d)
 
     def term(self, k: int, d: int) -> np.ndarray:
-        """Unit draws of the cancelling term ``eta_k`` (k = 1..T), shape (d,)."""
+        """Unit draws of the cancelling term ``eta_k`` (k = 1..T), shape (d,) (cache key ``(k, d)``)."""
+        return self._draw(_TERM, k, d)
+
+    def _draw(self, kind: int, k: int, d: int) -> np.ndarray:
         if self.cache is None:
-            return self._rng(_TERM, k).standard_normal(d)
+            return self._rng(kind, k).standard_normal(d)
         draw = self.cache.get((k, d))
         if draw is None:
-            draw = self._rng(_TERM, k).standard_normal(d)
+            draw = self._rng(kind, k).standard_normal(d)
             self.cache[(k, d)] = draw
         return draw
 
