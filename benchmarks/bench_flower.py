@@ -1,17 +1,35 @@
-"""IncA round vs Flower's own FedAvg exchange, side by side in one simulation (Ray backend).
+"""IncA mixing iterations vs Flower's own FedAvg exchange, paired, in one simulation (Ray backend).
 
-For each number of nodes, one simulation runs, interleaved: FedAvg train exchanges (the global model
-of d = 7850 float32 parameters out, the "trained" model back: Flower's own round trip, the floor) and
-IncA rounds with T = 5 and T = 10 mixing iterations. The ClientApp's "training" is a no-op
-perturbation, so both sides measure the protocol, not the learning. Reported: time per FedAvg
-exchange (through Flower's ``send_and_receive``, which polls every 0.1 s, and through the same
-push/pull loop polling every 10 ms that IncaStrategy uses), time per IncA mixing exchange (push to last
-reply, as for FedAvg; the first exchange of a round, which also distributes the roster and initializes
-the parties, is reported apart), the ratios, IncA's per-round time for each T and the marginal cost of
-one more iteration, (round(T=10) - round(T=5)) / 5, with its ratio to a FedAvg exchange.
+For each number of nodes, one simulation runs two parts:
 
-    python benchmarks/bench_flower.py                 # 10, 50 and 100 nodes
-    python benchmarks/bench_flower.py --nodes 10 --repeats 2
+* **Paired iterations.** IncA rounds with T = 10 where, right before every mixing exchange, the same
+  nodes do two FedAvg train exchanges (the global model of d = 7850 float32 parameters out, the
+  "trained" model back): one through Flower's own ``Grid.send_and_receive`` (the floor named by the
+  issue; it polls for replies every 0.1 s) and one through the push/pull loop IncaStrategy uses
+  (polls every 10 ms: a stricter floor). Each mixing exchange is compared with the FedAvg exchanges
+  made just before it, so a change in the machine's load hits both sides of a ratio. Reported: the
+  exchange (push to last reply, as for FedAvg) and the whole iteration on the server's clock (from
+  one mixing exchange to the next, less the inserted FedAvg exchanges: relay bookkeeping, encoding
+  and decoding included). Iterations 2..T are paired; the first exchange (roster, initialization)
+  and the final report are per-round costs, covered by the second part.
+* **Rounds of T = 2, 5 and 10 iterations**, interleaved, timed whole: a least-squares line
+  round(T) = a + b T, its largest relative residual (how linear the round time is in T), and the
+  slope b (the cost of one more iteration) over the median FedAvg exchange.
+
+The ClientApp's "training" is a no-op perturbation, so both sides measure the protocol, not learning.
+
+``--ablation`` instead runs only paired rounds, alternating node-side variants (noise drawn ahead
+while joining, or during mixing) round by round, to show what it saves in the same simulation.
+
+Flower's simulation engine hands pushed messages to the ClientApps in sweeps every 0.1 s, so an
+exchange first waits 0 to 0.1 s for the next sweep, depending on when it is pushed. Left alone, that
+wait depends on the server's work between exchanges, which differs between the two sides; so every
+timed exchange (FedAvg and IncA) is pushed after a random pause of 0 to 0.1 s (not timed), making the
+wait uniformly random on both sides, and the ratios compare means over many pairs.
+
+    python benchmarks/bench_flower.py                     # 10, 50 and 100 nodes, 3 repeats
+    python benchmarks/bench_flower.py --nodes 10 --repeats 1
+    python benchmarks/bench_flower.py --nodes 100 --repeats 4 --ablation
 """
 
 from __future__ import annotations
@@ -19,8 +37,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
+import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,6 +52,13 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr_inca.flower import IncaClient, IncaStrategy  # noqa: E402
 
 D = 7850  # MNIST logistic regression: 784 * 10 weights + 10 biases
+PAIRED_T = 10
+ROUND_TS = (2, 5, 10)
+SWEEP = 0.1  # seconds between the simulation engine's sweeps for pushed messages
+VARIANTS = {  # IncaClient settings compared by --ablation
+    "default": {"noise_ahead_bytes": 64 * 2**20},
+    "no noise ahead": {"noise_ahead_bytes": 0},
+}
 
 client = ClientApp()
 inca = IncaClient(client)
@@ -46,20 +72,46 @@ def train(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-class TimedIncaStrategy(IncaStrategy):
-    """Times each mixing exchange exactly as FedAvg's is timed: push until the last reply."""
+def random_phase(rng: np.random.Generator) -> float:
+    """Pause 0 to SWEEP seconds, so that the next push meets the engine's sweep at a random phase."""
+    pause = rng.uniform(0.0, SWEEP)
+    time.sleep(pause)
+    return pause
 
-    exchange_seconds: list[float]
+
+class TimedIncaStrategy(IncaStrategy):
+    """Times each mixing exchange (push to last reply) and each mixing iteration (one exchange to the
+    next on the server's clock). Before every mixing exchange, ``floor()`` (if set) runs, then a
+    random pause (:func:`random_phase`); both are left out of the iteration times."""
+
+    def __init__(self, *, rng: np.random.Generator, floor: Callable[[], None] | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.floor, self.rng = floor, rng
+        self.set_aside = 0.0  # seconds of floors and pauses within this strategy's rounds
+        self.exchange_s: list[float] = []  # per mixing exchange, commit 1..T+1
+        self.iteration_s: list[float] = []  # from exchange u to exchange u + 1, u = 1..T
+        self._mark: float | None = None
+
+    def _mix_exchange(self, grid, params, roster, requests, counters, has_roster):
+        if self._mark is not None:
+            self.iteration_s.append(time.perf_counter() - self._mark)
+        start = time.perf_counter()
+        if self.floor is not None:
+            self.floor()
+        random_phase(self.rng)
+        self._mark = time.perf_counter()
+        self.set_aside += self._mark - start
+        return super()._mix_exchange(grid, params, roster, requests, counters, has_roster)
 
     def _send_and_receive(self, grid, messages, timeout):
         start = time.perf_counter()
         out = super()._send_and_receive(grid, messages, timeout)
         if messages and messages[0].metadata.message_type.endswith(".inca_mix"):
-            self.exchange_seconds.append(time.perf_counter() - start)
+            self.exchange_s.append(time.perf_counter() - start)
         return out
 
 
-def make_server(nodes: int, repeats: int, results: dict) -> ServerApp:
+def make_server(nodes: int, repeats: int, results: dict, ablation: bool = False) -> ServerApp:
     app = ServerApp()
 
     @app.main()
@@ -68,39 +120,106 @@ def make_server(nodes: int, repeats: int, results: dict) -> ServerApp:
             time.sleep(0.05)
         ids = sorted(grid.get_node_ids())
         model = ArrayRecord([np.zeros((10, 784), dtype=np.float32), np.zeros(10, dtype=np.float32)])
-
-        poller = IncaStrategy(sigma_star=1.0, sigma_delta=1.0, ledger_path=None)  # its fast exchange loop
+        poller = IncaStrategy(sigma_star=1.0, sigma_delta=1.0, ledger_path=None)  # its 10 ms exchange loop
+        flower_s: list[float] = []
+        fast_s: list[float] = []
+        rng = np.random.default_rng(nodes)
 
         def fedavg_exchange(fast: bool) -> float:
             content = RecordDict({"arrays": model, "config": ConfigRecord({"server-round": 1})})
             msgs = [Message(content, dst_node_id=int(i), message_type=MessageType.TRAIN) for i in ids]
+            random_phase(rng)
             start = time.perf_counter()
-            if fast:
-                replies = poller._send_and_receive(grid, msgs, 600)
-            else:
-                replies = list(grid.send_and_receive(msgs, timeout=600))
+            replies = (poller._send_and_receive(grid, msgs, 600) if fast
+                       else list(grid.send_and_receive(msgs, timeout=600)))
             assert len(replies) == nodes and not any(r.has_error() for r in replies)
             return time.perf_counter() - start
 
-        fedavg_exchange(False)  # warm up the actors
-        fed, fast, mix, first, rounds = [], [], [], [], {5: [], 10: []}
-        with tempfile.TemporaryDirectory() as tmp:
+        def floor() -> None:
+            flower_s.append(fedavg_exchange(False))
+            fast_s.append(fedavg_exchange(True))
+
+        def inca_round(T: int, seed: int, paired: bool) -> TimedIncaStrategy:
+            strategy = TimedIncaStrategy(rng=rng, floor=floor if paired else None, iterations=T, sigma_star=0.1,
+                                         sigma_delta=1.0, min_available_nodes=nodes, min_train_nodes=nodes,
+                                         fraction_evaluate=0.0, ledger_path=None, seed=seed)
+            start = time.perf_counter()
+            strategy.start(grid=grid, initial_arrays=model, num_rounds=1)
+            strategy.round_s = time.perf_counter() - start - strategy.set_aside
+            return strategy
+
+        def paired_round(seed: int) -> list[tuple[float, float, float, float]]:
+            flower_s.clear()
+            fast_s.clear()
+            s = inca_round(PAIRED_T, seed, paired=True)
+            # floors run before exchanges 1..T+1; iteration u (u = 2..T) spans exchange u to u + 1
+            return [(s.exchange_s[u - 1], s.iteration_s[u - 1], flower_s[u - 1], fast_s[u - 1])
+                    for u in range(2, PAIRED_T + 1)]
+
+        floor()  # warm up the actors
+        if ablation:
+            # the ClientApp (and its IncaClient) travels to the actors with every call, so settings
+            # changed here apply from the next call on
+            by_variant: dict[str, list] = {v: [] for v in VARIANTS}
             for rep in range(repeats):
-                for T in (5, 10):
-                    fed += [fedavg_exchange(False) for _ in range(3)]
-                    fast += [fedavg_exchange(True) for _ in range(3)]
-                    strategy = TimedIncaStrategy(iterations=T, sigma_star=0.1, sigma_delta=1.0,
-                                                 min_available_nodes=nodes, min_train_nodes=nodes,
-                                                 fraction_evaluate=0.0, ledger_path=None, seed=rep)
-                    strategy.exchange_seconds = []
-                    start = time.perf_counter()
-                    strategy.start(grid=grid, initial_arrays=model, num_rounds=1)
-                    rounds[T].append(time.perf_counter() - start)
-                    first.append(strategy.exchange_seconds[0])  # carries the roster, initializes
-                    mix += strategy.exchange_seconds[1:T]  # the other mixing exchanges (not the final report)
-        results.update(fedavg=fed, fast=fast, mix=mix, first=first, rounds=rounds)
+                for name, settings in VARIANTS.items():
+                    for key, value in settings.items():
+                        setattr(inca, key, value)
+                    by_variant[name] += paired_round(10 * rep + len(by_variant[name]))
+                print(f"  {nodes} nodes: repeat {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
+            for key, value in VARIANTS["default"].items():
+                setattr(inca, key, value)
+            results.update(variants=by_variant)
+            return
+        pairs, rounds = [], {T: [] for T in ROUND_TS}
+        for rep in range(repeats):
+            pairs += paired_round(rep)
+            for T in ROUND_TS:
+                rounds[T].append(inca_round(T, 1000 + rep, paired=False).round_s)
+            print(f"  {nodes} nodes: repeat {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
+        results.update(pairs=pairs, rounds=rounds)
 
     return app
+
+
+def ratio_of_means(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
+    """mean(a) / mean(b) over pairs, with a 95% bootstrap interval (pairs resampled together)."""
+    idx = rng.integers(0, len(a), size=(2000, len(a)))
+    boot = a[idx].mean(axis=1) / b[idx].mean(axis=1)
+    return float(a.mean() / b.mean()), float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))
+
+
+def summarize_ablation(nodes: int, results: dict) -> str:
+    rng = np.random.default_rng(0)
+    lines = []
+    for name, pairs in results["variants"].items():
+        ex, it, flw, fast = (np.array(col) for col in zip(*pairs))
+        cells = []
+        for a in (ex, it):
+            for b in (flw, fast):
+                m, lo, hi = ratio_of_means(a, b, rng)
+                cells.append(f"{m:>5.2f} [{lo:.2f}-{hi:.2f}]")
+        lines.append(f"{nodes:>5} {name:<15} {ex.mean():>7.3f} {it.mean():>7.3f} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def summarize(nodes: int, results: dict) -> str:
+    ex, it, flw, fast = (np.array(col) for col in zip(*results["pairs"]))
+    rng = np.random.default_rng(0)
+    med = {T: statistics.median(v) for T, v in results["rounds"].items()}
+    Ts = np.array(sorted(med), dtype=float)
+    times = np.array([med[int(T)] for T in Ts])
+    slope, intercept = np.polyfit(Ts, times, 1)
+    residual = np.max(np.abs(intercept + slope * Ts - times) / times)
+
+    def r(a, b):
+        m, lo, hi = ratio_of_means(a, b, rng)
+        return f"{m:>5.2f} [{lo:.2f}-{hi:.2f}]"
+
+    return (f"{nodes:>5} {flw.mean():>7.3f} {fast.mean():>7.3f} {ex.mean():>7.3f} {r(ex, flw)} {r(ex, fast)} "
+            f"{it.mean():>7.3f} {r(it, flw)} {r(it, fast)} "
+            + " ".join(f"{med[T]:>6.2f}" for T in ROUND_TS)
+            + f" {slope:>6.3f} {slope / flw.mean():>5.2f} {intercept:>5.2f} {residual:>5.1%}")
 
 
 def main() -> None:
@@ -111,27 +230,37 @@ def main() -> None:
     logging.getLogger("flwr").setLevel(logging.WARNING)  # one line per node count, not per exchange
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[10, 50, 100])
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ablation", action="store_true", help="compare node-side variants (paired rounds only)")
     args = p.parse_args()
-    print(f"d = {D}, k = 1, medians over interleaved repeats ({args.repeats} x 3 FedAvg exchanges, "
-          f"{args.repeats} IncA rounds per T)\n")
-    header = (f"{'nodes':>5} {'FedAvg exch. s':>15} {'same, 10ms poll':>16} {'IncA mix exch. s':>17} "
-              f"{'ratio':>6} {'ratio (10ms)':>13} {'1st IncA exch. s':>17} {'round T=5 s':>12} "
-              f"{'round T=10 s':>13} {'(T10-T5)/5 s':>13} {'ratio':>6}")
-    print(header)
-    print("-" * len(header))
+    if args.repeats < 1 or min(args.nodes) < 2:
+        p.error("--repeats must be >= 1 and every --nodes value >= 2")
+    if args.ablation:
+        print(f"d = {D}, k = 1, float32 messages. Paired rounds of T = {PAIRED_T}, {args.repeats} per variant, "
+              "variants interleaved; ratio of means [95% bootstrap interval] over iterations 2..T.\n")
+        header = (f"{'nodes':>5} {'variant':<15} {'exch. s':>7} {'iter. s':>7} {'exchange/Flower':^19} "
+                  f"{'exchange/10ms':^19} {'iteration/Flower':^19} {'iteration/10ms':^19}")
+        print(header)
+        print("-" * len(header))
+    else:
+        print(f"d = {D}, k = 1, float32 messages. Paired: {args.repeats} IncA round(s) of T = {PAIRED_T}, iterations "
+              f"2..{PAIRED_T} each against the FedAvg exchanges made just before them (means, seconds; ratio of "
+              f"means [95% bootstrap interval]). Rounds of T = {ROUND_TS} timed whole ({args.repeats} each, "
+              "median), fit round(T) = a + b T.\n")
+        print(f"{'':5} {'FedAvg exchange':^15} {'':7} {'IncA mixing exchange / FedAvg':^39} {'':7} "
+              f"{'IncA mixing iteration / FedAvg':^39} {'round time by T':^20} {'fit a + b T':^25}")
+        header = (f"{'nodes':>5} {'Flower':>7} {'10ms':>7} {'IncA':>7} {'Flower':^19} {'10ms':^19} "
+                  f"{'IncA':>7} {'Flower':^19} {'10ms':^19} "
+                  + " ".join(f"{'T=' + str(T):>6}" for T in ROUND_TS)
+                  + f" {'b':>6} {'b/FA':>5} {'a':>5} {'resid':>5}")
+        print(header)
+        print("-" * len(header))
     for nodes in args.nodes:
         results: dict = {}
-        run_simulation(server_app=make_server(nodes, args.repeats, results), client_app=client,
+        run_simulation(server_app=make_server(nodes, args.repeats, results, args.ablation), client_app=client,
                        num_supernodes=nodes,
                        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
-        fed, mix = statistics.median(results["fedavg"]), statistics.median(results["mix"])
-        fast = statistics.median(results["fast"])
-        r5, r10 = statistics.median(results["rounds"][5]), statistics.median(results["rounds"][10])
-        first = statistics.median(results["first"])
-        marginal = (r10 - r5) / 5
-        print(f"{nodes:>5} {fed:>15.3f} {fast:>16.3f} {mix:>17.3f} {mix / fed:>6.2f} {mix / fast:>13.2f} "
-              f"{first:>17.3f} {r5:>12.2f} {r10:>13.2f} {marginal:>13.3f} {marginal / fed:>6.2f}", flush=True)
+        print((summarize_ablation if args.ablation else summarize)(nodes, results), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ pytest.importorskip("cryptography")
 from flwr_inca import InjectionSchedule, replay  # noqa: E402
 from flwr_inca.flower.crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal  # noqa: E402
 from flwr_inca.flower.node import (  # noqa: E402
-    MemoryLRU,
     MemoryStore,
-    RoundMemo,
     RoundParams,
     RoundSecrets,
     draw_noise_ahead,
@@ -26,13 +24,12 @@ ROUND = 3
 
 def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental", fault=None, tamper=None,
               seed=0, log=None, final_retries=2, precision="float64", lost_replies=None, wipe=None,
-              stores=None, memo=None, ahead=False, on_start=None):
+              stores=None, ahead=False, on_start=None):
     """Run one relayed round in process.
 
     ``fault(i, e)``: party i fails exchange e before doing anything; ``lost_replies(i, e)``: it does
     the work (and stores its state) but the reply never arrives; ``wipe(i, e)``: its storage is lost
     before exchange e. ``stores``: the parties' node-local stores (fresh ones by default).
-    ``memo(i, e)``: the process memory (a RoundMemo) party i uses in exchange e, or None.
     ``ahead``: parties draw their noise into storage when they join; ``on_start()`` runs after that.
     """
     n, d = values.shape
@@ -62,7 +59,7 @@ def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental",
                 stores[i].states.clear()
             if tamper is not None:  # what the party receives, not what the relay stores
                 req = replace(req, incoming=[replace(m, payload=tamper(m, commit)) for m in req.incoming])
-            rep = handle_exchange(req, params, i, secrets[i], stores[i], None if memo is None else memo(i, e))
+            rep = handle_exchange(req, params, i, secrets[i], stores[i])
             if log is not None:
                 log.append((req, rep))
             if lost_replies is not None and lost_replies(i, e):
@@ -192,66 +189,7 @@ def _faulty_round(values, **kwargs):
                      lost_replies=lambda i, e: (i, e + 1) in bad, **kwargs)
 
 
-@pytest.mark.parametrize("layout", ["one process", "two processes", "tiny memory"])
-def test_process_memory_changes_no_result(layout):
-    # memory only saves reads and draws: with it, every message and the result are bit-identical
-    values = np.random.default_rng(20).random((10, 7))
-    plain, plain_log = [], []
-    relay0, noise = _faulty_round(values, log=plain_log)
-    lrus = [MemoryLRU(), MemoryLRU()] if layout != "tiny memory" else [MemoryLRU(4 * 7 * 8 * 3)]
-    tokens = [bytes([i]) * 16 for i in range(10)]
-    pick = np.random.default_rng(3)
-    served = lambda i, e: RoundMemo(lrus[int(pick.integers(2)) if layout == "two processes" else 0], tokens[i])  # noqa: E731
-    log = []
-    relay1, _ = _faulty_round(values, log=log, memo=served)
-    assert len(lrus[0]) > 0
-    assert np.array_equal(relay0.estimate(), relay1.estimate())
-    assert relay0.trace().to_dict() == relay1.trace().to_dict()
-    assert [[_routing(m) for m in rep.outgoing] for _, rep in plain_log] == \
-        [[_routing(m) for m in rep.outgoing] for _, rep in log]
-    _check_replay(relay1, noise, values)
-    # storage lost while the process still remembers: no restore is needed, the result stays exact
-    relay2, _ = _faulty_round(values, memo=served, wipe=lambda i, e: i == 3 and e == 4)
-    _check_replay(relay2, noise, values)
-
-
-def _routing(m):  # what an outgoing message is, its (random-nonce) ciphertext aside
-    return (m.sender, m.receiver, m.iteration, m.weight, len(m.payload))
-
-
-def test_process_memory_of_an_earlier_round_instance_is_never_used():
-    # the same secrets (fixed seed) and round number, new values: only the instance token tells the
-    # two apart, and it must
-    rng = np.random.default_rng(22)
-    first, second = rng.random((6, 3)), rng.random((6, 3)) + 5.0
-    lru = MemoryLRU()
-    run_local(first, memo=lambda i, e: RoundMemo(lru, b"first-instance-" + bytes([i])))
-    relay, noise = run_local(second, memo=lambda i, e: RoundMemo(lru, b"second-instance" + bytes([i])))
-    _check_replay(relay, noise, second)
-    # the control: had the token been reused, the first instance's x + eta* would have leaked in
-    stale, _ = run_local(second, memo=lambda i, e: RoundMemo(lru, b"first-instance-" + bytes([i])))
-    assert not np.allclose(stale.estimate(), relay.estimate())
-
-
-def test_memory_lru_keeps_recent_items_within_its_budget():
-    lru = MemoryLRU(1000)
-    for j in range(10):
-        lru.put(("a", j), j, 200)
-    assert lru.bytes <= 1000 and len(lru) == 5 and lru.get(("a", 4)) is None and lru.get(("a", 9)) == 9
-    lru.get(("a", 5))  # used: now the most recent
-    lru.put(("b",), "x", 200)
-    assert lru.get(("a", 5)) == 5 and lru.get(("a", 6)) is None
-    lru.put(("big",), "y", 251)  # over a quarter of the budget: not kept
-    assert lru.get(("big",)) is None and lru.bytes <= 1000
-    with pytest.raises(ValueError, match="max_bytes"):
-        MemoryLRU(-1)
-    with pytest.raises(ValueError, match="instance token"):
-        RoundMemo(lru, b"short")
-
-
 def test_party_noise_cache_halves_the_draws_of_d_inc_and_changes_no_number():
-    from flwr_inca.flower.node import StoredNoise
-
     sched = InjectionSchedule.incremental(6)
     draws = []
 
@@ -273,7 +211,7 @@ def test_party_noise_cache_halves_the_draws_of_d_inc_and_changes_no_number():
     plain = run(None)
     n_plain = len(draws)
     draws.clear()
-    cached = run(StoredNoise(MemoryStore(), 2, RoundMemo(MemoryLRU(), b"t" * 16)))
+    cached = run({})
     assert np.array_equal(plain, cached)
     assert n_plain == 1 + 2 * 6 and len(draws) == 1 + 6  # eta* and each term once
 
@@ -299,6 +237,40 @@ def test_noise_drawn_ahead_is_the_noise_drawn_on_demand(schedule, monkeypatch):
     assert np.array_equal(relay0.estimate(), relay1.estimate())
     assert relay0.trace().to_dict() == relay1.trace().to_dict()
     _check_replay(relay1, noise, values)
+
+
+def test_stored_noise_reads_each_step_once_from_exact_ranges(tmp_path):
+    from flwr_inca.flower.node import DirectoryStore, StoredNoise
+
+    reads = []
+
+    class Counting(DirectoryStore):
+        def load_blob_range(self, round, name, offset, size):
+            reads.append((offset, size))
+            return super().load_blob_range(round, name, offset, size)
+
+    secrets = RoundSecrets.generate(4, fixed_seed=1, node=9)
+    store = Counting(tmp_path / "node")
+    store.save_value(4, np.zeros(5))
+    draw_noise_ahead(store, secrets, 3, 5)
+    plain = PartyNoise(secrets.noise_secret, 4)
+    row = 8 * 5
+    assert len(store.load_blob(4, "noise")) == 4 * row
+    assert store.load_blob_range(4, "noise", 2 * row, row) == plain.term(2, 5).tobytes()
+    assert store.load_blob_range(4, "noise", 3 * row, 2 * row) is None  # past the end
+    assert store.load_blob_range(4, "missing", 0, 8) is None
+    reads.clear()
+    noise = PartyNoise(secrets.noise_secret, 4, StoredNoise(store, 4))
+    # a D_Inc step cancels eta_2 and injects eta_3: one read
+    assert np.array_equal(noise.term(2, 5), plain.term(2, 5)) and np.array_equal(noise.term(3, 5), plain.term(3, 5))
+    assert reads == [(2 * row, 2 * row)]
+    assert np.array_equal(noise.star(5), plain.star(5))
+    reads.clear()
+    noise = PartyNoise(secrets.noise_secret, 4, StoredNoise(store, 4))
+    assert np.array_equal(noise.term(3, 5), plain.term(3, 5))  # the last row: a shorter second read
+    assert reads == [(3 * row, 2 * row), (3 * row, row)]
+    empty = PartyNoise(secrets.noise_secret, 4, StoredNoise(MemoryStore(), 4))
+    assert np.array_equal(empty.term(1, 5), plain.term(1, 5))  # nothing drawn ahead: drawn on demand
 
 
 def test_choose_neighbors_is_uniform_over_the_other_parties():

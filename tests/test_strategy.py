@@ -97,3 +97,13 @@ def test_integer_arrays_are_neither_clipped_nor_averaged():
     assert np.allclose(out["w"].numpy(), 0.05)
     with pytest.raises(ValueError, match="count"):
         unflatten_arrays(v_old, spec)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_inca_client_rejects_a_bad_noise_ahead_budget(value):
+    from flwr.clientapp import ClientApp
+
+    from flwr_inca.flower import IncaClient
+
+    with pytest.raises(ValueError, match="noise_ahead_bytes"):
+        IncaClient(ClientApp(), noise_ahead_bytes=value)

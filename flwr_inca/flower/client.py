@@ -7,14 +7,13 @@
     def train(msg, context): ...    # returns {"arrays": new model, "metrics": {...}} as for FedAvg
 
 The wrapper runs your train function, turns its model into an update (new - global), clips it to
-the L2 norm set by the strategy, and keeps it on the node, with the round's unit noise drawn ahead. The update never leaves the node in the
-clear: the reply carries only a fresh public key. The node then takes part in the relayed mixing.
+the L2 norm set by the strategy, and keeps it on the node, with the round's unit noise drawn ahead.
+The update never leaves the node in the clear: the reply carries only a fresh public key. The node
+then takes part in the relayed mixing.
 
 Round data (the update, the roster, the states computed during mixing) lives in node-local storage,
 by default a private directory under the system's temp dir (``state_dir`` to choose another); the
-round's secrets live in the node's ``context.state``. The process serving a node also keeps the round
-items it used last in memory (:data:`PROCESS_MEMORY`, 64 MiB at most, least recently used out), so that
-a mixing step reads and draws only what it has not seen; ``remember=False`` turns that off.
+round's secrets live in the node's ``context.state``.
 """
 
 from __future__ import annotations
@@ -28,20 +27,16 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .node import DirectoryStore, MemoryLRU, RoundMemo, RoundSecrets, draw_noise_ahead, handle_exchange
+from .node import DirectoryStore, RoundSecrets, draw_noise_ahead, handle_exchange
 from .wire import FIELD, decode_request, encode_reply
 
-__all__ = ["IncaClient", "MIX_ACTION", "INCA_KEY", "PROCESS_MEMORY", "flatten_arrays", "unflatten_arrays", "clip"]
+__all__ = ["IncaClient", "MIX_ACTION", "INCA_KEY", "flatten_arrays", "unflatten_arrays", "clip"]
 
 MIX_ACTION = "inca_mix"
 INCA_KEY = "inca"
 _STATE_SECRETS = "inca-secrets"
 
 TrainFn = Callable[[Message, Context], Message]
-
-#: Round items this process has used, shared by every node it serves. Process-wide on purpose:
-#: simulation engines ship a fresh copy of the ClientApp (and its IncaClient) with every call.
-PROCESS_MEMORY = MemoryLRU(64 * 2**20)
 
 
 def flatten_arrays(record: ArrayRecord) -> tuple[np.ndarray, list[tuple[str, tuple[int, ...], str]]]:
@@ -96,23 +91,19 @@ class IncaClient:
             node uses ``<state_dir>/run-<run id>/node-<node id>``.
         insecure_fixed_seed: derive every secret from this seed instead of the OS CSPRNG. Makes runs
             reproducible for tests; never use it in a deployment (anyone knowing it knows the noise).
-        remember: keep recently used round items in :data:`PROCESS_MEMORY` (storage stays the
-            reference; results are the same either way).
         noise_ahead_bytes: draw the round's unit noise ((T + 1) * d float64 values) into node storage
             while joining, beside local training, when it takes at most this many bytes; otherwise
             (or with 0) each mixing step draws its own. Same numbers either way.
     """
 
     def __init__(self, app: ClientApp, *, state_dir: str | os.PathLike[str] | None = None,
-                 insecure_fixed_seed: int | None = None, remember: bool = True,
-                 noise_ahead_bytes: int = 64 * 2**20) -> None:
+                 insecure_fixed_seed: int | None = None, noise_ahead_bytes: int = 64 * 2**20) -> None:
         if isinstance(noise_ahead_bytes, bool) or not isinstance(noise_ahead_bytes, int) or noise_ahead_bytes < 0:
             raise ValueError(f"noise_ahead_bytes must be an integer >= 0, got {noise_ahead_bytes!r}")
         self.noise_ahead_bytes = noise_ahead_bytes
         self.app = app
         self.fixed_seed = insecure_fixed_seed
         self.state_dir = Path(state_dir) if state_dir is not None else None
-        self.remember = bool(remember)
         app.train(MIX_ACTION)(self._mix)
 
     def store(self, context: Context) -> DirectoryStore:
@@ -160,9 +151,6 @@ class IncaClient:
             draw_noise_ahead(store, secrets, iterations, value.size)
         context.state[_STATE_SECRETS] = ConfigRecord({
             "round": round_, "noise-secret": secrets.noise_secret, "private-key": secrets.private_key,
-            # names this participation in memory; random even under a fixed seed, since a restarted
-            # strategy numbers its rounds from 1 again
-            "instance": os.urandom(16),
         })
         content = RecordDict({INCA_KEY: ConfigRecord({"public-key": secrets.public_key, "dim": int(value.size)})})
         if bool(cfg.get("forward-metrics", False)):
@@ -176,12 +164,8 @@ class IncaClient:
             raise RuntimeError("this node did not join the IncA round")
         round_ = int(stored["round"])
         store = self.store(context)
-        memo = RoundMemo(PROCESS_MEMORY, stored["instance"]) if self.remember and "instance" in stored else None
-        kept = memo.get("roster") if memo is not None else None
-        in_memo = kept is not None
-        if kept is None:
-            blob = store.load_blob(round_, "roster")
-            kept = _unpack_roster(blob) if blob is not None and len(blob) % 40 == 0 else None
+        blob = store.load_blob(round_, "roster")
+        kept = _unpack_roster(blob) if blob is not None and len(blob) % 40 == 0 else None
         try:
             req, params = decode_request(msg.content.config_records[INCA_KEY][FIELD], kept)
         except ValueError as exc:
@@ -190,16 +174,13 @@ class IncaClient:
             raise
         if params.round != round_:
             raise RuntimeError(f"this node joined round {round_}, the request is for round {params.round}")
-        fresh = kept != (params.roster, params.public_keys)
-        if fresh:  # write-once for the round
+        if kept != (params.roster, params.public_keys):  # write-once for the round
             store.save_blob(round_, "roster", np.asarray(params.roster, dtype="<u8").tobytes()
                             + b"".join(params.public_keys))
-        if memo is not None and (fresh or not in_memo):
-            memo.put((params.roster, params.public_keys), "roster", nbytes=40 * len(params.roster))
         secrets = RoundSecrets(round_, stored["noise-secret"], stored["private-key"])
         if params.roster[req.party] != int(context.node_id) % 2**64:
             raise RuntimeError("request addressed to another party")
-        reply = handle_exchange(req, params, req.party, secrets, store, memo)
+        reply = handle_exchange(req, params, req.party, secrets, store)
         return Message(RecordDict({INCA_KEY: ConfigRecord({FIELD: encode_reply(reply, has_roster=True)})}),
                        reply_to=msg)
 

@@ -5,11 +5,8 @@ when it joins the round, and every state it computes, as an immutable version pe
 tells it which version to build on, so retries and stragglers are harmless; if the version is gone
 (storage lost), the relay sends back one of the party's own committed payloads, which it can decrypt.
 
-Because every item is immutable, the process that serves a node may also keep recently used items in
-memory (:class:`RoundMemo`, a view of a bounded :class:`MemoryLRU`): the parsed roster, ``x + eta*``,
-its states, its X25519 keys and the cancelling noise term it drew for the next step. A memo is keyed
-by a random token drawn when the node joins the round, so nothing of an earlier round instance (a
-restarted strategy reuses round numbers, a fixed test seed reuses secrets) is ever taken for this one.
+A party draws its round's unit noise into storage when it joins (:func:`draw_noise_ahead`, beside
+local training), so that a mixing step reads the two rows it needs instead of drawing them.
 """
 
 from __future__ import annotations
@@ -18,11 +15,9 @@ import hashlib
 import os
 import secrets as _secrets
 import struct
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -32,8 +27,8 @@ from ..protocol.schedules import InjectionSchedule
 from .crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal
 from .relay import Outgoing, Reply, Request
 
-__all__ = ["RoundSecrets", "RoundParams", "NodeStore", "MemoryStore", "DirectoryStore", "MemoryLRU", "RoundMemo",
-           "StoredNoise", "draw_noise_ahead", "handle_exchange"]
+__all__ = ["RoundSecrets", "RoundParams", "NodeStore", "MemoryStore", "DirectoryStore", "StoredNoise",
+           "draw_noise_ahead", "handle_exchange", "choose_neighbors"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,8 @@ class NodeStore(Protocol):
     ``save_value`` starts a round: it drops all round data kept so far, of any round, including an
     earlier instance of the same round number (a restarted strategy numbers rounds from 1 again, and
     its secrets are fresh: nothing cached for the old instance may be used). ``save_blob``/``load_blob``
-    keep small named items of the round (the roster, caches).
+    keep named items of the round (the roster, caches); ``load_blob_range`` reads ``size`` bytes of one
+    from ``offset`` (None if the item is missing or shorter).
     """
 
     def save_value(self, round: int, value: np.ndarray) -> None: ...
@@ -90,6 +86,7 @@ class NodeStore(Protocol):
     def load_state(self, round: int, version: int) -> bytes | None: ...
     def save_blob(self, round: int, name: str, data: bytes) -> None: ...
     def load_blob(self, round: int, name: str) -> bytes | None: ...
+    def load_blob_range(self, round: int, name: str, offset: int, size: int) -> bytes | None: ...
 
 
 class MemoryStore:
@@ -120,6 +117,10 @@ class MemoryStore:
 
     def load_blob(self, round: int, name: str) -> bytes | None:
         return self.blobs.get((round, name))
+
+    def load_blob_range(self, round: int, name: str, offset: int, size: int) -> bytes | None:
+        blob = self.blobs.get((round, name))
+        return None if blob is None or len(blob) < offset + size else blob[offset:offset + size]
 
 
 class DirectoryStore:
@@ -166,6 +167,17 @@ class DirectoryStore:
     def load_blob(self, round: int, name: str) -> bytes | None:
         return self._read(self._file(round, f"{name}.bin"))
 
+    def load_blob_range(self, round: int, name: str, offset: int, size: int) -> bytes | None:
+        try:
+            fd = os.open(self._file(round, f"{name}.bin"), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+        return data if len(data) == size else None
+
     @staticmethod
     def _read(path: str) -> bytes | None:
         try:
@@ -175,140 +187,65 @@ class DirectoryStore:
             return None
 
 
-class MemoryLRU:
-    """A process's memory of immutable round items: least recently used first out, at most ``max_bytes``.
-
-    Thread-safe. Items larger than a quarter of the budget are not kept (they would evict everything
-    else for one use).
-    """
-
-    def __init__(self, max_bytes: int = 64 * 2**20) -> None:
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes!r}")
-        self.max_bytes = int(max_bytes)
-        self.bytes = 0
-        self._items: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, key: tuple) -> Any:
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                return None
-            self._items.move_to_end(key)
-            return item[0]
-
-    def put(self, key: tuple, value: Any, nbytes: int) -> None:
-        if nbytes * 4 > self.max_bytes:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.bytes -= old[1]
-            self._items[key] = (value, nbytes)
-            self.bytes += nbytes
-            while self.bytes > self.max_bytes:
-                _, (_, size) = self._items.popitem(last=False)
-                self.bytes -= size
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.bytes = 0
-
-
-class RoundMemo:
-    """The items of one round instance in a :class:`MemoryLRU` (keys prefixed by the instance token).
-
-    ``instance`` must be unique to the node's participation in one round (random bytes drawn when it
-    joins): items are immutable within an instance, so a hit is always the value storage would give.
-    """
-
-    def __init__(self, lru: MemoryLRU, instance: bytes) -> None:
-        if len(instance) < 16:
-            raise ValueError("instance token must be at least 16 random bytes")
-        self.lru, self.instance = lru, bytes(instance)
-
-    def get(self, *name: Any) -> Any:
-        return self.lru.get((self.instance, *name))
-
-    def put(self, value: Any, *name: Any, nbytes: int | None = None) -> Any:
-        """Keep ``value`` under ``name`` (arrays are made read-only: they are shared); returns it."""
-        if isinstance(value, np.ndarray):
-            value.flags.writeable = False
-        size = nbytes if nbytes is not None else (value.nbytes if isinstance(value, np.ndarray) else 64)
-        self.lru.put((self.instance, *name), value, size + 64)
-        return value
-
-
 class StoredNoise:
-    """:class:`PartyNoise`'s cache for one party and round: unit draws in process memory (if a memo is
-    given), else drawn ahead into node storage (:func:`draw_noise_ahead`), else drawn on demand."""
+    """:class:`PartyNoise`'s cache for one party, round and mixing step: unit draws made ahead into node
+    storage (:func:`draw_noise_ahead`), read by row; a missing row is drawn on demand.
 
-    def __init__(self, store: NodeStore, round: int, memo: RoundMemo | None = None) -> None:
-        self.store, self.round, self.memo = store, round, memo
+    Reading row k also reads row k + 1, which D_Inc's next request asks for (it cancels eta_k and
+    injects eta_(k+1) in the same step): one read per step.
+    """
+
+    def __init__(self, store: NodeStore, round: int) -> None:
+        self.store, self.round = store, round
+        self.rows: dict[tuple[int, int], np.ndarray] = {}
 
     def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        if key in self.rows:
+            return self.rows[key]
         k, d = key
-        if self.memo is not None:
-            draw = self.memo.get("noise", k, d)
-            if draw is not None:
-                return draw
-        data = self.store.load_blob(self.round, f"noise-{k}")
-        if data is None or len(data) != 8 * d:
+        row = 8 * d
+        data = self.store.load_blob_range(self.round, "noise", k * row, 2 * row)
+        if data is None:  # the last row, or nothing drawn ahead
+            data = self.store.load_blob_range(self.round, "noise", k * row, row)
+        if data is None:
             return None
-        draw = np.frombuffer(data, dtype=np.float64)  # read-only: shared from now on
-        if self.memo is not None:
-            self.memo.put(draw, "noise", k, d)
-        return draw
+        draws = np.frombuffer(data, dtype=np.float64)
+        for j in range(len(draws) // d):
+            self.rows[(k + j, d)] = draws[j * d:(j + 1) * d]
+        return self.rows[key]
 
     def __setitem__(self, key: tuple[int, int], draw: np.ndarray) -> None:
-        if self.memo is not None:
-            self.memo.put(draw, "noise", *key)
+        self.rows[key] = draw
 
 
 def draw_noise_ahead(store: NodeStore, secrets: RoundSecrets, iterations: int, d: int) -> None:
-    """Draw the party's unit noise of the round (``eta*`` and ``eta_1..eta_T``) into ``store`` now,
-    beside local training, so that its mixing steps only read it. Same numbers as drawn on demand."""
+    """Draw the party's unit noise of the round (row 0: ``eta*``, row k: ``eta_k``, k = 1..T) into the
+    ``noise`` item of ``store`` now, beside local training. Same numbers as drawn on demand."""
     noise = PartyNoise(secrets.noise_secret, secrets.round)
-    store.save_blob(secrets.round, "noise-0", noise.star(d).tobytes())
-    for k in range(1, iterations + 1):
-        store.save_blob(secrets.round, f"noise-{k}", noise.term(k, d).tobytes())
+    rows = [noise.star(d)] + [noise.term(k, d) for k in range(1, iterations + 1)]
+    store.save_blob(secrets.round, "noise", np.concatenate(rows).tobytes())
 
 
 def handle_exchange(request: Request, params: RoundParams, me: int, secrets: RoundSecrets,
-                    store: NodeStore, memo: RoundMemo | None = None) -> Reply:
-    """Process one request for party index ``me``, whose round data is in ``store``.
-
-    ``memo`` (optional) is this process's memory of the round instance: what it holds is not read
-    from ``store`` or recomputed, and what is computed here is kept in it.
-    """
+                    store: NodeStore) -> Reply:
+    """Process one request for party index ``me``, whose round data is in ``store``."""
     if not (0 <= me < len(params.roster)):
         raise ValueError("party is not in the roster")
     if secrets.round != params.round:
         raise ValueError(f"this party joined round {secrets.round}, the request is for round {params.round}")
-    noise = PartyNoise(secrets.noise_secret, params.round, StoredNoise(store, params.round, memo))
+    noise = PartyNoise(secrets.noise_secret, params.round, StoredNoise(store, params.round))
     precision = np.dtype(params.precision)
-    keys = memo.get("keys") if memo is not None else None
-    if keys is None:
-        keys = KeyPair(secrets.private_key)
-        if memo is not None:
-            memo.put(keys, "keys")
+    keys = KeyPair(secrets.private_key)
     if keys.public != params.public_keys[me]:
         raise ValueError("the roster does not hold this party's public key")
-    party = _party(params, secrets, noise, precision, store, memo)
+    party = _party(params, noise, precision, store)
     node, d = params.roster[me], party.d
+    pair_keys: dict[int, bytes] = {}
 
     def key_with(j: int) -> bytes:
-        key = memo.get("pair", j) if memo is not None else None
-        if key is None:
-            key = pair_key(keys, params.public_keys[j], params.round)
-            if memo is not None:
-                memo.put(key, "pair", j)
-        return key
+        if j not in pair_keys:
+            pair_keys[j] = pair_key(keys, params.public_keys[j], params.round)
+        return pair_keys[j]
 
     def message_ad(sender: int, receiver: int, iteration: int) -> bytes:
         return associated_data(params.roster[sender], params.roster[receiver], params.round, iteration)
@@ -316,29 +253,17 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
     def load(version: int) -> PartyState | None:
         if version < 0:
             return party.initial_state()
-        state = memo.get("state", version) if memo is not None else None
-        if state is not None:
-            return state
         data = store.load_state(params.round, version)
-        if data is None:
-            return None
         try:
-            return remember(PartyState.from_bytes(data))
+            return None if data is None else PartyState.from_bytes(data)
         except ValueError:  # damaged: as good as lost, the relay can restore it
             return None
-
-    def remember(state: PartyState) -> PartyState:
-        if memo is not None:
-            state.y.flags.writeable = False  # shared from now on
-            memo.put(state, "state", state.last, nbytes=state.y.nbytes)
-        return state
 
     if request.restore is not None:  # our own committed payload: we can open it (pair keys are symmetric)
         m = request.restore
         old = PartyState.from_bytes(open_sealed(key_with(m.receiver), m.payload,
                                                 message_ad(me, m.receiver, m.iteration)))
         store.save_state(params.round, old.last, old.to_bytes(precision))
-        remember(old)
     state = load(request.version)
     if state is None:
         return Reply(me, need_restore=True)
@@ -366,7 +291,6 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
             return reply
         state = party.compute(state, request.task, incoming, request.delivered_weight)
         store.save_state(params.round, request.task, state.to_bytes(precision))  # before anyone sees it
-        remember(state)
         reply.computed = request.task
     T = params.iterations
     if request.commit <= T:
@@ -400,23 +324,16 @@ def choose_neighbors(noise_secret: bytes, round: int, iteration: int, me: int, n
     return [p + (p >= me) for p in picks]  # skip ``me`` itself
 
 
-def _party(params: RoundParams, secrets: RoundSecrets, noise: PartyNoise, precision: np.dtype,
-           store: NodeStore, memo: RoundMemo | None) -> IncaParty:
-    """The party's computations, with ``x + eta*`` drawn once per round (kept in ``store`` and ``memo``)."""
+def _party(params: RoundParams, noise: PartyNoise, precision: np.dtype, store: NodeStore) -> IncaParty:
+    """The party's computations, with ``x + eta*`` computed once per round and kept in ``store``."""
     name = f"xtilde-{params.sigma_star!r}"
-    x_tilde = memo.get(name) if memo is not None else None
-    if x_tilde is not None:
-        return IncaParty(None, params.schedule, params.sigma_star, params.sigma_delta, noise, precision, x_tilde)
     cached = store.load_blob(params.round, name)
     if cached is not None:
-        x_tilde = np.frombuffer(cached, dtype=np.float64).copy()
-        party = IncaParty(None, params.schedule, params.sigma_star, params.sigma_delta, noise, precision, x_tilde)
-    else:
-        value = store.load_value(params.round)
-        if value is None:
-            raise RuntimeError(f"the node has no value for round {params.round} (storage lost)")
-        party = IncaParty(value, params.schedule, params.sigma_star, params.sigma_delta, noise, precision)
-        store.save_blob(params.round, name, party.x_tilde.tobytes())
-    if memo is not None:
-        memo.put(party.x_tilde, name)
+        x_tilde = np.frombuffer(cached, dtype=np.float64)
+        return IncaParty(None, params.schedule, params.sigma_star, params.sigma_delta, noise, precision, x_tilde)
+    value = store.load_value(params.round)
+    if value is None:
+        raise RuntimeError(f"the node has no value for round {params.round} (storage lost)")
+    party = IncaParty(value, params.schedule, params.sigma_star, params.sigma_delta, noise, precision)
+    store.save_blob(params.round, name, party.x_tilde.tobytes())
     return party
