@@ -1,18 +1,16 @@
 """A party's mixing step and the relay's bookkeeping, in one process without Flower.
 
 Runs relayed rounds (n parties, d = 7850, T = 10, k = 1, float32 messages, node-local storage in a
-temporary directory) in three configurations, interleaved round by round:
+temporary directory) in two configurations, interleaved round by round:
 
-* ``plain``: each step reads its round data from storage and draws its noise (no process memory,
-  no noise drawn ahead: what a node does when every call runs in a fresh process);
-* ``memory``: a process memory (``MemoryLRU``) per serving process, each call served by one of two
-  processes at random (as the simulation engine's two Ray actors do);
-* ``memory + ahead``: as ``memory``, with the round's unit noise drawn into storage at join.
+* ``draw while mixing``: each step draws the noise it injects (``IncaClient(noise_ahead_bytes=0)``);
+* ``noise ahead``: the round's unit noise is drawn into storage when the party joins (the default),
+  and each step reads the two rows it needs.
 
 Prints, per configuration, the median over rounds of the mean time of a party's call (decode the
 request, ``handle_exchange``, encode the reply; the first exchange, which computes x + eta*, is
-left out) and its ratio to ``plain`` in the same run, and the relay's bookkeeping per exchange
-(requests, encoding, decoding, ingest).
+left out) and its ratio to the first configuration in the same run, and the relay's bookkeeping
+per exchange (requests, encoding, decoding, ingest).
 
     python benchmarks/bench_party.py                 # n = 100, 5 rounds per configuration
     python benchmarks/bench_party.py --nodes 50 --rounds 3
@@ -28,21 +26,13 @@ import time
 
 import numpy as np
 
-from flwr_inca.flower.node import (
-    DirectoryStore,
-    MemoryLRU,
-    RoundMemo,
-    RoundParams,
-    RoundSecrets,
-    draw_noise_ahead,
-    handle_exchange,
-)
+from flwr_inca.flower.node import DirectoryStore, RoundParams, RoundSecrets, draw_noise_ahead, handle_exchange
 from flwr_inca.flower.relay import RoundRelay, drive
 from flwr_inca.flower.wire import decode_reply, decode_request, encode_reply, encode_request
 from flwr_inca.protocol.schedules import InjectionSchedule
 
 D, T, K = 7850, 10, 1
-CONFIGS = ("plain", "memory", "memory + ahead")
+CONFIGS = ("draw while mixing", "noise ahead")
 
 
 def one_round(n: int, config: str, root: str, seed: int) -> tuple[float, float]:
@@ -55,10 +45,8 @@ def one_round(n: int, config: str, root: str, seed: int) -> tuple[float, float]:
     values = rng.normal(size=(n, D))
     for i in range(n):
         stores[i].save_value(seed, values[i])
-        if config == "memory + ahead":
+        if config == "noise ahead":
             draw_noise_ahead(stores[i], secrets[i], T, D)
-    processes = [MemoryLRU(), MemoryLRU()]
-    tokens = [os.urandom(16) for _ in range(n)]
     params = RoundParams(seed, T, K, 0.1, 1.0, schedule, roster, [s.public_key for s in secrets], "float32")
     relay = RoundRelay(n, T, D, schedule, 0.1, 1.0, "float32")
     party_s, calls, relay_s = [0.0], [0], [0.0]
@@ -70,10 +58,9 @@ def one_round(n: int, config: str, root: str, seed: int) -> tuple[float, float]:
         answers = {}
         for req, data in zip(requests, wire):
             i = req.party
-            memo = None if config == "plain" else RoundMemo(processes[int(rng.integers(2))], tokens[i])
             start = time.perf_counter()
             request, p = decode_request(data, (params.roster, params.public_keys))
-            answers[i] = encode_reply(handle_exchange(request, p, i, secrets[i], stores[i], memo), has_roster=True)
+            answers[i] = encode_reply(handle_exchange(request, p, i, secrets[i], stores[i]), has_roster=True)
             if commit > 1:
                 party_s[0] += time.perf_counter() - start
                 calls[0] += 1
@@ -113,12 +100,12 @@ def main() -> None:
             for c in CONFIGS:
                 results[c].append(one_round(args.nodes, c, root, seed=1 + r))
     print(f"n = {args.nodes}, d = {D}, T = {T}, k = {K}, float32 messages; medians over {args.rounds} rounds\n")
-    print(f"{'configuration':<16} {'party call (ms)':>16} {'vs plain':>9} {'relay per exchange (ms)':>24}")
-    plain = statistics.median(x[0] for x in results["plain"])
+    print(f"{'configuration':<18} {'party call (ms)':>16} {'ratio':>6} {'relay per exchange (ms)':>24}")
+    first = statistics.median(x[0] for x in results[CONFIGS[0]])
     for c in CONFIGS:
         call = statistics.median(x[0] for x in results[c])
         bookkeeping = statistics.median(x[1] for x in results[c])
-        print(f"{c:<16} {call:>16.3f} {call / plain:>9.2f} {bookkeeping:>24.2f}")
+        print(f"{c:<18} {call:>16.3f} {call / first:>6.2f} {bookkeeping:>24.2f}")
 
 
 if __name__ == "__main__":
