@@ -293,6 +293,30 @@ def test_choose_neighbors_is_uniform_over_the_other_parties():
         choose_neighbors(b"s" * 32, 1, 0, 0, 3, 3)
 
 
+def test_directory_store_keeps_states_in_checksummed_slots(tmp_path):
+    from flwr_inca.flower.node import DirectoryStore
+
+    store = DirectoryStore(tmp_path / "node")
+    store.save_value(2, np.zeros(3))
+    states = {v: bytes([v]) * 40 for v in (0, 1, 3)}
+    for v, data in states.items():
+        store.save_state(2, v, data)
+    assert all(store.load_state(2, v) == data for v, data in states.items())
+    assert store.load_state(2, 2) is None and store.load_state(2, 4) is None  # never written
+    assert store.load_state(3, 0) is None and store.load_state(2, -1) is None
+    store.save_state(2, 1, states[1])  # a retry writes the same bytes again
+    assert store.load_state(2, 1) == states[1]
+    with pytest.raises(ValueError, match="same size"):
+        store.save_state(2, 5, b"x" * 41)
+    path = tmp_path / "node" / "round-2" / "states.bin"
+    raw = bytearray(path.read_bytes())
+    raw[8 + 48 + 8 + 5] ^= 0xFF  # a torn or damaged slot (version 1) reads as missing
+    path.write_bytes(bytes(raw))
+    assert store.load_state(2, 1) is None and store.load_state(2, 0) == states[0]
+    store.save_value(3, np.zeros(3))  # joining the next round drops the states
+    assert store.load_state(2, 0) is None
+
+
 def test_directory_store_is_private_to_the_node(tmp_path):
     import stat
 

@@ -98,7 +98,8 @@ class IncaClient:
 
     def __init__(self, app: ClientApp, *, state_dir: str | os.PathLike[str] | None = None,
                  insecure_fixed_seed: int | None = None, noise_ahead_bytes: int = 64 * 2**20) -> None:
-        if isinstance(noise_ahead_bytes, bool) or not isinstance(noise_ahead_bytes, int) or noise_ahead_bytes < 0:
+        if isinstance(noise_ahead_bytes, bool) or not isinstance(noise_ahead_bytes, int) \
+                or noise_ahead_bytes < 0:
             raise ValueError(f"noise_ahead_bytes must be an integer >= 0, got {noise_ahead_bytes!r}")
         self.noise_ahead_bytes = noise_ahead_bytes
         self.app = app
@@ -108,9 +109,10 @@ class IncaClient:
 
     def store(self, context: Context) -> DirectoryStore:
         """This node's storage for the current run."""
-        root = os.fspath(self.state_dir) if self.state_dir else os.path.join(tempfile.gettempdir(),
-                                                                               f"flwr-inca-{os.getuid()}")
-        return DirectoryStore(os.path.join(root, f"run-{context.run_id}", f"node-{int(context.node_id) % 2**64}"))
+        root = (os.fspath(self.state_dir) if self.state_dir
+                else os.path.join(tempfile.gettempdir(), f"flwr-inca-{os.getuid()}"))
+        node = f"node-{int(context.node_id) % 2**64}"
+        return DirectoryStore(os.path.join(root, f"run-{context.run_id}", node))
 
     def train(self) -> Callable[[TrainFn], TrainFn]:
         """Decorator replacing ``@app.train()`` for your train function."""

@@ -15,6 +15,7 @@ import hashlib
 import os
 import secrets as _secrets
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -124,11 +125,15 @@ class MemoryStore:
 
 
 class DirectoryStore:
-    """Files under ``root`` (private to the node: mode 0700); every write is atomic.
+    """Files under ``root`` (private to the node: mode 0700).
 
-    Layout: ``round-<r>/value.f64``, ``round-<r>/state-<version>.bin`` and other named items
-    (``noise-<k>.bin``: unit noise drawn ahead, as secret as the value). Joining a round removes all
-    earlier round data. States are not fsynced: a state lost in a crash is restored through the relay.
+    Layout: ``round-<r>/value.f64``, ``round-<r>/states.bin`` and other named items (``<name>.bin``;
+    ``noise.bin`` holds the unit noise drawn ahead, as secret as the value). Joining a round removes
+    all earlier round data. Named items are replaced atomically. The states of a round (all of one
+    size) share one file of checksummed slots, one per version, written in place: a mixing step then
+    creates no file, which costs more than the rest of its storage I/O. A slot that a crash left torn
+    fails its checksum and reads as missing. Nothing is fsynced: what a crash loses is restored
+    through the relay.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -148,17 +153,55 @@ class DirectoryStore:
             for f in old.iterdir():
                 f.unlink(missing_ok=True)
             old.rmdir()
-        atomic_write_bytes(self._file(round, "value.f64"), np.ascontiguousarray(value, dtype=np.float64).tobytes())
+        value = np.ascontiguousarray(value, dtype=np.float64)
+        atomic_write_bytes(self._file(round, "value.f64"), value.tobytes())
 
     def load_value(self, round: int) -> np.ndarray | None:
         data = self._read(self._file(round, "value.f64"))
         return None if data is None else np.frombuffer(data, dtype=np.float64).copy()
 
+    # states.bin: a header (u64 slot size), then at 8 + version * slot a slot holding
+    # (u32 CRC-32 of the state, u32 its length, the state)
+    _SLOT_HEAD = struct.Struct("<II")
+
     def save_state(self, round: int, version: int, data: bytes) -> None:
-        self.save_blob(round, f"state-{version}", data)
+        if version < 0:
+            raise ValueError(f"state version must be >= 0, got {version}")
+        path = self._file(round, "states.bin")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # the round's directory does not exist yet
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            slot = self._SLOT_HEAD.size + len(data)
+            head = os.pread(fd, 8, 0)
+            if len(head) < 8:  # a new file (concurrent creators write the same header)
+                os.pwrite(fd, struct.pack("<Q", slot), 0)
+            elif struct.unpack("<Q", head)[0] != slot:
+                raise ValueError("states of one round must all have the same size")
+            os.pwrite(fd, self._SLOT_HEAD.pack(zlib.crc32(data), len(data)) + data, 8 + version * slot)
+        finally:
+            os.close(fd)
 
     def load_state(self, round: int, version: int) -> bytes | None:
-        return self.load_blob(round, f"state-{version}")
+        try:
+            fd = os.open(self._file(round, "states.bin"), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            head = os.pread(fd, 8, 0)
+            if len(head) < 8 or version < 0:
+                return None
+            (slot,) = struct.unpack("<Q", head)
+            record = os.pread(fd, slot, 8 + version * slot)
+        finally:
+            os.close(fd)
+        if len(record) != slot:
+            return None
+        crc, size = self._SLOT_HEAD.unpack_from(record)
+        data = record[self._SLOT_HEAD.size:]
+        return data if size == len(data) and zlib.crc32(data) == crc else None  # never written, or torn
 
     def save_blob(self, round: int, name: str, data: bytes) -> None:
         # atomic, not durable: what a crash loses is restored through the relay
@@ -294,9 +337,10 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
         reply.computed = request.task
     T = params.iterations
     if request.commit <= T:
-        plaintext = state.to_bytes(precision)
-        k = min(params.neighbors, len(params.roster) - 1)
-        for r in choose_neighbors(secrets.noise_secret, params.round, request.commit, me, len(params.roster), k):
+        plaintext = state.to_bytes(precision)  # (a state is kept at the precision it is sent in)
+        n = len(params.roster)
+        k = min(params.neighbors, n - 1)
+        for r in choose_neighbors(secrets.noise_secret, params.round, request.commit, me, n, k):
             payload = seal(key_with(r), plaintext, message_ad(me, r, request.commit))
             reply.outgoing.append(Outgoing(me, r, 1.0 / (k + 1), payload, request.commit))
     elif request.final and state.last == T:
@@ -328,12 +372,13 @@ def _party(params: RoundParams, noise: PartyNoise, precision: np.dtype, store: N
     """The party's computations, with ``x + eta*`` computed once per round and kept in ``store``."""
     name = f"xtilde-{params.sigma_star!r}"
     cached = store.load_blob(params.round, name)
+    sigmas = (params.sigma_star, params.sigma_delta)
     if cached is not None:
         x_tilde = np.frombuffer(cached, dtype=np.float64)
-        return IncaParty(None, params.schedule, params.sigma_star, params.sigma_delta, noise, precision, x_tilde)
+        return IncaParty(None, params.schedule, *sigmas, noise, precision, x_tilde)
     value = store.load_value(params.round)
     if value is None:
         raise RuntimeError(f"the node has no value for round {params.round} (storage lost)")
-    party = IncaParty(value, params.schedule, params.sigma_star, params.sigma_delta, noise, precision)
+    party = IncaParty(value, params.schedule, *sigmas, noise, precision)
     store.save_blob(params.round, name, party.x_tilde.tobytes())
     return party

@@ -362,8 +362,8 @@ class IncaStrategy(FedAvg):
         node_ids, available = sample_nodes(grid, self.min_available_nodes, sample_size)
         log(INFO, "configure_train: Sampled %s nodes (out of %s)", len(node_ids), len(available))
         config["server-round"] = server_round
-        inca_cfg = ConfigRecord({"round": server_round, "clip-norm": self.clip_norm, "iterations": self.iterations,
-                                 "arrays-key": self.arrayrecord_key,
+        inca_cfg = ConfigRecord({"round": server_round, "clip-norm": self.clip_norm,
+                                 "iterations": self.iterations, "arrays-key": self.arrayrecord_key,
                                  "forward-metrics": self.forward_client_metrics})
         content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config, INCA_KEY: inca_cfg})
         messages = [Message(content, dst_node_id=int(nid), message_type=MessageType.TRAIN) for nid in node_ids]
