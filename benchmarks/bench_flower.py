@@ -20,6 +20,9 @@ The ClientApp's "training" is a no-op perturbation, so both sides measure the pr
 
 ``--ablation`` instead runs only paired rounds, alternating node-side variants (noise drawn ahead
 while joining, or during mixing) round by round, to show what it saves in the same simulation.
+``--call-times`` also prints, per message type, the median time of one call as the simulation
+engine sees it (submit to result, on the server) and the median time and CPU time of the ClientApp
+handling it (on the node): where an exchange's time goes.
 
 Flower's simulation engine hands pushed messages to the ClientApps in sweeps every 0.1 s, so an
 exchange first waits 0 to 0.1 s for the next sweep, depending on when it is pushed. Left alone, that
@@ -35,9 +38,11 @@ wait uniformly random on both sides, and the ratios compare means over many pair
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -60,7 +65,29 @@ VARIANTS = {  # IncaClient settings compared by --ablation
     "no noise ahead": {"noise_ahead_bytes": 0},
 }
 
-client = ClientApp()
+CALL_TIMES = "FLWR_INCA_BENCH_CALL_TIMES"  # directory where call times are appended, if set
+
+
+def call_timer(msg: Message, context: Context, call_next):
+    """Client mod: appends (message type, wall s, CPU s) of each call when CALL_TIMES is set."""
+    where = os.environ.get(CALL_TIMES)
+    if not where:
+        return call_next(msg, context)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    out = call_next(msg, context)
+    with open(os.path.join(where, f"node-side-{os.getpid()}.txt"), "a") as fh:
+        fh.write(f"{call_kind(msg)} {time.perf_counter() - wall} {time.thread_time() - cpu}\n")
+    return out
+
+
+def call_kind(msg: Message) -> str:
+    kind = msg.metadata.message_type
+    if kind == MessageType.TRAIN and "inca" in msg.content.config_records:
+        return "train(IncA-join)"  # an IncA round's local training, not a FedAvg exchange
+    return kind
+
+
+client = ClientApp(mods=[call_timer])
 inca = IncaClient(client)
 
 
@@ -84,7 +111,8 @@ class TimedIncaStrategy(IncaStrategy):
     next on the server's clock). Before every mixing exchange, ``floor()`` (if set) runs, then a
     random pause (:func:`random_phase`); both are left out of the iteration times."""
 
-    def __init__(self, *, rng: np.random.Generator, floor: Callable[[], None] | None = None, **kwargs) -> None:
+    def __init__(self, *, rng: np.random.Generator, floor: Callable[[], None] | None = None,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.floor, self.rng = floor, rng
         self.set_aside = 0.0  # seconds of floors and pauses within this strategy's rounds
@@ -140,7 +168,8 @@ def make_server(nodes: int, repeats: int, results: dict, ablation: bool = False)
             fast_s.append(fedavg_exchange(True))
 
         def inca_round(T: int, seed: int, paired: bool) -> TimedIncaStrategy:
-            strategy = TimedIncaStrategy(rng=rng, floor=floor if paired else None, iterations=T, sigma_star=0.1,
+            strategy = TimedIncaStrategy(rng=rng, floor=floor if paired else None, iterations=T,
+                                         sigma_star=0.1,
                                          sigma_delta=1.0, min_available_nodes=nodes, min_train_nodes=nodes,
                                          fraction_evaluate=0.0, ledger_path=None, seed=seed)
             start = time.perf_counter()
@@ -222,6 +251,53 @@ def summarize(nodes: int, results: dict) -> str:
             + f" {slope:>6.3f} {slope / flw.mean():>5.2f} {intercept:>5.2f} {residual:>5.1%}")
 
 
+@contextlib.contextmanager
+def time_calls(where: str | None):
+    """Record call times into ``where`` (None: do nothing): the server side by wrapping the Ray
+    backend's ``process_message``, the node side through :func:`call_timer` (workers inherit the
+    environment variable when the simulation starts Ray)."""
+    if where is None:
+        yield
+        return
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    original = raybackend.RayBackend.process_message
+
+    def process_message(self, message, context):
+        start = time.perf_counter()
+        out = original(self, message, context)
+        with open(os.path.join(where, "server-side.txt"), "a") as fh:
+            fh.write(f"{call_kind(message)} {time.perf_counter() - start} 0\n")
+        return out
+
+    raybackend.RayBackend.process_message = process_message
+    os.environ[CALL_TIMES] = where
+    try:
+        yield
+    finally:
+        raybackend.RayBackend.process_message = original
+        del os.environ[CALL_TIMES]
+
+
+def summarize_calls(where: str) -> str:
+    """Median per call and message type, in ms: server side (submit to result) and node side."""
+    rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for name in os.listdir(where):
+        side = "server" if name.startswith("server") else "node"
+        with open(os.path.join(where, name)) as fh:
+            for line in fh:
+                kind, wall, cpu = line.split()
+                rows.setdefault((kind, side), []).append((float(wall), float(cpu)))
+    out = [f"      {'message type':<16} {'calls':>6} {'engine, submit to result':>25} "
+           f"{'ClientApp wall':>15} {'ClientApp CPU':>14}   (medians, ms)"]
+    for kind in sorted({k for k, _ in rows}):
+        server = np.array(rows.get((kind, "server"), [(np.nan, 0.0)]))
+        node = np.array(rows.get((kind, "node"), [(np.nan, np.nan)]))
+        out.append(f"      {kind:<16} {len(server):>6} {1e3 * np.median(server[:, 0]):>25.2f} "
+                   f"{1e3 * np.median(node[:, 0]):>15.2f} {1e3 * np.median(node[:, 1]):>14.2f}")
+    return "\n".join(out)
+
+
 def main() -> None:
     import logging
 
@@ -232,19 +308,22 @@ def main() -> None:
     p.add_argument("--nodes", type=int, nargs="+", default=[10, 50, 100])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ablation", action="store_true", help="compare node-side variants (paired rounds only)")
+    p.add_argument("--call-times", action="store_true", help="also print where a call's time goes")
     args = p.parse_args()
     if args.repeats < 1 or min(args.nodes) < 2:
         p.error("--repeats must be >= 1 and every --nodes value >= 2")
     if args.ablation:
-        print(f"d = {D}, k = 1, float32 messages. Paired rounds of T = {PAIRED_T}, {args.repeats} per variant, "
+        print(f"d = {D}, k = 1, float32 messages. Paired rounds of T = {PAIRED_T}, {args.repeats} per "
+              "variant, "
               "variants interleaved; ratio of means [95% bootstrap interval] over iterations 2..T.\n")
         header = (f"{'nodes':>5} {'variant':<15} {'exch. s':>7} {'iter. s':>7} {'exchange/Flower':^19} "
                   f"{'exchange/10ms':^19} {'iteration/Flower':^19} {'iteration/10ms':^19}")
         print(header)
         print("-" * len(header))
     else:
-        print(f"d = {D}, k = 1, float32 messages. Paired: {args.repeats} IncA round(s) of T = {PAIRED_T}, iterations "
-              f"2..{PAIRED_T} each against the FedAvg exchanges made just before them (means, seconds; ratio of "
+        print(f"d = {D}, k = 1, float32 messages. Paired: {args.repeats} IncA round(s) of T = {PAIRED_T}, "
+              f"iterations 2..{PAIRED_T} each against the FedAvg exchanges made just before them (means, "
+              "seconds; ratio of "
               f"means [95% bootstrap interval]). Rounds of T = {ROUND_TS} timed whole ({args.repeats} each, "
               "median), fit round(T) = a + b T.\n")
         print(f"{'':5} {'FedAvg exchange':^15} {'':7} {'IncA mixing exchange / FedAvg':^39} {'':7} "
@@ -257,10 +336,13 @@ def main() -> None:
         print("-" * len(header))
     for nodes in args.nodes:
         results: dict = {}
-        run_simulation(server_app=make_server(nodes, args.repeats, results, args.ablation), client_app=client,
-                       num_supernodes=nodes,
-                       backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
-        print((summarize_ablation if args.ablation else summarize)(nodes, results), flush=True)
+        with tempfile.TemporaryDirectory() as where, time_calls(where if args.call_times else None):
+            server = make_server(nodes, args.repeats, results, args.ablation)
+            run_simulation(server_app=server, client_app=client, num_supernodes=nodes,
+                           backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+            print((summarize_ablation if args.ablation else summarize)(nodes, results), flush=True)
+            if args.call_times:
+                print(summarize_calls(where), flush=True)
 
 
 if __name__ == "__main__":

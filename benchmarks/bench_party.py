@@ -99,7 +99,8 @@ def main() -> None:
         for r in range(args.rounds):
             for c in CONFIGS:
                 results[c].append(one_round(args.nodes, c, root, seed=1 + r))
-    print(f"n = {args.nodes}, d = {D}, T = {T}, k = {K}, float32 messages; medians over {args.rounds} rounds\n")
+    print(f"n = {args.nodes}, d = {D}, T = {T}, k = {K}, float32 messages; "
+          f"medians over {args.rounds} rounds\n")
     print(f"{'configuration':<18} {'party call (ms)':>16} {'ratio':>6} {'relay per exchange (ms)':>24}")
     first = statistics.median(x[0] for x in results[CONFIGS[0]])
     for c in CONFIGS:
