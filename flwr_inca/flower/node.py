@@ -337,7 +337,7 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
         reply.computed = request.task
     T = params.iterations
     if request.commit <= T:
-        plaintext = state.to_bytes(precision)  # (a state is kept at the precision it is sent in)
+        plaintext = state.to_bytes(precision)
         n = len(params.roster)
         k = min(params.neighbors, n - 1)
         for r in choose_neighbors(secrets.noise_secret, params.round, request.commit, me, n, k):
