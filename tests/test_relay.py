@@ -271,6 +271,12 @@ def test_stored_noise_reads_each_step_once_from_exact_ranges(tmp_path):
     assert reads == [(3 * row, 2 * row), (3 * row, row)]
     empty = PartyNoise(secrets.noise_secret, 4, StoredNoise(MemoryStore(), 4))
     assert np.array_equal(empty.term(1, 5), plain.term(1, 5))  # nothing drawn ahead: drawn on demand
+    reads.clear()
+    bare = Counting(tmp_path / "bare")
+    bare.save_value(4, np.zeros(5))
+    noise = PartyNoise(secrets.noise_secret, 4, StoredNoise(bare, 4))
+    assert np.array_equal(noise.term(2, 5), plain.term(2, 5)) and np.array_equal(noise.term(3, 5), plain.term(3, 5))
+    assert len(reads) == 2  # storage is asked once per step, not once per row
 
 
 def test_choose_neighbors_is_uniform_over_the_other_parties():

@@ -241,16 +241,20 @@ class StoredNoise:
     def __init__(self, store: NodeStore, round: int) -> None:
         self.store, self.round = store, round
         self.rows: dict[tuple[int, int], np.ndarray] = {}
+        self.absent = False  # nothing drawn ahead: draw on demand without asking storage again
 
     def get(self, key: tuple[int, int]) -> np.ndarray | None:
         if key in self.rows:
             return self.rows[key]
+        if self.absent:
+            return None
         k, d = key
         row = 8 * d
         data = self.store.load_blob_range(self.round, "noise", k * row, 2 * row)
         if data is None:  # the last row, or nothing drawn ahead
             data = self.store.load_blob_range(self.round, "noise", k * row, row)
         if data is None:
+            self.absent = True
             return None
         draws = np.frombuffer(data, dtype=np.float64)
         for j in range(len(draws) // d):
@@ -333,11 +337,12 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
         if reply.rejected:
             return reply
         state = party.compute(state, request.task, incoming, request.delivered_weight)
-        store.save_state(params.round, request.task, state.to_bytes(precision))  # before anyone sees it
+        encoded = state.to_bytes(precision)
+        store.save_state(params.round, request.task, encoded)  # before anyone sees it
         reply.computed = request.task
     T = params.iterations
     if request.commit <= T:
-        plaintext = state.to_bytes(precision)
+        plaintext = encoded if reply.computed >= 0 else state.to_bytes(precision)
         n = len(params.roster)
         k = min(params.neighbors, n - 1)
         for r in choose_neighbors(secrets.noise_secret, params.round, request.commit, me, n, k):
