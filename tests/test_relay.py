@@ -262,7 +262,8 @@ def test_stored_noise_reads_each_step_once_from_exact_ranges(tmp_path):
     reads.clear()
     noise = PartyNoise(secrets.noise_secret, 4, StoredNoise(store, 4))
     # a D_Inc step cancels eta_2 and injects eta_3: one read
-    assert np.array_equal(noise.term(2, 5), plain.term(2, 5)) and np.array_equal(noise.term(3, 5), plain.term(3, 5))
+    assert np.array_equal(noise.term(2, 5), plain.term(2, 5))
+    assert np.array_equal(noise.term(3, 5), plain.term(3, 5))
     assert reads == [(2 * row, 2 * row)]
     assert np.array_equal(noise.star(5), plain.star(5))
     reads.clear()
@@ -275,7 +276,8 @@ def test_stored_noise_reads_each_step_once_from_exact_ranges(tmp_path):
     bare = Counting(tmp_path / "bare")
     bare.save_value(4, np.zeros(5))
     noise = PartyNoise(secrets.noise_secret, 4, StoredNoise(bare, 4))
-    assert np.array_equal(noise.term(2, 5), plain.term(2, 5)) and np.array_equal(noise.term(3, 5), plain.term(3, 5))
+    assert np.array_equal(noise.term(2, 5), plain.term(2, 5))
+    assert np.array_equal(noise.term(3, 5), plain.term(3, 5))
     assert len(reads) == 2  # storage is asked once per step, not once per row
 
 
