@@ -1,0 +1,309 @@
+"""Sound upper bounds on every honest party's sensitivity, for executions too large to solve exactly.
+
+mu_i^2 is the squared distance from a unit change of party i's value to the noise changes that leave
+the adversary's view unchanged (paper Thm 4.1; Koskela & Kulkarni's projected Gaussian mechanism).
+:class:`~flwr_inca.privacy.message_space.MessageSpace` writes every such noise change as a change ``dy``
+of the unseen honest messages (Lemma 4.4), so mu_i^2 is the minimum of the least-squares cost
+
+    f_i(dy) = X_i(dy) / sigma_star^2 + E_i(dy) / sigma_delta^2
+
+over all ``dy``, and f_i at ANY ``dy`` is an upper bound. This module minimizes f_i approximately and
+evaluates it exactly at the point it stops:
+
+* start: the protocol's own mixing of ``e_i - u`` (``MessageSpace.baseline``): the change of the
+  honest values that Thm 4.5 spreads over everybody, made with no noise change, observed messages
+  forced to 0 -- it already carries the central-DP floor;
+* conjugate gradients on the normal equations, preconditioned by the exact party-level balance of the
+  value changes (Woodbury: ``(X^T X + diag(H^T H))^{-1}`` through the party graph ``K = I + X D^{-1}
+  X^T``), which converges in a handful of iterations; CG decreases f_i monotonically;
+* the parties whose bound is near the largest get more iterations (the largest is what is charged);
+* every party's final ``dy`` is evaluated once more with a rigorous rounding margin, and the bound is
+  stored as ``(X_i, E_i)``: a valid bound for every pair of sigmas, tightest near the nominal pair.
+
+See docs/privacy.md ("Bound") for the proof of soundness.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.linalg as la
+import scipy.sparse as sp
+
+from ..protocol.trace import ExecutionTrace
+from .message_space import MessageSpace, _pair_weights
+from .views import AdversaryView
+
+__all__ = ["SensitivityBound", "BoundSettings", "bound_profile"]
+
+_EPS = np.finfo(float).eps / 2  # unit roundoff
+
+
+@dataclass(frozen=True)
+class BoundSettings:
+    """Work budget of :func:`bound_profile` (iteration counts, so results are reproducible).
+
+    Attributes:
+        iterations: CG iterations every party gets.
+        refine_iterations: further iterations, in rounds, for the parties whose bound is within
+            ``refine_band`` of the largest, until their bound moves by less than ``tolerance``.
+        max_iterations: cap on a party's total iterations.
+        batch: parties solved together (memory: about ``12 * batch`` vectors of the unseen messages).
+        inner_iterations: iterations of the party-level balance solve inside the preconditioner
+            (only when the party graph is too large for a dense factorization).
+    """
+
+    iterations: int = 6
+    refine_iterations: int = 6
+    max_iterations: int = 60
+    tolerance: float = 2e-3
+    refine_band: float = 0.97
+    batch: int = 64
+    inner_iterations: int = 12
+    dense_limit: int = 3000
+
+
+@dataclass(frozen=True)
+class SensitivityBound:
+    """Upper bounds ``mu_i(sigma_star, sigma_delta) = sqrt(X_i / sigma_star^2 + E_i / sigma_delta^2)``.
+
+    Same interface as :class:`~flwr_inca.privacy.certificate.SensitivityProfile` (``mu``, ``mu_limit``,
+    ``min_sigma_delta``), for the same honest parties; every value is >= the exact one.
+    """
+
+    honest: np.ndarray  # (n_H,)
+    X: np.ndarray  # (n_H,) bound on the squared value change left to party i's own noise, over sigma*^2
+    E: np.ndarray  # (n_H,) bound on the squared cancelling-noise change, over sigma_delta^2
+    nominal: tuple[float, float]
+    iterations: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    method: str = "bound"
+
+    def mu(self, sigma_star: float, sigma_delta: float) -> np.ndarray:
+        return np.sqrt(_ratio(self.X, sigma_star) + _ratio(self.E, sigma_delta))
+
+    def mu_limit(self, sigma_star: float) -> np.ndarray:
+        """The bound as sigma_delta -> infinity."""
+        return np.sqrt(_ratio(self.X, sigma_star))
+
+    def min_sigma_delta(self, sigma_star: float, mu_target: float, rel_tol: float = 1e-6) -> float:
+        """Smallest sigma_delta with every bound ``<= mu_target`` (inf if none; closed form)."""
+        room = mu_target**2 - _ratio(self.X, sigma_star)
+        if np.any(room < 0) or np.any(~np.isfinite(room)):
+            return math.inf
+        need = np.where(self.E > 0, np.sqrt(np.divide(self.E, room, out=np.full_like(room, np.inf),
+                                                       where=room > 0)), 0.0)
+        s = float(need.max(initial=0.0))
+        return s * (1 + rel_tol) if math.isfinite(s) else math.inf
+
+
+def _ratio(v: np.ndarray, sigma: float) -> np.ndarray:
+    if sigma > 0:
+        return v / sigma**2
+    return np.where(v > 0, np.inf, 0.0)
+
+
+class _Operator:
+    """Whitened ``L = W P Dz`` of one MessageSpace at nominal sigmas, and its preconditioner.
+
+    Iterates are float32: the solver only has to find a good ``dy``; its cost is evaluated afterwards
+    in float64 with a rigorous margin (:func:`_evaluate`), so the precision of the search does not
+    matter for soundness.
+    """
+
+    dtype = np.float32
+
+    def __init__(self, ms: MessageSpace, s_star: float, s_delta: float, settings: BoundSettings) -> None:
+        self.ms = ms
+        f = self.dtype
+        self.w = np.where(ms.row_t == 0, 1.0 / s_star, 1.0 / s_delta)[:, None].astype(f)
+        Gh = [g.P[1:].T @ g.P[1:] / s_delta**2 for g in ms.groups]
+        Dh = _pair_weights(ms, Gh)
+        Dh = np.maximum(Dh, 1e-12 * max(float(Dh.max(initial=0.0)), 1e-300))
+        coo = ms.Dz.tocoo()
+        party = ms.row_q[coo.row]
+        p0 = np.stack([g.P[0] for g in ms.groups])[ms.group_of[party], ms.row_t[coo.row]]
+        X = sp.csr_matrix((coo.data * p0 / s_star, (party, coo.col)), shape=(ms.nH, ms.U))
+        K = (sp.identity(ms.nH, format="csr") + X @ sp.diags(1.0 / Dh) @ X.T).tocsr()
+        self.invDh = (1.0 / Dh).astype(f)[:, None]
+        self.X = X.astype(f)
+        self.XT = X.T.tocsr().astype(f)
+        self.inner = settings.inner_iterations
+        self.chol = None
+        if ms.nH <= settings.dense_limit:
+            self.chol = la.cho_factor(K.toarray(), lower=True, check_finite=False)
+        else:
+            self.K = K.astype(f)
+            self.Kdiag = K.diagonal().astype(f)[:, None]
+            z = np.ones(ms.nH) / math.sqrt(ms.nH)
+            self.z = z.astype(f)
+            self.zKz = float(z @ (K @ z))
+
+    def L(self, dy: np.ndarray) -> np.ndarray:
+        return self.w * self.ms.apply_P(self.ms.dz(dy))
+
+    def LT(self, r: np.ndarray) -> np.ndarray:
+        return self.ms.dz_t(self.ms.apply_P(self.w * r, transpose=True))
+
+    def _solve_K(self, v: np.ndarray) -> np.ndarray:
+        if self.chol is not None:
+            return la.cho_solve(self.chol, v.astype(float), check_finite=False).astype(self.dtype)
+        # Jacobi CG from the coarse (constant-vector) solution; any fixed effort is fine: the outer
+        # iteration is flexible and only its speed depends on this solve.
+        x = np.outer(self.z, (self.z @ v) / self.zKz).astype(self.dtype)
+        r = v - self.K @ x
+        z = r / self.Kdiag
+        p = z.copy()
+        rz = np.sum(r * z, axis=0)
+        for _ in range(self.inner):
+            Kp = self.K @ p
+            a = rz / np.maximum(np.sum(p * Kp, axis=0), 1e-30)
+            x += a * p
+            r -= a * Kp
+            z = r / self.Kdiag
+            rz_new = np.sum(r * z, axis=0)
+            p = z + (rz_new / np.maximum(rz, 1e-30)) * p
+            rz = rz_new
+        return x
+
+    def precondition(self, r: np.ndarray) -> np.ndarray:
+        y = r * self.invDh
+        return y - (self.XT @ self._solve_K(self.X @ y)) * self.invDh
+
+
+def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int) -> np.ndarray:
+    """Flexible preconditioned CG on ``L^T L x = L^T b`` for a batch; returns the new x."""
+    if iterations <= 0:
+        return x
+    x = x.astype(op.dtype)
+    b = b.astype(op.dtype)
+    r = op.LT(b - op.L(x))
+    z = op.precondition(r)
+    p = z.copy()
+    rz = np.sum(r * z, axis=0)
+    for _ in range(iterations):
+        Ap = op.LT(op.L(p))
+        a = rz / np.maximum(np.sum(p * Ap, axis=0), 1e-30)
+        x += a * p
+        r -= a * Ap
+        z_new = op.precondition(r)
+        beta = np.maximum(np.sum(r * (z_new - z), axis=0) / np.maximum(rz, 1e-30), 0.0)
+        rz = np.sum(r * z_new, axis=0)
+        p = z_new + beta * p
+        z = z_new
+    return x
+
+
+def _evaluate(ms: MessageSpace, dy: np.ndarray, parties: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rigorous ``(X, E)`` upper bounds of the cost of ``dy`` for each column (see docs/privacy.md).
+
+    The computed residual differs from the exact one by the rounding of two short sums (at most
+    ``N = T + 1 + max row length of Dz + 4`` terms each), so each component is enlarged by
+    ``gamma_N * (|P| (|Dz| |dy| + |t|))``; the error of the computed right inverses P (their defect)
+    is added in norm; the final sums of squares get a relative ``(1 + 4 N' u)``.
+    """
+    dy = np.asarray(dy, dtype=float)
+    t = ms.target(parties)
+    dz = ms.dz(dy) - t
+    res = ms.apply_P(dz)
+    absdz = ms.absDz @ np.abs(dy) + np.abs(t)
+    absres = ms.apply_P(absdz, absolute=True)
+    defect = np.array([g.defect for g in ms.groups])[ms.group_of]  # (nH,)
+    row_len = int(np.diff(ms.Dz.indptr).max(initial=0))
+    N = ms.T + 1 + row_len + 4
+    gamma = N * _EPS / (1 - N * _EPS)
+    up = np.abs(res) + gamma * absres
+    per_party = np.zeros((ms.nH, dz.shape[1]))
+    np.add.at(per_party, ms.row_q, dz**2)
+    extra = np.sqrt(np.sum(defect[:, None] ** 2 * per_party, axis=0))  # (B,)
+    rel = 1 + 4 * ms.R * _EPS
+    x_rows = ms.row_t == 0
+    X = (np.sqrt(np.sum(up[x_rows] ** 2, axis=0)) + extra) ** 2 * rel
+    E = (np.sqrt(np.sum(up[~x_rows] ** 2, axis=0)) + extra) ** 2 * rel
+    return X, E
+
+
+def bound_profile(
+    trace: ExecutionTrace,
+    view: AdversaryView,
+    *,
+    sigma_star: float | None = None,
+    sigma_delta: float | None = None,
+    settings: BoundSettings | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SensitivityBound:
+    """Upper bounds on every honest party's mu (see the module docstring).
+
+    Args:
+        trace, view: the execution and the adversary's observations.
+        sigma_star, sigma_delta: nominal sigmas (default: the trace's) -- the bound is valid for all,
+            tightest near these.
+        settings: the work budget (:class:`BoundSettings`).
+        progress: called with a short status line after each phase.
+    """
+    st = settings or BoundSettings()
+    s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
+    s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
+    if not (s_star > 0 and s_delta > 0 and math.isfinite(s_star) and math.isfinite(s_delta)):
+        # the map is sigma-free; only the optimization needs a finite positive nominal pair
+        s_star, s_delta = 1.0, 1.0
+    ms = MessageSpace(trace, view, s_star, s_delta)
+    nH = ms.nH
+    X = np.zeros(nH)
+    E = np.zeros(nH)
+    its = np.zeros(nH, dtype=np.int64)
+    if nH == 0:
+        return SensitivityBound(ms.honest, X, E, (s_star, s_delta), its)
+    if ms.U == 0:  # nothing unseen: the view is the whole input (local DP)
+        X, E = _evaluate(ms, np.zeros((0, nH)), np.arange(nH))
+        return SensitivityBound(ms.honest, X[ms.natural], E[ms.natural], (s_star, s_delta), its)
+    op = _Operator(ms, s_star, s_delta, st)
+    states: dict[int, np.ndarray] = {}
+
+    def run(parties: np.ndarray, iterations: int) -> None:
+        for k in range(0, parties.size, st.batch):
+            part = parties[k: k + st.batch]
+            if any(int(p) in states for p in part):
+                x0 = np.column_stack([states[int(p)] for p in part])
+            else:
+                x0 = _warm_start(ms, part)
+            b = op.w * ms.apply_P(ms.target(part))
+            x = _cg(op, b, x0, iterations)
+            Xb, Eb = _evaluate(ms, x, part)
+            X[part], E[part] = Xb, Eb
+            its[part] += iterations
+            for j, p in enumerate(part):
+                states[int(p)] = x[:, j]
+
+    def current() -> np.ndarray:
+        return X / s_star**2 + E / s_delta**2
+
+    everyone = np.arange(nH)
+    run(everyone, st.iterations)
+    if progress:
+        progress(f"bound: {nH} parties x {st.iterations} iterations; max mu {math.sqrt(current().max()):.5g}")
+    last = current().copy()
+    while True:
+        f = current()
+        top = f.max()
+        band = (f >= st.refine_band**2 * top) & (its < st.max_iterations)
+        moved = np.abs(last - f) > st.tolerance * np.maximum(f, 1e-300) * 2
+        pick = np.flatnonzero(band & (moved | (its <= st.iterations)))
+        if pick.size == 0:
+            break
+        last = f.copy()
+        run(pick, st.refine_iterations)
+        if progress:
+            progress(f"bound: refined {pick.size} parties; max mu {math.sqrt(current().max()):.5g}")
+    k = ms.natural
+    return SensitivityBound(ms.honest, X[k], E[k], (s_star, s_delta), its[k])
+
+
+def _warm_start(ms: MessageSpace, parties: np.ndarray) -> np.ndarray:
+    """The protocol's mixing of ``e_i - u`` over the honest parties (Thm 4.5's spread), as ``dy``."""
+    d = np.zeros((ms.n, parties.size))
+    d[ms.honest, :] = -1.0 / ms.nH
+    d[ms.parties[parties], np.arange(parties.size)] += 1.0
+    return ms.baseline(d)
