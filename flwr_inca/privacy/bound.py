@@ -174,7 +174,11 @@ class _Operator:
 
 
 def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int) -> np.ndarray:
-    """Flexible preconditioned CG on ``L^T L x = L^T b`` for a batch; returns the new x."""
+    """Flexible preconditioned CG on ``L^T L x = L^T b`` for a batch; returns the new x.
+
+    A column stops (keeps its last iterate) once its residual is negligible or anything stops being
+    finite, so no NaN or overflow ever reaches the evaluation.
+    """
     if iterations <= 0:
         return x
     x = x.astype(op.dtype)
@@ -182,17 +186,30 @@ def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int) -> np.ndar
     r = op.LT(b - op.L(x))
     z = op.precondition(r)
     p = z.copy()
-    rz = np.sum(r * z, axis=0)
+    rz = np.sum(r * z, axis=0, dtype=np.float64)
+    stop = rz * 1e-12
+    active = np.isfinite(rz) & (rz > 0)
     for _ in range(iterations):
+        if not active.any():
+            break
         Ap = op.LT(op.L(p))
-        a = rz / np.maximum(np.sum(p * Ap, axis=0), 1e-30)
+        pAp = np.sum(p * Ap, axis=0, dtype=np.float64)
+        ok = active & np.isfinite(pAp) & (pAp > 0)
+        a = np.where(ok, rz / np.where(ok, pAp, 1.0), 0.0).astype(op.dtype)
+        x_new = x + a * p
+        finite = np.all(np.isfinite(x_new), axis=0)
+        ok &= finite
+        a = np.where(ok, a, 0.0).astype(op.dtype)
         x += a * p
         r -= a * Ap
         z_new = op.precondition(r)
-        beta = np.maximum(np.sum(r * (z_new - z), axis=0) / np.maximum(rz, 1e-30), 0.0)
-        rz = np.sum(r * z_new, axis=0)
+        rz_new = np.sum(r * z_new, axis=0, dtype=np.float64)
+        beta = np.sum(r * (z_new - z), axis=0, dtype=np.float64) / np.where(rz > 0, rz, 1.0)
+        beta = np.where(ok & np.isfinite(beta), np.maximum(beta, 0.0), 0.0).astype(op.dtype)
         p = z_new + beta * p
         z = z_new
+        rz = rz_new
+        active = ok & np.isfinite(rz) & (rz > stop)
     return x
 
 
@@ -205,6 +222,9 @@ def _evaluate(ms: MessageSpace, dy: np.ndarray, parties: np.ndarray) -> tuple[np
     is added in norm; the final sums of squares get a relative ``(1 + 4 N' u)``.
     """
     dy = np.asarray(dy, dtype=float)
+    bad = ~np.all(np.isfinite(dy), axis=0)
+    if bad.any():  # never happens in practice; dy = 0 (no noise change) is always admissible
+        dy = np.where(bad[None, :], 0.0, dy)
     t = ms.target(parties)
     dz = ms.dz(dy) - t
     res = ms.apply_P(dz)

@@ -1,4 +1,4 @@
-"""Exact per-execution privacy certificates (SPEC §4).
+"""Per-execution privacy certificates (paper Sec. 4.2, Thm 4.1): exact, or a sound bound at scale.
 
 For honest party i, the adversary's view is exactly a Gaussian mechanism whose sensitivity, in units
 of the noise, is
@@ -32,13 +32,21 @@ import numpy as np
 import scipy.linalg as la
 
 from ..protocol.trace import ExecutionTrace
+from .bound import BoundSettings, SensitivityBound, bound_profile
 from .conversions import epsilon_for_delta
 from .linear_system import ObservationModel, build_model
 from .views import AdversaryView
 
-__all__ = ["SensitivityProfile", "Certificate", "certify", "profile"]
+__all__ = ["SensitivityProfile", "Certificate", "certify", "profile", "choose_solver", "EXACT_MAX_ROWS",
+           "SOLVERS"]
 
 _SNAP = 1e-9
+SOLVERS = ("auto", "exact", "bound")
+# the automatic choice: exact up to this many observed honest messages (measured crossover, see
+# benchmarks/RESULTS.md), the bound beyond
+EXACT_MAX_ROWS = 6000
+# the exact method refuses views whose dense matrices would not fit: 4 m x m float64 matrices
+EXACT_HARD_ROWS = 20000
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class SensitivityProfile:
     beta: np.ndarray  # (r,) in [0, 1]: share of tau*G_B in each direction
     tau: float
     lost: np.ndarray  # (n_H,) bool: h_i not representable (numerically) -> mu = inf
+    method: str = "exact"
 
     @classmethod
     def from_model(cls, model: ObservationModel) -> SensitivityProfile:
@@ -61,11 +70,16 @@ class SensitivityProfile:
         tau = tr_a / tr_b if tr_b > 0 and tr_a > 0 else 1.0
         K = G_A + tau * G_B
         # Whiten with K: J = F^T sqrt(tau) H where F^T K F = I on range(K). G_B = H H^T, so
-        # F^T tau G_B F = J J^T and a thin SVD J = Q S V^T gives beta = S^2, g_ij = S_j V_ij / sqrt(tau).
+        # F^T tau G_B F = J J^T, whose nonzero eigenvalues are those of the smaller J^T J = V S^2 V^T:
+        # beta = S^2 and g_ij = S_j V_ij / sqrt(tau), i.e. g2 = beta V^2 / tau. The eigenvectors V come
+        # from J^T J (several times cheaper than an SVD of J); S_j^2 = ||J v_j||^2 is then recomputed
+        # from J, so that directions J does not reach get beta ~ 1e-32, not the ~1e-16 of the Gram.
         J, lost = _whiten(K, np.sqrt(tau) * H)
-        _, S, Vt = la.svd(J, full_matrices=False, check_finite=False, lapack_driver="gesdd")
-        beta = np.clip(S * S, 0.0, 1.0)
-        g2 = (S[:, None] * Vt) ** 2 / tau
+        C = J.T @ J
+        _, V = la.eigh((C + C.T) / 2, check_finite=False, driver="evd")
+        JV = J @ V
+        beta = np.clip(np.einsum("ij,ij->j", JV, JV), 0.0, 1.0)
+        g2 = (V * V).T * (beta[:, None] / tau)
         beta[beta < _SNAP] = 0.0
         beta[beta > 1 - _SNAP] = 1.0
         return cls(model.honest, g2, beta, tau, lost)
@@ -127,6 +141,7 @@ class Certificate:
     view: AdversaryView
     delta: float | None = None
     notes: list[str] = field(default_factory=list)
+    method: str = "exact"  # "exact" (Thm 4.1 solved exactly) or "bound" (a sound upper bound)
 
     @property
     def max_mu(self) -> float:
@@ -150,6 +165,7 @@ class Certificate:
 
     def to_dict(self) -> dict:
         out = {
+            "method": self.method,
             "mu": {str(i): _json_float(v) for i, v in sorted(self.mu.items())},
             "max_mu": _json_float(self.max_mu),
             "sigma_star": self.sigma_star,
@@ -192,9 +208,53 @@ def _json_float(v: float) -> float | str:
     return v if math.isfinite(v) else "inf"
 
 
-def profile(trace: ExecutionTrace, view: AdversaryView, method: str = "auto") -> SensitivityProfile:
-    """The :class:`SensitivityProfile` of ``view`` on ``trace`` (one factorization, any sigmas)."""
-    return SensitivityProfile.from_model(build_model(trace, view, method))
+def _check_view(trace: ExecutionTrace, view: AdversaryView) -> None:
+    if view.parties != trace.parties or view.observed.shape[0] != trace.iterations + 1:
+        raise ValueError("adversary view does not match the trace (parties or iterations differ)")
+    if view.honest.size == 0:
+        raise ValueError("the adversary view has no honest party: nothing to certify")
+
+
+def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "auto") -> str:
+    """``"exact"`` or ``"bound"``: the request, or for ``"auto"`` exact up to :data:`EXACT_MAX_ROWS`
+    observed honest messages. Raises if ``"exact"`` is forced on a view too large for it."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    _check_view(trace, view)
+    rows = int(view.honest_observed().sum())
+    if solver == "auto":
+        return "exact" if rows <= EXACT_MAX_ROWS else "bound"
+    if solver == "exact" and rows > EXACT_HARD_ROWS:
+        gb = 4 * rows * rows * 8 / 2**30
+        raise ValueError(
+            f"trace too large for the exact method: {rows} observed honest messages need about {gb:.0f} GiB "
+            f"of dense matrices (limit {EXACT_HARD_ROWS} messages); use solver='bound' (or 'auto'), a sound "
+            "upper bound"
+        )
+    return solver
+
+
+def profile(
+    trace: ExecutionTrace,
+    view: AdversaryView,
+    method: str = "auto",
+    *,
+    solver: str = "auto",
+    sigma_star: float | None = None,
+    sigma_delta: float | None = None,
+    bound_settings: BoundSettings | None = None,
+) -> SensitivityProfile | SensitivityBound:
+    """mu of every honest party of ``view`` on ``trace`` as a function of the sigmas.
+
+    ``solver="exact"`` gives a :class:`SensitivityProfile` (one factorization, exact for any sigmas);
+    ``"bound"`` a :class:`~flwr_inca.privacy.bound.SensitivityBound` (valid for any sigmas, tightest
+    near ``sigma_star``/``sigma_delta``, default the trace's); ``"auto"`` picks by size
+    (:func:`choose_solver`). Both have ``mu``, ``mu_limit``, ``min_sigma_delta`` and ``method``.
+    ``method`` selects the exact method's linear-system builder (:func:`build_model`).
+    """
+    if choose_solver(trace, view, solver) == "exact":
+        return SensitivityProfile.from_model(build_model(trace, view, method))
+    return bound_profile(trace, view, sigma_star=sigma_star, sigma_delta=sigma_delta, settings=bound_settings)
 
 
 def certify(
@@ -206,8 +266,10 @@ def certify(
     value_sensitivity: float = 1.0,
     delta: float | None = None,
     method: str = "auto",
+    solver: str = "auto",
+    bound_settings: BoundSettings | None = None,
 ) -> Certificate:
-    """Exact guarantee of every honest party in the recorded execution ``trace`` against ``view``.
+    """The guarantee of every honest party in the recorded execution ``trace`` against ``view``.
 
     Args:
         trace: the execution (its sigmas are used unless overridden).
@@ -215,7 +277,10 @@ def certify(
         sigma_star, sigma_delta: override the trace's noise levels (what-if analysis).
         value_sensitivity: size of the change of one value the guarantee covers.
         delta: if given, ``Certificate.epsilon`` converts the weakest mu with the analytic Gaussian.
-        method: linear-system builder, see :func:`flwr_inca.privacy.linear_system.build_model`.
+        method: the exact method's linear-system builder, see :func:`build_model`.
+        solver: ``"auto"`` (exact when affordable, else the bound), ``"exact"`` or ``"bound"``;
+            ``Certificate.method`` says which one was used. A bound is never below the exact mu.
+        bound_settings: work budget of the bound (:class:`~flwr_inca.privacy.bound.BoundSettings`).
     """
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
     s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
@@ -226,10 +291,14 @@ def certify(
         raise ValueError(f"value_sensitivity must be > 0, got {value_sensitivity!r}")
     if delta is not None and not (0 < delta < 1):
         raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    prof = profile(trace, view, method)
+    prof = profile(trace, view, method, solver=solver, sigma_star=s_star, sigma_delta=s_delta,
+                   bound_settings=bound_settings)
     mu = prof.mu(s_star, s_delta) * value_sensitivity
     cert = Certificate({int(i): float(m) for i, m in zip(prof.honest, mu)}, s_star, s_delta,
-                       float(value_sensitivity), view, delta)
+                       float(value_sensitivity), view, delta, method=prof.method)
     if s_star == 0:
         cert.notes.append("sigma_star = 0: the noise-free sums of the output reveal the values (mu = inf)")
+    if prof.method == "bound":
+        why = "the execution is too large for the exact method" if solver == "auto" else "solver='bound'"
+        cert.notes.append(f"mu is a sound upper bound ({why}): the true guarantee is at least as strong")
     return cert

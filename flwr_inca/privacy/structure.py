@@ -1,11 +1,13 @@
-"""Cheap structural pre-checks and explanations (paper Sec. 4.3-4.4, SPEC §4).
+"""Cheap structural pre-checks and explanations (paper Sec. 4.3-4.4: Lemma 4.4, Thms 4.5, 4.8, 4.9).
 
-The exact certificate subsumes these; they explain *why* a party is weak and run in near-linear time.
+The certificate (:func:`~flwr_inca.privacy.certificate.certify`) subsumes these; they explain *why* a
+party is weak and run in near-linear time (n = 100,000 parties and T = 20 in about a second).
 
-* Theorem 4.5 (rank condition): the vectors ``a^(i,t) ~ W^O_{t+1}[H, i] - e_i`` over the unseen honest
-  messages ``(i, t)`` must span at least ``n_H - 1`` dimensions. When each vector has two nonzeros
-  (k = 1: one honest receiver) this is "the graph of unseen honest-to-honest messages is connected",
-  decided with union-find; otherwise a numerical rank is computed.
+* Theorem 4.5 (rank condition): the vectors ``a^(i,t) ~ W^O_{t+1}[H, i] - e_i`` of Lemma 4.4, one per
+  unseen honest message ``(i, t)``, must span at least ``n_H - 1`` dimensions. When each vector has two
+  nonzeros (k = 1: one honest receiver) they are weighted edges of the graph of unseen honest-to-honest
+  messages (Eq. (15)), and the rank is ``n_H`` minus its number of connected components (Thm 4.8);
+  otherwise a numerical rank is computed (up to :data:`DENSE_RANK_LIMIT` honest parties).
 * Theorem 4.9 (negative condition): with static neighbours and two honest parties whose every message
   is observed, no bounded sigma_star gives DP.
 """
@@ -15,12 +17,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components
 
 from ..protocol.schedules import adapted_rows
 from ..protocol.trace import ExecutionTrace
 from .views import AdversaryView
 
-__all__ = ["PartyExposure", "StructureReport", "analyze_structure"]
+__all__ = [
+    "PartyExposure",
+    "StructureReport",
+    "UnseenMessages",
+    "analyze_structure",
+    "unseen_messages",
+    "rank_condition",
+    "is_static",
+    "party_exposure",
+]
+
+DENSE_RANK_LIMIT = 3000
 
 
 @dataclass(frozen=True)
@@ -61,13 +76,16 @@ class StructureReport:
     fully_observed: list[int]  # honest parties with every message observed
     negative_condition: bool  # Thm 4.9 applies: no bounded sigma_star
     exposure: dict[int, PartyExposure] = field(default_factory=dict)
+    rank_exact: bool = True  # False: too many honest parties for a numerical rank (k >= 2); see rank
 
     def summary(self) -> str:
-        lines = [
-            f"honest parties: {self.honest}; unseen honest messages: {self.unseen_vectors}",
-            f"Thm 4.5 rank condition: rank {self.rank} {'>=' if self.rank_condition else '<'} "
-            f"n_H - 1 = {self.honest - 1} -> {'holds' if self.rank_condition else 'FAILS'}",
-        ]
+        if self.rank_exact:
+            cond = (f"Thm 4.5 rank condition: rank {self.rank} {'>=' if self.rank_condition else '<'} "
+                    f"n_H - 1 = {self.honest - 1} -> {'holds' if self.rank_condition else 'FAILS'}")
+        else:
+            cond = (f"Thm 4.5 rank condition: not checked ({self.honest} honest parties and messages with "
+                    f"several receivers; rank <= {self.rank})")
+        lines = [f"honest parties: {self.honest}; unseen honest messages: {self.unseen_vectors}", cond]
         if self.connected is not None:
             lines.append(f"unseen honest-to-honest graph: {self.components} component(s)")
         if self.negative_condition:
@@ -78,115 +96,135 @@ class StructureReport:
         return "\n".join(lines)
 
 
-class _UnionFind:
-    def __init__(self, n: int) -> None:
-        self.parent = np.arange(n)
+@dataclass(frozen=True)
+class UnseenMessages:
+    """The unseen honest messages ``(i, t)`` of Lemma 4.4 and their deliveries.
 
-    def find(self, a: int) -> int:
-        root = a
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[a] != root:
-            self.parent[a], a = root, self.parent[a]
-        return int(root)
+    Vector v (one per unseen ``(i, t)``, i online at t+1 with at least one delivery) has sender
+    ``sender[v]``; delivery d goes from ``vector_of[d]`` to honest ``receiver[d]`` with ``weight[d]``.
+    """
 
-    def union(self, a: int, b: int) -> bool:
-        ra, rb = self.find(a), self.find(b)
-        if ra == rb:
-            return False
-        self.parent[ra] = rb
-        return True
+    sender: np.ndarray  # (V,) party
+    step: np.ndarray  # (V,) t
+    vector_of: np.ndarray  # (D,) index into the vectors
+    receiver: np.ndarray  # (D,) party
+    weight: np.ndarray  # (D,)
+
+    @property
+    def support_two(self) -> bool:
+        """Every vector has exactly two nonzeros (its sender and one receiver)."""
+        counts = np.bincount(self.vector_of, minlength=self.sender.size)
+        return bool(np.all(counts == 1))
 
 
-def analyze_structure(trace: ExecutionTrace, view: AdversaryView) -> StructureReport:
-    """Run the Theorem 4.5 / 4.9 pre-checks and collect each honest party's exposure."""
-    n, T = trace.parties, trace.iterations
-    honest = view.honest
+def unseen_messages(trace: ExecutionTrace, view: AdversaryView) -> UnseenMessages:
+    """Lemma 4.4's unseen honest messages: honest i, y_i^(t) not observed, delivered at t+1 (t < T)."""
+    is_h = np.zeros(trace.parties, dtype=bool)
+    is_h[view.honest] = True
+    senders, steps, vec_of, receivers, weights = [], [], [], [], []
+    count = 0
+    for t in range(trace.iterations):
+        m = trace.steps[t].messages
+        keep = is_h[m.senders] & ~view.observed[t, m.senders]
+        seen_by_corrupted = m.senders[keep & ~is_h[m.receivers]]  # cannot happen in a consistent view
+        keep &= ~np.isin(m.senders, seen_by_corrupted)
+        s, r, w = m.senders[keep], m.receivers[keep], m.weights[keep]
+        uniq, inv = np.unique(s, return_inverse=True)
+        senders.append(uniq)
+        steps.append(np.full(uniq.size, t, dtype=np.int64))
+        vec_of.append(count + inv.ravel())
+        receivers.append(r)
+        weights.append(w)
+        count += uniq.size
+    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt))
+    return UnseenMessages(cat(senders, np.int64), cat(steps, np.int64), cat(vec_of, np.int64),
+                          cat(receivers, np.int64), cat(weights, float))
+
+
+def rank_condition(unseen: UnseenMessages, honest: np.ndarray, n: int) -> tuple[int, bool, np.ndarray | None]:
+    """Rank of Lemma 4.4's vectors, whether it is exact, and the component label of every party (or
+    None) in the support-two case. Support two: ``n_H - #components`` of the unseen honest graph."""
     nH = honest.size
-    pos = np.full(n, -1)
+    if unseen.sender.size == 0:
+        return 0, True, np.arange(n) if nH else None
+    if unseen.support_two:
+        a = unseen.sender[unseen.vector_of]
+        graph = sp.coo_matrix((np.ones(a.size), (a, unseen.receiver)), shape=(n, n))
+        _, labels = connected_components(graph, directed=False)
+        components = np.unique(labels[honest]).size
+        return int(nH - components), True, labels
+    pos = np.full(n, -1, dtype=np.int64)
     pos[honest] = np.arange(nH)
-    observed = view.observed
-    online = trace.online_mask()
+    V = unseen.sender.size
+    if nH > DENSE_RANK_LIMIT:
+        return int(min(V, nH)), False, None
+    mat = np.zeros((V, nH))
+    np.add.at(mat, (unseen.vector_of, pos[unseen.receiver]), unseen.weight)
+    np.add.at(mat, (np.arange(V), pos[unseen.sender]), -np.bincount(unseen.vector_of, unseen.weight, V))
+    return int(np.linalg.matrix_rank(mat)), True, None
 
-    # unseen (i, t), t < T: honest i online at t+1 whose y_i^(t) reached only honest parties
-    vectors: list[dict[int, float]] = []
-    unseen_count = np.zeros(n, dtype=np.int64)
-    for t in range(T):
-        step = trace.steps[t]
-        m = step.messages
-        keep = 1.0 - np.bincount(m.senders, weights=m.weights, minlength=n)
-        for i in honest:
-            if observed[t, i] or not online[t + 1, i]:
-                continue
-            out = m.senders == i
-            if not out.any():
-                continue
-            vec = {int(pos[i]): keep[i] - 1.0}
-            for r, w in zip(m.receivers[out], m.weights[out]):
-                vec[int(pos[r])] = vec.get(int(pos[r]), 0.0) + float(w)
-            vectors.append(vec)
-            unseen_count[i] += int(out.sum())
 
-    support2 = all(len(v) == 2 for v in vectors)
-    connected: bool | None = None
-    components: int | None = None
-    comp_size = np.full(n, -1)
-    if support2:
-        uf = _UnionFind(nH)
-        rank = 0
-        for v in vectors:
-            a, b = v.keys()
-            rank += uf.union(a, b)
-        roots = np.array([uf.find(j) for j in range(nH)])
-        _, inverse, counts = np.unique(roots, return_inverse=True, return_counts=True)
-        components = int(counts.size)
-        connected = components == 1
-        comp_size[honest] = counts[inverse]
-    elif vectors:
-        mat = np.zeros((len(vectors), nH))
-        for row, v in enumerate(vectors):
-            for j, val in v.items():
-                mat[row, j] = val
-        rank = int(np.linalg.matrix_rank(mat))
-    else:
-        rank = 0
-
+def is_static(trace: ExecutionTrace) -> bool:
+    """Every iteration has the same online parties and the same delivered messages (Thm 4.9)."""
     first = trace.steps[0]
-    static = all(
+    return all(
         np.array_equal(s.online, first.online)
         and np.array_equal(s.messages.senders, first.messages.senders)
         and np.array_equal(s.messages.receivers, first.messages.receivers)
         and np.array_equal(s.messages.weights, first.messages.weights)
         for s in trace.steps[1:]
     )
-    fully = [int(i) for i in honest if observed[:, i].all()]
+
+
+def party_exposure(trace: ExecutionTrace, view: AdversaryView, unseen: UnseenMessages,
+                   labels: np.ndarray | None) -> dict[int, PartyExposure]:
+    """:class:`PartyExposure` of every honest party."""
+    T = trace.iterations
+    honest = view.honest
+    online = trace.online_mask()
     c_o, _ = adapted_rows(trace.schedule, online)
     injected = c_o.sum(axis=0)
-    exposure = {}
-    for i in honest:
-        off_after = np.flatnonzero(~online[:, i])
-        dropped = None
-        if not online[T, i]:
-            on_idx = np.flatnonzero(online[:, i])
-            dropped = int(on_idx.max() + 1)
-        exposure[int(i)] = PartyExposure(
-            party=int(i),
-            observed_messages=int(observed[:, i].sum()),
-            online_steps=int(online[:, i].sum()),
-            dropped_at=dropped if off_after.size else None,
+    observed = view.observed[:, honest].sum(axis=0)
+    steps_on = online[:, honest].sum(axis=0)
+    last_on = T - np.argmax(online[::-1, :], axis=0)  # last online step of every party
+    unseen_count = np.bincount(unseen.sender[unseen.vector_of], minlength=trace.parties)
+    sizes = None
+    if labels is not None:
+        sizes = np.bincount(labels[honest], minlength=labels.max() + 1)[labels]
+    out = {}
+    for k, i in enumerate(honest.tolist()):
+        dropped = int(last_on[i] + 1) if not online[T, i] else None
+        out[i] = PartyExposure(
+            party=i,
+            observed_messages=int(observed[k]),
+            online_steps=int(steps_on[k]),
+            dropped_at=dropped,
             injected_weight=float(injected[i]),
             unseen_honest_messages=int(unseen_count[i]),
-            component_size=int(comp_size[i]) if support2 else None,
+            component_size=None if sizes is None else int(sizes[i]),
         )
+    return out
+
+
+def analyze_structure(trace: ExecutionTrace, view: AdversaryView) -> StructureReport:
+    """Run the Theorem 4.5 / 4.9 pre-checks and collect each honest party's exposure."""
+    honest = view.honest
+    nH = int(honest.size)
+    unseen = unseen_messages(trace, view)
+    rank, exact, labels = rank_condition(unseen, honest, trace.parties)
+    components = None if labels is None else int(np.unique(labels[honest]).size)
+    static = is_static(trace)
+    fully = [int(i) for i in honest[view.observed[:, honest].all(axis=0)]]
     return StructureReport(
-        honest=int(nH),
-        unseen_vectors=len(vectors),
+        honest=nH,
+        unseen_vectors=int(unseen.sender.size),
         rank=int(rank),
         rank_condition=bool(rank >= nH - 1),
-        connected=connected,
+        connected=None if components is None else components == 1,
         components=components,
         static=bool(static),
         fully_observed=fully,
         negative_condition=bool(static and len(fully) >= 2),
-        exposure=exposure,
+        exposure=party_exposure(trace, view, unseen, labels),
+        rank_exact=exact,
     )
