@@ -1,4 +1,4 @@
-"""Calibrating (sigma_star, sigma_delta) for a target (epsilon, delta) (SPEC §5).
+"""Calibrating (sigma_star, sigma_delta) for a target (epsilon, delta) (paper Sec. 5.2, Fig. 3).
 
 Both procedures simulate R executions (random corrupted set or intercepted messages, k-out
 topology, dropouts), compute for each the smallest sigma_delta that makes it private, and keep a
@@ -17,8 +17,15 @@ sigma_delta that covers the runs:
   dropouts), and the grid also holds multiples of it; with permanent dropouts the uncancelled noise
   can protect everyone and small alphas may win.
 
-Every run counted as a success is certified by the exact check at the returned sigmas, so the stated
-target holds for it; a fresh execution should be certified again (``certify``) before it is trusted.
+Every run counted as a success is certified at the returned sigmas, so the stated target holds for
+it; a fresh execution should be certified again (``certify``) before it is trusted. Runs too large for
+the exact check use the sound bound (``solver``, :func:`~flwr_inca.privacy.certificate.choose_solver`):
+it never claims more privacy than the exact check would, so it may only ask for more noise. A bound is
+tightest near the sigmas it was computed for, so such runs are bounded twice: first near the central-DP
+level, then at the sigmas the first pass chose.
+
+The procedure is split in small steps: :func:`simulate_runs`, :func:`alpha_grid`,
+:func:`evaluate_alpha` and :func:`pick_alpha`.
 """
 
 from __future__ import annotations
@@ -38,11 +45,13 @@ from ..protocol.noise import resolve_seed
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.topology import Topology
 from ..protocol.utility import output_coefficients
+from .bound import BoundSettings, SensitivityBound
 from .certificate import SensitivityProfile, profile
-from .conversions import classic_c, classic_mu, mu_for_epsilon
-from .views import random_collusion, random_eavesdrop
+from .conversions import classic_mu, mu_for_epsilon
+from .views import AdversaryView, random_collusion, random_eavesdrop
 
-__all__ = ["Calibration", "calibrate", "DEFAULT_ALPHAS"]
+__all__ = ["DEFAULT_ALPHAS", "Calibration", "alpha_grid", "calibrate", "evaluate_alpha", "pick_alpha",
+           "simulate_runs"]
 
 # alpha: sigma_star^2 in units of 1 / (n_O mu^2), the central-DP level of the honest finalists
 DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0)
@@ -51,9 +60,15 @@ FLOOR_FACTORS = (1.01, 1.03, 1.06, 1.1, 1.15, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.5
 PAPER_ALPHA = 1.3
 
 
+# first guess of sigma_delta / sigma_star for bound profiles (the second pass uses the calibrated ratio)
+BOUND_NOMINAL_RATIO = 10.0
+
+
 @dataclass
 class _Run:
-    profile: SensitivityProfile
+    profile: SensitivityProfile | SensitivityBound
+    trace: Any
+    view: AdversaryView
     b2: float  # ||b||^2
     a2: float  # ||a||^2
     total: float  # sum(b)
@@ -112,6 +127,165 @@ def _unit_mse(run: _Run, n: int, s_star: float, s_delta: float, value_variance: 
     return value_variance * run.lost + (s_star**2 * run.b2 + s_delta**2 * run.a2) / run.total**2
 
 
+def _threat(collusion: float | None, observed_fraction: float | None) -> tuple[float, str]:
+    """``(rho, description)`` of the threat; raises for out-of-range fractions."""
+    if observed_fraction is None:
+        rho = float(collusion or 0.0)
+        if not (0.0 <= rho < 1.0):
+            raise ValueError(f"collusion fraction rho must be in [0, 1), got {collusion!r}")
+        return rho, f"collusion rho={rho:g}"
+    if not (0.0 <= observed_fraction <= 1.0):
+        raise ValueError(f"observed_fraction must be in [0, 1], got {observed_fraction!r}")
+    return 0.0, f"eavesdrop fraction={observed_fraction:g}"
+
+
+def simulate_runs(
+    parties: int,
+    base: IncaConfig,
+    seeds: np.ndarray,
+    *,
+    rho: float,
+    observed_fraction: float | None,
+    solver: str = "auto",
+    nominal: tuple[float, float] | None = None,
+    bound_settings: BoundSettings | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[_Run]:
+    """Draw ``len(seeds)`` executions (trace seed, view seed) and the sensitivity profile of each.
+
+    ``nominal`` (unit-sensitivity sigmas) is where bound profiles are tightest; exact profiles ignore it.
+    """
+    runs = len(seeds)
+    out: list[_Run] = []
+    for r in range(runs):
+        trace = sample_trace(parties, base, int(seeds[r, 0]))
+        if observed_fraction is None:
+            view = random_collusion(trace, rho, int(seeds[r, 1]))
+        else:
+            view = random_eavesdrop(trace, observed_fraction, int(seeds[r, 1]))
+        b, a = output_coefficients(trace)
+        total = float(b.sum())
+        lost = float(np.sum((b / total - 1.0 / parties) ** 2)) if total > 0 else math.inf
+        finals = np.zeros(parties, dtype=bool)
+        finals[trace.steps[-1].online] = True
+        s_star, s_delta = nominal if nominal is not None else (None, None)
+        prof = profile(trace, view, solver=solver, sigma_star=s_star, sigma_delta=s_delta,
+                       bound_settings=bound_settings)
+        out.append(_Run(prof, trace, view, float(b @ b), float(np.sum(a * a)), total, lost,
+                        int(finals[view.honest].sum())))
+        if progress is not None:
+            progress(r + 1, runs)
+    return out
+
+
+def alpha_grid(
+    sims: list[_Run],
+    procedure: str,
+    mu_target: float,
+    quantile: float,
+    *,
+    parties: int,
+    rho: float,
+    dropout: DropoutModel | None,
+    alphas: tuple[float, ...] | None,
+    min_alpha: float,
+) -> tuple[list[float], float]:
+    """``(candidate alphas, n_O)``: the paper's single alpha = 1.3 with n_O = n (1 - gamma - rho), or
+    the exact procedure's grid (given, or :data:`DEFAULT_ALPHAS` above the floor plus multiples of the
+    floor) with n_O = mean number of honest finalists."""
+    runs = len(sims)
+    if procedure == "paper":
+        n_o = parties * (1.0 - _dropout_fraction(dropout, sims, parties, rho) - rho)
+        if n_o <= 0:
+            raise ValueError(f"n_O = n (1 - gamma - rho) = {n_o:g} must be > 0")
+        return [PAPER_ALPHA], n_o
+    n_o = float(np.mean([s.honest_finalists for s in sims]))
+    if n_o <= 0:
+        raise ValueError("no honest party finishes in the simulated runs; nothing can be calibrated")
+    if alphas is not None:
+        candidates = sorted(float(a) for a in alphas)
+        if any(not (a > 0) for a in candidates):
+            raise ValueError("alphas must be > 0")
+        return candidates, n_o
+    # floor of each run: mu_inf(s*) = mu_inf(1) / s*, so s*_min = mu_inf(1) / mu_target
+    floors = np.sort([float(s.profile.mu_limit(1.0).max(initial=0.0)) / mu_target for s in sims])
+    floor = float(floors[math.ceil(quantile * runs - 1e-9) - 1]) ** 2 * n_o * mu_target**2
+    if not math.isfinite(floor):
+        raise ValueError("no sigma_star makes the simulated runs private: the adversary sees too "
+                         "much (more iterations, fewer neighbours or a weaker threat may help)")
+    candidates = sorted({a for a in DEFAULT_ALPHAS if a > floor * 1.005 and a >= min_alpha}
+                        | {floor * f for f in FLOOR_FACTORS if floor > 0 and floor * f >= min_alpha})
+    if not candidates:  # min_alpha above the whole grid: it is the only choice
+        candidates = [max(min_alpha, floor * 1.01)]
+    return candidates, n_o
+
+
+def evaluate_alpha(
+    alpha: float,
+    sims: list[_Run],
+    *,
+    procedure: str,
+    mu_target: float,
+    n_o: float,
+    quantile: float,
+    parties: int,
+    value_sensitivity: float,
+    value_variance: float,
+) -> dict[str, float]:
+    """The sigmas one alpha needs (sigma_delta covering the required share of runs), the share of runs
+    it certifies and the mean predicted MSE, in value units."""
+    runs = len(sims)
+    s_star = math.sqrt(alpha / (n_o * mu_target**2))  # unit sensitivity
+    need = np.array([s.profile.min_sigma_delta(s_star, mu_target) for s in sims])
+    finite = np.sort(need[np.isfinite(need)])
+    required = math.ceil(quantile * runs - 1e-9) if procedure == "exact" else max(finite.size, 1)
+    s_delta = float(finite[required - 1]) if finite.size >= required and finite.size > 0 else math.inf
+    success = float(np.mean(need <= s_delta)) if math.isfinite(s_delta) else 0.0
+    mse = (float(np.mean([_unit_mse(s, parties, s_star * value_sensitivity, s_delta * value_sensitivity,
+                                    value_variance) for s in sims])) if math.isfinite(s_delta) else math.inf)
+    return {"alpha": alpha, "sigma_star": s_star * value_sensitivity,
+            "sigma_delta": s_delta * value_sensitivity, "success_fraction": success, "predicted_mse": mse}
+
+
+def pick_alpha(
+    rows: list[dict[str, float]],
+    procedure: str,
+    quantile: float,
+    *,
+    runs: int,
+    epsilon: float,
+    delta: float,
+    local_dp_sigma: float,
+) -> tuple[dict[str, float], list[str]]:
+    """The chosen row and notes: the paper's single alpha, or the most accurate alpha reaching the
+    required share (else the most successful, then the most accurate)."""
+    notes: list[str] = []
+    if procedure == "paper":
+        best = rows[0]
+        if best["success_fraction"] == 0:
+            raise ValueError(
+                f"impossible target for the paper's procedure: with sigma_star = {best['sigma_star']:.4g} "
+                f"no sigma_delta makes any of the {runs} simulated runs ({epsilon:g}, {delta:g})-DP; the "
+                "adversary observes too many messages (more iterations or a smaller collusion help), or "
+                "use procedure='exact', which raises sigma_star as needed"
+            )
+        if best["success_fraction"] < 1:
+            notes.append(f"{(1 - best['success_fraction']) * runs:.0f} of {runs} runs cannot be made private "
+                         "at this sigma_star; sigma_delta covers the others")
+    else:
+        feasible = [row for row in rows
+                    if row["success_fraction"] >= quantile - 1e-12 and math.isfinite(row["predicted_mse"])]
+        if feasible:
+            best = min(feasible, key=lambda row: row["predicted_mse"])
+        else:
+            best = max(rows, key=lambda row: (row["success_fraction"], -row["predicted_mse"]))
+    if best["sigma_star"] >= 0.5 * local_dp_sigma:
+        notes.append(f"sigma_star = {best['sigma_star']:.4g} is at the local-DP level ({local_dp_sigma:.4g}): "
+                     "some party's messages are (almost) all observed; more iterations, fewer neighbours "
+                     "or a smaller collusion fraction help")
+    return best, notes
+
+
 def calibrate(
     epsilon: float,
     delta: float,
@@ -133,6 +307,8 @@ def calibrate(
     target_success: float = 1.0,
     min_alpha: float = 1.0,
     progress: Callable[[int, int], None] | None = None,
+    solver: str = "auto",
+    bound_settings: BoundSettings | None = None,
 ) -> Calibration:
     """Find sigma_star and sigma_delta for (epsilon, delta)-DP of every honest party.
 
@@ -154,6 +330,9 @@ def calibrate(
             dropping out (with permanent dropouts, uncancelled noise alone can protect everyone in the
             simulated runs, and smaller alphas then give a lower MSE; set 0 to allow them).
         progress: called as ``progress(r, R)`` after each simulated run.
+        solver: how each run is certified: ``"auto"`` (exact when affordable, else the sound bound),
+            ``"exact"`` or ``"bound"`` (:func:`~flwr_inca.privacy.certificate.certify`).
+        bound_settings: work budget of the bound.
     """
     start = time.perf_counter()
     if procedure not in ("exact", "paper"):
@@ -170,111 +349,42 @@ def calibrate(
         raise ValueError(f"value_sensitivity must be > 0, got {value_sensitivity!r}")
     if not (math.isfinite(min_alpha) and min_alpha >= 0):
         raise ValueError(f"min_alpha must be >= 0, got {min_alpha!r}")
-    rho = 0.0
-    if observed_fraction is None:
-        rho = float(collusion or 0.0)
-        if not (0.0 <= rho < 1.0):
-            raise ValueError(f"collusion fraction rho must be in [0, 1), got {collusion!r}")
-        threat = f"collusion rho={rho:g}"
-    else:
-        if not (0.0 <= observed_fraction <= 1.0):
-            raise ValueError(f"observed_fraction must be in [0, 1], got {observed_fraction!r}")
-        threat = f"eavesdrop fraction={observed_fraction:g}"
-    if procedure == "paper":
-        mu_target = classic_mu(epsilon, delta)  # raises for epsilon >= 1
-    else:
-        mu_target = mu_for_epsilon(epsilon, delta)
+    rho, threat = _threat(collusion, observed_fraction)
+    # the paper's classic bound raises for epsilon >= 1
+    mu_target = classic_mu(epsilon, delta) if procedure == "paper" else mu_for_epsilon(epsilon, delta)
 
     base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=iterations, neighbors=neighbors,
                       schedule=schedule, topology=topology, dropout=dropout)
     base.check(parties)
     root = np.random.SeedSequence(resolve_seed(seed))
     seeds = root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
-    sims: list[_Run] = []
-    for r in range(runs):
-        trace = sample_trace(parties, base, int(seeds[r, 0]))
-        if observed_fraction is None:
-            view = random_collusion(trace, rho, int(seeds[r, 1]))
-        else:
-            view = random_eavesdrop(trace, observed_fraction, int(seeds[r, 1]))
-        b, a = output_coefficients(trace)
-        total = float(b.sum())
-        lost = float(np.sum((b / total - 1.0 / parties) ** 2)) if total > 0 else math.inf
-        finals = np.zeros(parties, dtype=bool)
-        finals[trace.steps[-1].online] = True
-        sims.append(_Run(profile(trace, view), float(b @ b), float(np.sum(a * a)), total, lost,
-                         int(finals[view.honest].sum())))
-        if progress is not None:
-            progress(r + 1, runs)
+    quantile = 1.0 if procedure == "paper" else float(target_success)
+    # bound profiles are tightest near their nominal sigmas: start near the central-DP level
+    guess_star = math.sqrt(1.0 / (max(parties * (1.0 - rho), 1.0) * mu_target**2))
+    nominal = (guess_star, BOUND_NOMINAL_RATIO * guess_star)
+    sims = simulate_runs(parties, base, seeds, rho=rho, observed_fraction=observed_fraction, solver=solver,
+                         nominal=nominal, bound_settings=bound_settings, progress=progress)
 
-    if procedure == "paper":
-        gamma = _dropout_fraction(dropout, sims, parties, rho)
-        n_o = parties * (1.0 - gamma - rho)
-        if n_o <= 0:
-            raise ValueError(f"n_O = n (1 - gamma - rho) = {n_o:g} must be > 0")
-        candidates = [PAPER_ALPHA]
-        quantile = 1.0
-    else:
-        n_o = float(np.mean([s.honest_finalists for s in sims]))
-        if n_o <= 0:
-            raise ValueError("no honest party finishes in the simulated runs; nothing can be calibrated")
-        quantile = float(target_success)
-        if alphas is not None:
-            candidates = sorted(float(a) for a in alphas)
-            if any(not (a > 0) for a in candidates):
-                raise ValueError("alphas must be > 0")
-        else:
-            # floor of each run: mu_inf(s*) = mu_inf(1) / s*, so s*_min = mu_inf(1) / mu_target
-            floors = np.sort([float(s.profile.mu_limit(1.0).max(initial=0.0)) / mu_target for s in sims])
-            floor = float(floors[int(math.ceil(quantile * runs - 1e-9)) - 1]) ** 2 * n_o * mu_target**2
-            if not math.isfinite(floor):
-                raise ValueError("no sigma_star makes the simulated runs private: the adversary sees too "
-                                 "much (more iterations, fewer neighbours or a weaker threat may help)")
-            candidates = sorted({a for a in DEFAULT_ALPHAS if a > floor * 1.005 and a >= min_alpha}
-                                | {floor * f for f in FLOOR_FACTORS if floor > 0 and floor * f >= min_alpha})
-            if not candidates:  # min_alpha above the whole grid: it is the only choice
-                candidates = [max(min_alpha, floor * 1.01)]
+    def choose(sims: list[_Run]) -> tuple[dict[str, float], list[dict[str, float]], list[str]]:
+        candidates, n_o = alpha_grid(sims, procedure, mu_target, quantile, parties=parties, rho=rho,
+                                     dropout=dropout, alphas=alphas, min_alpha=min_alpha)
+        rows = [evaluate_alpha(a, sims, procedure=procedure, mu_target=mu_target, n_o=n_o, quantile=quantile,
+                               parties=parties, value_sensitivity=value_sensitivity,
+                               value_variance=value_variance) for a in candidates]
+        best, notes = pick_alpha(rows, procedure, quantile, runs=runs, epsilon=epsilon, delta=delta,
+                                 local_dp_sigma=value_sensitivity / mu_target)
+        return best, rows, notes
 
-    rows = []
-    for alpha in candidates:
-        s_star = math.sqrt(alpha / (n_o * mu_target**2))  # unit sensitivity
-        need = np.array([s.profile.min_sigma_delta(s_star, mu_target) for s in sims])
-        finite = np.sort(need[np.isfinite(need)])
-        required = int(math.ceil(quantile * runs - 1e-9)) if procedure == "exact" else max(finite.size, 1)
-        if finite.size >= required and finite.size > 0:
-            s_delta = float(finite[required - 1])
-        else:
-            s_delta = math.inf
-        success = float(np.mean(need <= s_delta)) if math.isfinite(s_delta) else 0.0
-        mse = float(np.mean([_unit_mse(s, parties, s_star * value_sensitivity, s_delta * value_sensitivity,
-                                       value_variance) for s in sims])) if math.isfinite(s_delta) else math.inf
-        rows.append({"alpha": alpha, "sigma_star": s_star * value_sensitivity,
-                     "sigma_delta": s_delta * value_sensitivity, "success_fraction": success,
-                     "predicted_mse": mse})
-
-    feasible = [row for row in rows if row["success_fraction"] >= quantile - 1e-12 and math.isfinite(row["predicted_mse"])]
-    notes = []
-    if procedure == "paper":
-        best = rows[0]
-        if best["success_fraction"] == 0:
-            raise ValueError(
-                f"impossible target for the paper's procedure: with sigma_star = {best['sigma_star']:.4g} "
-                f"no sigma_delta makes any of the {runs} simulated runs ({epsilon:g}, {delta:g})-DP; the "
-                "adversary observes too many messages (more iterations or a smaller collusion help), or "
-                "use procedure='exact', which raises sigma_star as needed"
-            )
-        if best["success_fraction"] < 1:
-            notes.append(f"{(1 - best['success_fraction']) * runs:.0f} of {runs} runs cannot be made private "
-                         "at this sigma_star; sigma_delta covers the others")
-    elif feasible:
-        best = min(feasible, key=lambda row: row["predicted_mse"])
-    else:  # nothing reaches the requested share: the most successful, then the most accurate
-        best = max(rows, key=lambda row: (row["success_fraction"], -row["predicted_mse"]))
-    local_dp = value_sensitivity / mu_target  # sigma_star of local DP: every message observed
-    if best["sigma_star"] >= 0.5 * local_dp:
-        notes.append(f"sigma_star = {best['sigma_star']:.4g} is at the local-DP level ({local_dp:.4g}): "
-                     "some party's messages are (almost) all observed; more iterations, fewer neighbours "
-                     "or a smaller collusion fraction help")
+    best, rows, notes = choose(sims)
+    bounded = [r for r, s in enumerate(sims) if s.profile.method == "bound"]
+    if bounded and math.isfinite(best["sigma_delta"]):
+        # second pass: bound those runs again where they are used, at the chosen (unit) sigmas
+        at = (best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity)
+        for r in bounded:
+            sims[r].profile = profile(sims[r].trace, sims[r].view, solver="bound", sigma_star=at[0],
+                                      sigma_delta=at[1], bound_settings=bound_settings)
+        best, rows, notes = choose(sims)
+        notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r})")
     return Calibration(
         procedure=procedure, epsilon=float(epsilon), delta=float(delta), mu_target=float(mu_target),
         sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"], alpha=best["alpha"],
@@ -296,8 +406,3 @@ def _dropout_fraction(dropout: DropoutModel | None, sims: list[_Run], n: int, rh
     # other models: the observed share of honest parties missing at the end
     honest = n * (1.0 - rho)
     return float(1.0 - np.mean([s.honest_finalists for s in sims]) / honest) if honest > 0 else 0.0
-
-
-def classic_sigma_star(epsilon: float, delta: float, n_o: float, alpha: float = PAPER_ALPHA) -> float:
-    """The paper's sigma_star = sqrt(alpha * 2 ln(1.25/delta) / (n_O epsilon^2)) (unit sensitivity)."""
-    return math.sqrt(alpha * classic_c(delta) ** 2 / (n_o * epsilon**2))
