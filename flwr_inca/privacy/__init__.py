@@ -1,4 +1,5 @@
-"""Privacy accountant: exact per-execution guarantees, calibration, conversions and a budget ledger.
+"""Privacy accountant: per-execution guarantees (exact, or a sound bound at scale), calibration,
+conversions and a budget ledger.
 
 Typical use::
 
@@ -10,7 +11,8 @@ Typical use::
 from .accountants import GdpAccountant, PrvAccountant, RdpAccountant, RoundCost, create_accountant
 from .adversary import AdversarialResult, adversarial_collusion
 from .calibration import Calibration, calibrate
-from .certificate import Certificate, SensitivityProfile, certify, profile
+from .bound import BoundSettings, SensitivityBound, bound_profile
+from .certificate import Certificate, SensitivityProfile, certify, choose_solver, profile
 from .conversions import (
     classic_epsilon,
     classic_mu,
@@ -24,7 +26,8 @@ from .views import AdversaryView, collusion_view, eavesdrop_view, random_collusi
 
 __all__ = [
     "AdversaryView", "collusion_view", "eavesdrop_view", "random_collusion", "random_eavesdrop",
-    "Certificate", "SensitivityProfile", "certify", "profile",
+    "Certificate", "SensitivityProfile", "certify", "profile", "choose_solver",
+    "SensitivityBound", "BoundSettings", "bound_profile",
     "StructureReport", "analyze_structure",
     "AdversarialResult", "adversarial_collusion",
     "Calibration", "calibrate",
