@@ -1,111 +1,238 @@
-"""Privacy accountant speed, against a dense pseudo-inverse baseline in the same run.
+"""Privacy accountant: exact certificates vs the sound bound, tightness, calibration, scale.
 
-Setting of the paper's Fig. 3: k = 1, T = 20, collusion rho = 0.1, permanent dropouts gamma = 0.1.
+Setting of the paper's Fig. 3 unless stated: k = 1, T = 20, collusion rho = 0.1, permanent dropouts
+gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory = its max RSS).
 
-* certificate: exact mu of every honest party for one execution at given sigmas;
-* calibration of one run: the smallest sigma_delta meeting a target mu for a given sigma_star;
-* baseline: the textbook computation, ``mu_i = ||M^+ h_i||`` with ``M = [s* B_V, s_D A_V]`` formed
-  explicitly over all observed rows (corrupted parties' included) and ``np.linalg.pinv``; its
-  calibration bisects sigma_delta with one pseudo-inverse per step.
-* the paper's 1000-run calibration end to end (``--full``).
-
-    python benchmarks/bench_accountant.py              # n = 200 (with baseline) and n = 1000
-    python benchmarks/bench_accountant.py --full       # + calibrate(runs=1000) at n = 200
+    python benchmarks/bench_accountant.py --scaling 500 1000 2000 4000   # exact vs bound, side by side
+    python benchmarks/bench_accountant.py --tightness 200 500 1000 2000  # Fig. 3 settings, calibrated
+    python benchmarks/bench_accountant.py --large 10000 100000           # bound at scale + Thm 4.5 check
+    python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
+    python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
+    python benchmarks/bench_accountant.py --baseline 200                 # vs a dense pseudo-inverse
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import resource
+import subprocess
+import sys
 import time
 
 import numpy as np
 
-from flwr_inca import IncaConfig, PermanentDropout
-from flwr_inca.privacy import calibrate, certify, profile, random_collusion
-from flwr_inca.privacy.linear_system import dense_system
-from flwr_inca.protocol import sample_trace
-
 S_STAR, S_DELTA, MU_TARGET = 1.0, 6.0, 0.0625
 
 
-def baseline_matrices(trace, view):
-    """B_V, A_V over all observed rows, corrupted rows included (no structure exploited)."""
+def _setting(n: int, gamma: float = 0.1, seed: int = 1, s_star: float = S_STAR, s_delta: float = S_DELTA):
+    from flwr_inca import IncaConfig, PermanentDropout
+    from flwr_inca.privacy import random_collusion
+    from flwr_inca.protocol import sample_trace
+
+    dropout = PermanentDropout(gamma) if gamma > 0 else None
+    config = IncaConfig(iterations=20, neighbors=1, sigma_star=s_star, sigma_delta=s_delta, dropout=dropout)
+    trace = sample_trace(n, config, seed=seed)
+    return trace, random_collusion(trace, 0.1, seed=seed + 1)
+
+
+# ------------------------------------------------------------------ one measurement per subprocess
+def _job(kind: str, n: int, extra: dict) -> dict:
+    """Run in a child process: one timed measurement; returns figures (and max RSS)."""
+    from flwr_inca.privacy import calibrate, certify
+    from flwr_inca.privacy.structure import analyze_structure
+
+    out: dict = {"kind": kind, "n": n}
+    if kind in ("exact", "bound"):
+        trace, view = _setting(n)
+        out["rows"] = int(view.honest_observed().sum())
+        start = time.perf_counter()
+        cert = certify(trace, view, solver=kind)
+        out["seconds"] = time.perf_counter() - start
+        out["max_mu"] = cert.max_mu
+        out["mu"] = [cert.mu[int(i)] for i in view.honest] if n <= 5000 else None
+    elif kind == "structure":
+        trace, view = _setting(n)
+        start = time.perf_counter()
+        report = analyze_structure(trace, view)
+        out["seconds"] = time.perf_counter() - start
+        out["components"] = report.components
+    elif kind == "calibrate":
+        from flwr_inca import PermanentDropout
+
+        start = time.perf_counter()
+        cal = calibrate(extra.get("epsilon", 1.0), 1e-5, n, iterations=20, neighbors=1, collusion=0.1,
+                        dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"])
+        out["seconds"] = time.perf_counter() - start
+        out.update(sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta, mse=cal.predicted_mse,
+                   success=cal.success_fraction)
+    out["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return out
+
+
+def run_job(kind: str, n: int, **extra) -> dict:
+    cmd = [sys.executable, __file__, "--job", json.dumps({"kind": kind, "n": n, "extra": extra})]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{kind} at n = {n} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ sections
+def scaling(ns: list[int], exact_max: int) -> None:
+    print(f"exact vs bound, sigma_star = {S_STAR}, sigma_delta = {S_DELTA} (each in its own process)\n")
+    header = (f"{'n':>6} {'rows m':>7} {'exact s':>9} {'exact GB':>9} {'bound s':>9} {'bound GB':>9} "
+              f"{'bound/exact max mu':>19} {'min ratio':>10}")
+    print(header)
+    print("-" * len(header))
+    for n in ns:
+        b = run_job("bound", n)
+        if n <= exact_max:
+            e = run_job("exact", n)
+            ratio = b["max_mu"] / e["max_mu"]
+            r = np.array(b["mu"]) / np.maximum(np.array(e["mu"]), 1e-300)
+            pos = np.array(e["mu"]) > 1e-9
+            print(f"{n:>6} {b['rows']:>7} {e['seconds']:>9.2f} {e['max_rss_gb']:>9.2f} {b['seconds']:>9.2f} "
+                  f"{b['max_rss_gb']:>9.2f} {ratio:>19.5f} {r[pos].min():>10.6f}", flush=True)
+        else:
+            print(f"{n:>6} {b['rows']:>7} {'-':>9} {'-':>9} {b['seconds']:>9.2f} {b['max_rss_gb']:>9.2f} "
+                  f"{'-':>19} {'-':>10}", flush=True)
+
+
+def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> None:
+    """Fig. 3 settings: calibrate with the exact method and with the bound (both forced), then compare
+    the weakest party's bound with its exact mu at the exact calibration's sigmas, and the MSEs."""
+    from flwr_inca import PermanentDropout
+    from flwr_inca.privacy import calibrate, certify
+
+    print(f"Fig. 3 settings: epsilon = {epsilon}, delta = 1e-5, rho = 0.1, k = 1, T = 20; {runs} runs each\n")
+    header = (f"{'n':>5} {'gamma':>6} {'weakest bound/exact (worst run)':>32} {'sigma_delta bound/exact':>24} "
+              f"{'MSE bound/exact':>16} {'exact s':>8} {'bound s':>8}")
+    print(header)
+    print("-" * len(header))
+    for n in ns:
+        for gamma in gammas:
+            kw = dict(iterations=20, neighbors=1, collusion=0.1, runs=runs, seed=0,
+                      dropout=PermanentDropout(gamma) if gamma > 0 else None)
+            t0 = time.perf_counter()
+            ex = calibrate(epsilon, 1e-5, n, solver="exact", **kw)
+            t1 = time.perf_counter()
+            bd = calibrate(epsilon, 1e-5, n, solver="bound", **kw)
+            t2 = time.perf_counter()
+            worst = 0.0
+            for r, (ts, vs) in enumerate(ex.run_seeds):
+                trace, view = _regenerate(n, gamma, ts, vs)
+                a = certify(trace, view, sigma_star=ex.sigma_star, sigma_delta=ex.sigma_delta, solver="exact")
+                b = certify(trace, view, sigma_star=ex.sigma_star, sigma_delta=ex.sigma_delta, solver="bound")
+                worst = max(worst, b.max_mu / a.max_mu)
+            print(f"{n:>5} {gamma:>6.2f} {worst:>32.4f} {bd.sigma_delta / ex.sigma_delta:>24.4f} "
+                  f"{bd.predicted_mse / ex.predicted_mse:>16.4f} {t1 - t0:>8.1f} {t2 - t1:>8.1f}", flush=True)
+
+
+def _regenerate(n: int, gamma: float, trace_seed: int, view_seed: int):
+    from flwr_inca import IncaConfig, PermanentDropout
+    from flwr_inca.privacy import random_collusion
+    from flwr_inca.protocol import sample_trace
+
+    config = IncaConfig(iterations=20, neighbors=1, sigma_star=1, sigma_delta=1,
+                        dropout=PermanentDropout(gamma) if gamma > 0 else None)
+    trace = sample_trace(n, config, trace_seed)
+    return trace, random_collusion(trace, 0.1, view_seed)
+
+
+def large(ns: list[int]) -> None:
+    print("the bound at scale (sigma_star = 1, sigma_delta = 6) and the Thm 4.5 / 4.9 pre-check\n")
+    for n in ns:
+        s = run_job("structure", n)
+        print(f"n = {n}: structure pre-check {s['seconds']:.2f} s ({s['components']} components), "
+              f"peak {s['max_rss_gb']:.2f} GB", flush=True)
+        b = run_job("bound", n)
+        print(f"n = {n}: bound certificate {b['seconds']:.1f} s, max mu {b['max_mu']:.5g}, "
+              f"{b['rows']} observed honest messages, peak {b['max_rss_gb']:.2f} GB", flush=True)
+
+
+def calibrate_large(ns: list[int], runs: int) -> None:
+    for n in ns:
+        c = run_job("calibrate", n, runs=runs, solver="auto")
+        print(f"calibrate(n = {n}, runs = {runs}, epsilon = 1, delta = 1e-5): {c['seconds']:.1f} s, "
+              f"sigma_star {c['sigma_star']:.4g}, sigma_delta {c['sigma_delta']:.4g}, "
+              f"success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB", flush=True)
+
+
+def strategy(ns: list[int], draws: int) -> None:
+    """What IncaStrategy pays per round: ``threat_draws`` certificates of the round's trace (auto)."""
+    from flwr_inca.privacy import certify, random_collusion
+
+    for n in ns:
+        trace, _ = _setting(n)
+        start = time.perf_counter()
+        methods = set()
+        for draw in range(draws):
+            cert = certify(trace, random_collusion(trace, 0.1, [0, 1, draw]))
+            methods.add(cert.method)
+        dt = time.perf_counter() - start
+        print(f"n = {n}: per-round certification ({draws} threat draws, {sorted(methods)}) {dt:.2f} s", flush=True)
+
+
+def baseline(ns: list[int]) -> None:
+    """The textbook computation, ``mu_i = ||M^+ h_i||`` with ``M = [s* B_V, s_D A_V]`` over all observed
+    rows and ``np.linalg.pinv``, against certify in the same process."""
+    from flwr_inca.privacy import certify
+    from flwr_inca.privacy.linear_system import dense_system
     from flwr_inca.privacy.views import AdversaryView
 
-    # honest_observed drops corrupted rows; keep them to mirror the textbook construction
-    full = AdversaryView(view.threat, np.zeros(0, dtype=np.int64), view.observed)
-    B_all, A_all, rows = dense_system(trace, full)
-    honest = view.honest
-    T = trace.iterations
-    cols_a = (np.arange(T)[:, None] * trace.parties + honest[None, :]).reshape(-1)
-    return B_all[:, honest], A_all[:, cols_a]
-
-
-def baseline_mu(B, A, s_star, s_delta):
-    M = np.hstack([s_star * B, s_delta * A])
-    # corrupted parties' rows are exact combinations of others: cut the rank at 1e-12, not NumPy's
-    # default 1e-15, which keeps rounding-level singular values and corrupts the result
-    return np.linalg.norm(np.linalg.pinv(M, rcond=1e-12) @ B, axis=0)
-
-
-def baseline_calibrate(B, A, s_star, target, steps=25):
-    lo, hi = 0.0, 1.0
-    while baseline_mu(B, A, s_star, hi).max() > target:
-        lo, hi = hi, 4 * hi
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if baseline_mu(B, A, s_star, mid).max() > target else (lo, mid)
-    return hi
-
-
-def timed(fn, repeats):
-    best, out = math.inf, None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, out
+    for n in ns:
+        trace, view = _setting(n)
+        full = AdversaryView(view.threat, np.zeros(0, dtype=np.int64), view.observed)
+        B_all, A_all, _ = dense_system(trace, full)
+        honest = view.honest
+        cols_a = (np.arange(trace.iterations)[:, None] * trace.parties + honest[None, :]).reshape(-1)
+        B, A = B_all[:, honest], A_all[:, cols_a]
+        t0 = time.perf_counter()
+        M = np.hstack([S_STAR * B, S_DELTA * A])
+        base = np.linalg.norm(np.linalg.pinv(M, rcond=1e-12) @ B, axis=0)
+        t1 = time.perf_counter()
+        cert = certify(trace, view, solver="exact")
+        t2 = time.perf_counter()
+        ours = np.array([cert.mu[int(i)] for i in honest])
+        print(f"n = {n}: pinv baseline {t1 - t0:.3f} s, certify {t2 - t1:.3f} s, "
+              f"max|diff|/max mu {np.max(np.abs(ours - base)) / base.max():.1e}", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, nargs="+", default=[200, 1000])
-    p.add_argument("--baseline-max-n", type=int, default=200, help="run the dense baseline up to this n")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--full", action="store_true", help="also time calibrate(runs=1000) at n = 200")
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--scaling", type=int, nargs="*")
+    p.add_argument("--exact-max", type=int, default=4000, help="run the exact method up to this n")
+    p.add_argument("--tightness", type=int, nargs="*")
+    p.add_argument("--gammas", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    p.add_argument("--epsilon", type=float, default=0.2)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--large", type=int, nargs="*")
+    p.add_argument("--calibrate-large", type=int, nargs="*")
+    p.add_argument("--strategy", type=int, nargs="*")
+    p.add_argument("--draws", type=int, default=3)
+    p.add_argument("--baseline", type=int, nargs="*")
     args = p.parse_args()
-    print("k = 1, T = 20, rho = 0.1, gamma = 0.1; best of", args.repeats, "\n")
-    header = (f"{'n':>5} {'rows m':>7} {'certificate s':>14} {'calib. 1 run s':>15} {'baseline cert s':>16} "
-              f"{'baseline calib s':>17} {'max|diff|/max mu':>16}")
-    print(header)
-    print("-" * len(header))
-    for n in args.n:
-        config = IncaConfig(iterations=20, neighbors=1, sigma_star=S_STAR, sigma_delta=S_DELTA,
-                            dropout=PermanentDropout(0.1))
-        trace = sample_trace(n, config, seed=1)
-        view = random_collusion(trace, 0.1, seed=2)
-        t_cert, cert = timed(lambda: certify(trace, view), args.repeats)
-        t_cal, s_need = timed(lambda: profile(trace, view).min_sigma_delta(S_STAR, MU_TARGET), args.repeats)
-        rows = int(view.honest_observed().sum())
-        if n <= args.baseline_max_n:
-            B, A = baseline_matrices(trace, view)
-            t_base, mu_base = timed(lambda: baseline_mu(B, A, S_STAR, S_DELTA), 1)
-            t_base_cal, s_base = timed(lambda: baseline_calibrate(B, A, S_STAR, MU_TARGET), 1)
-            ours = np.array([cert.mu[i] for i in view.honest])
-            diff = np.max(np.abs(ours - mu_base)) / mu_base.max()
-            base = f"{t_base:>16.3f} {t_base_cal:>17.3f} {diff:>16.1e}"
-            extra = f"   (sigma_delta needed: ours {s_need:.5g}, baseline {s_base:.5g})"
-        else:
-            base, extra = f"{'-':>16} {'-':>17} {'-':>16}", ""
-        print(f"{n:>5} {rows:>7} {t_cert:>14.3f} {t_cal:>15.3f} {base}{extra}", flush=True)
-    if args.full:
-        start = time.perf_counter()
-        cal = calibrate(0.2, 1e-5, 200, iterations=20, neighbors=1, collusion=0.1,
-                        dropout=PermanentDropout(0.1), runs=1000, procedure="paper", seed=0)
-        print(f"\ncalibrate(procedure='paper', runs=1000, n=200): {time.perf_counter() - start:.1f} s "
-              f"(sigma_star {cal.sigma_star:.4g}, sigma_delta {cal.sigma_delta:.4g}, "
-              f"success {cal.success_fraction:.3f})")
+    if args.job:
+        spec = json.loads(args.job)
+        print(json.dumps(_job(spec["kind"], spec["n"], spec["extra"])))
+        return
+    if args.scaling:
+        scaling(args.scaling, args.exact_max)
+    if args.tightness:
+        tightness(args.tightness, args.gammas, args.runs, args.epsilon)
+    if args.large:
+        large(args.large)
+    if args.calibrate_large:
+        calibrate_large(args.calibrate_large, args.runs)
+    if args.strategy:
+        strategy(args.strategy, args.draws)
+    if args.baseline:
+        baseline(args.baseline)
+    if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline]):
+        p.print_help()
 
 
 if __name__ == "__main__":

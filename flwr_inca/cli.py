@@ -198,6 +198,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         cert = certify(trace, random_collusion(trace, args.collusion, args.seed), **kw)
     if args.json:
         print(json.dumps({
+            "method": cert.method,
             "mu": {str(i): (m if math.isfinite(m) else "inf") for i, m in sorted(cert.mu.items())},
             "max_mu": cert.max_mu if math.isfinite(cert.max_mu) else "inf",
             "epsilon": cert.epsilon if math.isfinite(cert.epsilon) else "inf",
@@ -212,7 +213,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     print(f"adversary: {cert.view.describe()}")
     print(structure.summary())
     print(f"weakest honest party: mu = {cert.max_mu:.4g} -> epsilon = {cert.epsilon:.4g} at delta = "
-          f"{args.delta:g} (value sensitivity {args.value_sensitivity:g})")
+          f"{args.delta:g} (value sensitivity {args.value_sensitivity:g}; method: {cert.method})")
     rows = [[i, cert.mu[i], cert.party_epsilon(i), structure.exposure[i].explain(trace.iterations)]
             for i in cert.weakest[: args.top]]
     print(_table(rows, ["party", "mu", "epsilon", "why"]))

@@ -11,7 +11,7 @@ import numpy as np
 
 
 def party_rows(c: np.ndarray, Z: np.ndarray, online_i: list[bool]) -> tuple[list[float], list[np.ndarray]]:
-    """D^O of one party, read from SPEC §2: the r-th online step t < T uses row r of (c, Z); at T,
+    """D^O of one party, paper Sec. 3.2 (0-based reading): the r-th online step t < T uses row r of (c, Z); at T,
     if online, c_r and minus the sum of the Z-rows used so far; offline steps inject nothing."""
     T = len(online_i) - 1
     cs, zs = [], []

@@ -1,4 +1,4 @@
-"""The adversary's knowledge as a linear Gaussian system (paper Sec. 4.1, App. A.2; SPEC §4).
+"""The adversary's knowledge as a linear Gaussian system (paper Sec. 4.1, Eq. (10), App. A.2).
 
 Every message is ``y^(t) = B_t x~ + A_t eta`` with ``x~ = x + eta*``, ``B_0 = D_c^(0)``,
 ``A_0 = zeta_0``, ``B_t = W^O_t B_{t-1} + D_c^(t)``, ``A_t = W^O_t A_{t-1} + zeta_t``. Keeping the

@@ -1,4 +1,4 @@
-"""Adversary views: which messages a passive adversary observes in a recorded execution (SPEC §3).
+"""Adversary views: which messages a passive adversary observes in a recorded execution (paper Sec. 4.1).
 
 Both threat models know every ``W_t`` and every online set (they are in the trace). A view is a bool
 mask ``observed`` (T+1, n): ``observed[t, i]`` means the adversary knows ``y_i^(t)``. Final messages
@@ -73,7 +73,7 @@ def _finals(trace: ExecutionTrace) -> np.ndarray:
 
 
 def collusion_view(trace: ExecutionTrace, corrupted: Iterable[int]) -> AdversaryView:
-    """Collusion DP view for the corrupted set ``corrupted`` (SPEC §3)."""
+    """Collusion DP view for the corrupted set ``corrupted`` (paper Def. of C-DP, Sec. 4.1)."""
     n, T = trace.parties, trace.iterations
     C = np.unique(np.asarray(list(corrupted), dtype=np.int64))
     if C.size and (C.min() < 0 or C.max() >= n):
