@@ -211,3 +211,18 @@ def test_case_generator_is_deterministic():
     a, _ = _case(7, 0)
     b, _ = _case(7, 0)
     assert a == b and zlib.crc32(a.to_json().encode()) == zlib.crc32(b.to_json().encode())
+
+
+def test_audit_shows_which_method_certified(tmp_path, capsys, monkeypatch):
+    import json
+
+    from flwr_inca.cli import main
+
+    trace = sample_trace(30, IncaConfig(iterations=6, neighbors=1, sigma_star=0.3, sigma_delta=3.0), seed=0)
+    path = tmp_path / "trace.json"
+    trace.save(path)
+    assert main(["audit", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "exact"
+    monkeypatch.setattr(certificate_module, "EXACT_MAX_ROWS", 0)  # as if the trace were huge
+    assert main(["audit", str(path)]) == 0
+    assert "method: bound" in capsys.readouterr().out

@@ -123,46 +123,53 @@ def _structured_gram_a(trace: ExecutionTrace, view: AdversaryView, per_t: list[n
     Noise part only, unit variance, honest terms only. With ``D`` the online parties at t and
     ``nu`` the fresh terms of online honest parties (t < T):
     ``y^(t) = W^O_t y^(t-1) - D e^(t-1) + nu`` and ``e^(t) = (I - D) e^(t-1) + nu``.
+    ``C`` holds the covariance of the current state with every message observed so far (one column
+    per observed message), propagated with the sparse step matrix; block row t of ``G_A`` is read
+    from it when step t's messages are observed.
     """
     n, T = trace.parties, trace.iterations
     online = trace.online_mask()
     is_h = np.zeros(n)
     is_h[view.honest] = 1.0
     sizes = [p.size for p in per_t]
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     m = int(offsets[-1])
     G = np.zeros((m, m))
+    # Ct[k] = Cov(observed message k, state now); stored transposed so that propagating it is a
+    # dense-times-sparse product on contiguous rows (the fast path in SciPy)
+    Ct = np.zeros((m, 2 * n))
 
-    def fresh(mask: np.ndarray) -> np.ndarray:
-        Dh = np.diag(mask)
-        return np.block([[Dh, Dh], [Dh, Dh]])
+    def add_fresh(P: np.ndarray, mask: np.ndarray) -> None:
+        """P += Cov of fresh terms: each enters both y_i and e_i (the 2x2 block [[1, 1], [1, 1]])."""
+        i = np.flatnonzero(mask)
+        for r in (i, i + n):
+            for c in (i, i + n):
+                P[r, c] += mask[i]
 
-    P = fresh(is_h)  # y^(0) = e^(0) = eta_{.,1} of honest parties
-    blocks: list[tuple[int, np.ndarray]] = []  # (t, Cov(state_now, y_obs^(t)))
+    P = np.zeros((2 * n, 2 * n))
+    add_fresh(P, is_h)  # y^(0) = e^(0) = eta_{.,1} of honest parties
 
     def observe(t: int) -> None:
         idx = per_t[t]
         if idx.size == 0:
             return
-        C = P[:, idx].copy()
-        o = slice(offsets[t], offsets[t + 1])
-        G[o, o] = C[idx]
-        for s, Cs in blocks:
-            os_ = slice(offsets[s], offsets[s + 1])
-            G[o, os_] = Cs[idx]
-            G[os_, o] = Cs[idx].T
-        blocks.append((t, C))
+        a, b = int(offsets[t]), int(offsets[t + 1])
+        Ct[a:b] = P[idx]  # P is symmetric: rows idx = Cov(y_idx, state)
+        block = Ct[:b, idx].T  # Cov(y_obs(t), every message observed so far)
+        G[a:b, :b] = block
+        G[:a, a:b] = block[:, :a].T
 
     observe(0)
     for t in range(1, T + 1):
         on = online[t].astype(float)
         W = trace.steps[t - 1].matrix(n)
-        F = sp.bmat([[W, sp.diags(-on)], [None, sp.diags(1.0 - on)]], format="csr")
-        P = F @ P
-        P = (F @ P.T).T
+        Ft = sp.bmat([[W, sp.diags(-on)], [None, sp.diags(1.0 - on)]], format="csr").T.tocsc()
+        P = np.ascontiguousarray((P @ Ft).T) @ Ft  # F P F^T (P symmetric)
         if t < T:
-            P += fresh(on * is_h)
-        blocks = [(s, F @ Cs) for s, Cs in blocks]
+            add_fresh(P, on * is_h)
+        k = int(offsets[t])
+        if k:
+            Ct[:k] = Ct[:k] @ Ft
         observe(t)
     return (G + G.T) / 2
 
