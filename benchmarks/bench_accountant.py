@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import resource
 import subprocess
 import sys
@@ -113,8 +112,8 @@ def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> 
     print("-" * len(header))
     for n in ns:
         for gamma in gammas:
-            kw = dict(iterations=20, neighbors=1, collusion=0.1, runs=runs, seed=0,
-                      dropout=PermanentDropout(gamma) if gamma > 0 else None)
+            kw = {"iterations": 20, "neighbors": 1, "collusion": 0.1, "runs": runs, "seed": 0,
+                      "dropout": PermanentDropout(gamma) if gamma > 0 else None}
             t0 = time.perf_counter()
             ex = calibrate(epsilon, 1e-5, n, solver="exact", **kw)
             t1 = time.perf_counter()

@@ -198,7 +198,7 @@ def test_bad_solver_requests_are_rejected_clearly(monkeypatch):
 
 
 def test_calibration_with_the_bound_needs_at_least_the_exact_noise():
-    kw = dict(iterations=12, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1), runs=4, seed=1)
+    kw = {"iterations": 12, "neighbors": 1, "collusion": 0.1, "dropout": PermanentDropout(0.1), "runs": 4, "seed": 1}
     exact = calibrate(0.5, 1e-5, 60, solver="exact", **kw)
     bound = calibrate(0.5, 1e-5, 60, solver="bound", **kw)
     assert bound.sigma_star == pytest.approx(exact.sigma_star)

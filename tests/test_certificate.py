@@ -13,7 +13,6 @@ from flwr_inca import (
     ScheduledDropout,
     StaticTopology,
     TemporaryDropout,
-    run_inca,
 )
 from flwr_inca.privacy import (
     adversarial_collusion,

@@ -10,8 +10,8 @@ Typical use::
 
 from .accountants import GdpAccountant, PrvAccountant, RdpAccountant, RoundCost, create_accountant
 from .adversary import AdversarialResult, adversarial_collusion
-from .calibration import Calibration, calibrate
 from .bound import BoundSettings, SensitivityBound, bound_profile
+from .calibration import Calibration, calibrate
 from .certificate import Certificate, SensitivityProfile, certify, choose_solver, profile
 from .conversions import (
     classic_epsilon,

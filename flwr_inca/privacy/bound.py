@@ -39,7 +39,7 @@ from ..protocol.trace import ExecutionTrace
 from .message_space import MessageSpace, _pair_weights
 from .views import AdversaryView
 
-__all__ = ["SensitivityBound", "BoundSettings", "bound_profile"]
+__all__ = ["BoundSettings", "SensitivityBound", "bound_profile"]
 
 _EPS = np.finfo(float).eps / 2  # unit roundoff
 

@@ -37,8 +37,15 @@ from .conversions import epsilon_for_delta
 from .linear_system import ObservationModel, build_model
 from .views import AdversaryView
 
-__all__ = ["SensitivityProfile", "Certificate", "certify", "profile", "choose_solver", "EXACT_MAX_ROWS",
-           "SOLVERS"]
+__all__ = [
+    "EXACT_MAX_ROWS",
+    "SOLVERS",
+    "Certificate",
+    "SensitivityProfile",
+    "certify",
+    "choose_solver",
+    "profile",
+]
 
 _SNAP = 1e-9
 SOLVERS = ("auto", "exact", "bound")

@@ -27,6 +27,7 @@ then ``X / sigma_star^2 + E / sigma_delta^2`` for every pair of sigmas, with X a
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +103,7 @@ class MessageSpace:
         self.groups: list[_Group] = []
         self.group_of = np.empty(self.nH, dtype=np.int64)
         bounds = np.flatnonzero(np.diff(np.concatenate([[-1], inverse[perm], [-2]])))
-        for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for g, (a, b) in enumerate(itertools.pairwise(bounds)):
             self.group_of[a:b] = g
             j = int(self.parties[a])
             act = self.online[:, j]
@@ -152,7 +153,7 @@ class MessageSpace:
         return self._row0[q] + np.asarray(t) * self._size[q]
 
     def _build_variables(self) -> None:
-        n, T, nH = self.n, self.T, self.nH
+        n, T = self.n, self.T
         online, slot = self.online, self.slot
         observed = self.view.observed
         latest = np.zeros((T + 1, n), dtype=np.int64)
@@ -209,7 +210,6 @@ class MessageSpace:
         Works in the dtype of ``dz`` (float32 inside the iterative solver, float64 for evaluation).
         """
         out = np.empty_like(dz)
-        B = dz.shape[1]
         T1 = self.T + 1
         for k, g in enumerate(self.groups):
             a, b = self.offsets[k], self.offsets[k + 1]

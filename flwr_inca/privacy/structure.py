@@ -29,10 +29,10 @@ __all__ = [
     "StructureReport",
     "UnseenMessages",
     "analyze_structure",
-    "unseen_messages",
-    "rank_condition",
     "is_static",
     "party_exposure",
+    "rank_condition",
+    "unseen_messages",
 ]
 
 DENSE_RANK_LIMIT = 3000

@@ -93,7 +93,7 @@ def collusion_view(trace: ExecutionTrace, corrupted: Iterable[int]) -> Adversary
 def eavesdrop_view(trace: ExecutionTrace, intercepted: Iterable[tuple[int, int]]) -> AdversaryView:
     """Eavesdrop DP view: ``intercepted`` holds ``(sender, iteration)`` pairs, meaning the message
     ``y_sender^(iteration-1)`` sent at that iteration was observed (any one copy suffices)."""
-    n, T = trace.parties, trace.iterations
+    T = trace.iterations
     observed = _finals(trace)
     for sender, iteration in intercepted:
         if not (1 <= int(iteration) <= T):
@@ -109,7 +109,7 @@ def eavesdrop_view(trace: ExecutionTrace, intercepted: Iterable[tuple[int, int]]
 
 def coalition_size(fraction: float, total: int) -> int:
     """``ceil(fraction * total)``, ignoring float noise (0.1 * 30 is 3, not 4)."""
-    return min(int(math.ceil(fraction * total - 1e-9)), total)
+    return min(math.ceil(fraction * total - 1e-9), total)
 
 
 def random_collusion(trace: ExecutionTrace, fraction: float, seed: int | None = None) -> AdversaryView:
