@@ -9,6 +9,8 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
     python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
     python benchmarks/bench_accountant.py --baseline 200                 # vs a dense pseudo-inverse
+    python benchmarks/bench_accountant.py --extrapolate 100000           # one batch of the bound, extrapolated
+    python benchmarks/bench_accountant.py --full                         # the paper's 1000-run calibration
 """
 
 from __future__ import annotations
@@ -51,6 +53,25 @@ def _job(kind: str, n: int, extra: dict) -> dict:
         out["seconds"] = time.perf_counter() - start
         out["max_mu"] = cert.max_mu
         out["mu"] = [cert.mu[int(i)] for i in view.honest] if n <= 5000 else None
+    elif kind == "per-party":
+        from threadpoolctl import threadpool_limits
+
+        from flwr_inca.privacy.bound import BoundSettings, _cg, _evaluate, _Operator, _warm_start
+        from flwr_inca.privacy.message_space import MessageSpace
+
+        trace, view = _setting(n)
+        st = BoundSettings()
+        start = time.perf_counter()
+        with threadpool_limits(1, user_api="blas"):
+            ms = MessageSpace(trace, view, S_STAR, S_DELTA)
+            op = _Operator(ms, S_STAR, S_DELTA, st)
+            setup = time.perf_counter() - start
+            part = np.arange(min(st.batch, ms.nH))
+            t0 = time.perf_counter()
+            x = _cg(op, op.w * ms.apply_P(ms.target(part)), _warm_start(ms, part), st.iterations)
+            _evaluate(ms, x, part)
+            per = (time.perf_counter() - t0) / part.size
+        out.update(setup=setup, per_party=per, parties=int(ms.nH), unknowns=int(ms.U))
     elif kind == "structure":
         trace, view = _setting(n)
         start = time.perf_counter()
@@ -151,6 +172,16 @@ def large(ns: list[int]) -> None:
               f"{b['rows']} observed honest messages, peak {b['max_rss_gb']:.2f} GB", flush=True)
 
 
+def extrapolate(ns: list[int]) -> None:
+    """Time one batch of parties through the bound's first phase; extrapolate to every honest party."""
+    for n in ns:
+        r = run_job("per-party", n)
+        total = r["setup"] + r["per_party"] * r["parties"]
+        print(f"n = {n}: {r['unknowns']} unknowns; set-up {r['setup']:.1f} s; first phase "
+              f"{r['per_party'] * 1e3:.0f} ms per party -> about {total:.0f} s for {r['parties']} parties "
+              f"(before refinement); peak {r['max_rss_gb']:.2f} GB", flush=True)
+
+
 def calibrate_large(ns: list[int], runs: int) -> None:
     for n in ns:
         c = run_job("calibrate", n, runs=runs, solver="auto")
@@ -199,6 +230,18 @@ def baseline(ns: list[int]) -> None:
               f"max|diff|/max mu {np.max(np.abs(ours - base)) / base.max():.1e}", flush=True)
 
 
+def full() -> None:
+    from flwr_inca import PermanentDropout
+    from flwr_inca.privacy import calibrate
+
+    start = time.perf_counter()
+    cal = calibrate(0.2, 1e-5, 200, iterations=20, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1),
+                    runs=1000, procedure="paper", seed=0)
+    print(f"calibrate(procedure='paper', runs=1000, n=200): {time.perf_counter() - start:.1f} s "
+          f"(sigma_star {cal.sigma_star:.4g}, sigma_delta {cal.sigma_delta:.4g}, "
+          f"success {cal.success_fraction:.3f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", help=argparse.SUPPRESS)
@@ -213,6 +256,8 @@ def main() -> None:
     p.add_argument("--strategy", type=int, nargs="*")
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--baseline", type=int, nargs="*")
+    p.add_argument("--extrapolate", type=int, nargs="*")
+    p.add_argument("--full", action="store_true", help="calibrate(procedure='paper', runs=1000) at n = 200")
     args = p.parse_args()
     if args.job:
         spec = json.loads(args.job)
@@ -230,7 +275,12 @@ def main() -> None:
         strategy(args.strategy, args.draws)
     if args.baseline:
         baseline(args.baseline)
-    if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline]):
+    if args.extrapolate:
+        extrapolate(args.extrapolate)
+    if args.full:
+        full()
+    if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline,
+                args.full, args.extrapolate]):
         p.print_help()
 
 
