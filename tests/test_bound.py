@@ -226,3 +226,20 @@ def test_audit_shows_which_method_certified(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(certificate_module, "EXACT_MAX_ROWS", 0)  # as if the trace were huge
     assert main(["audit", str(path)]) == 0
     assert "method: bound" in capsys.readouterr().out
+
+
+def test_party_with_a_rank_deficient_schedule_is_still_bounded_soundly():
+    # a valid custom schedule whose adapted rows become dependent for a party offline at step 1 only:
+    # rows (0.5, 1, 0) at step 0 and (c_1, -Z_0) = (-0.5, -1, 0) at T = 2
+    schedule = InjectionSchedule.custom([0.5, -0.5, 1.0], [[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]])
+    for seed in range(6):
+        trace = sample_trace(8, IncaConfig(iterations=2, neighbors=1, sigma_star=0.4, sigma_delta=2.0,
+                                           schedule=schedule, dropout=ScheduledDropout({1: [0, 3]})), seed=seed)
+        view = random_eavesdrop(trace, 0.3, seed=seed)
+        ms = MessageSpace(trace, view, 0.4, 2.0)
+        assert ms.blocked[ms.slot[[0, 3]]].all()
+        exact = certify(trace, view, solver="exact")
+        bound = certify(trace, view, solver="bound")
+        for i, mu in exact.mu.items():
+            assert bound.mu[i] >= mu * (1 - 1e-9), (seed, i, mu, bound.mu[i])
+        assert bound.mu[0] == pytest.approx(1 / 0.4, rel=1e-6)  # pinned: the local-DP bound

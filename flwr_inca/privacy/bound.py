@@ -250,6 +250,10 @@ def _evaluate(ms: MessageSpace, dy: np.ndarray, parties: np.ndarray) -> tuple[np
     x_rows = ms.row_t == 0
     X = (np.sqrt(np.sum(up[x_rows] ** 2, axis=0)) + extra) ** 2 * rel
     E = (np.sqrt(np.sum(up[~x_rows] ** 2, axis=0)) + extra) ** 2 * rel
+    # a party whose rows are pinned (rank-deficient adapted schedule) keeps u = 0, so its own unit
+    # change stays unexplained: residual -e, cost 1 / sigma_star^2 (local DP)
+    own_blocked = ms.blocked[np.asarray(parties)]
+    X = np.where(own_blocked, np.maximum(X, 1.0) * rel, X)
     return X, E
 
 
