@@ -165,6 +165,12 @@ class MessageSpace:
         cols = np.arange(n)
         for t in range(T + 1):
             state_seen[latest[t], cols] |= observed[t]
+        # a message delivered to a corrupted party is seen, whatever the view says (a corrupted
+        # party's inputs are known, so nothing it receives may change)
+        for t in range(1, T + 1):
+            m = self.trace.steps[t - 1].messages
+            to_corrupted = m.senders[slot[m.receivers] < 0]
+            state_seen[latest[t - 1, to_corrupted], to_corrupted] = True
         is_h = slot >= 0
         free = online & ~state_seen & is_h[None, :]
         var = np.full((T + 1, n), -1, dtype=np.int64)
