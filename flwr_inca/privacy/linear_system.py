@@ -163,8 +163,9 @@ def _structured_gram_a(trace: ExecutionTrace, view: AdversaryView, per_t: list[n
     for t in range(1, T + 1):
         on = online[t].astype(float)
         W = trace.steps[t - 1].matrix(n)
-        Ft = sp.bmat([[W, sp.diags(-on)], [None, sp.diags(1.0 - on)]], format="csr").T.tocsc()
-        P = np.ascontiguousarray((P @ Ft).T) @ Ft  # F P F^T (P symmetric)
+        F = sp.bmat([[W, sp.diags(-on)], [None, sp.diags(1.0 - on)]], format="csr")
+        Ft = F.T.tocsc()
+        P = F @ np.ascontiguousarray((F @ P).T)  # F P F^T (P symmetric); sparse @ C-ordered avoids copies
         if t < T:
             add_fresh(P, on * is_h)
         k = int(offsets[t])
