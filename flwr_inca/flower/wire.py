@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from ..protocol.schedules import InjectionSchedule
-from .node import RoundParams
 from .relay import Outgoing, Reply, Request
+from .shared import RoundParams
 
-__all__ = ["encode_request", "decode_request", "encode_reply", "decode_reply", "peek_request", "FIELD"]
+__all__ = ["encode_request", "decode_request", "encode_reply", "decode_reply", "peek_request", "FIELD",
+           "MissingRoster", "ROSTER_ENTRY_BYTES", "pack_roster", "unpack_roster"]
 
 FIELD = "m"  # the ConfigRecord key holding the encoded message
 _REQ, _REP = b"INQ1", b"INP1"
@@ -26,6 +27,30 @@ _SCHEDULES = {"incremental": 0, "early": 1, "custom": 2}
 _PRECISIONS = {"float32": 4, "float64": 8}
 _REQ_HEAD = "<4sqqqddBBqqBqqdIIBB"  # magic .. has_restore, has_roster
 _REP_HEAD = "<4sqBBIqIIB"  # magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final
+
+
+ROSTER_ENTRY_BYTES = 8 + 32  # per party: node id (u64) and X25519 public key
+
+
+class MissingRoster(ValueError):
+    """A request that leaves out the roster (the node said it keeps it) reached a node without one."""
+
+
+def pack_roster(ids: list[int], public_keys: list[bytes]) -> bytes:
+    """The roster as bytes: the node ids (u64), then the public keys (32 bytes each)."""
+    if len(ids) != len(public_keys) or any(len(k) != 32 for k in public_keys):
+        raise ValueError("a roster needs one 32-byte public key per node id")
+    return np.asarray(ids, dtype="<u8").tobytes() + b"".join(public_keys)
+
+
+def unpack_roster(blob: bytes) -> tuple[list[int], list[bytes]]:
+    """Inverse of :func:`pack_roster`; ``ValueError`` if ``blob`` cannot be a roster."""
+    n, rest = divmod(len(blob), ROSTER_ENTRY_BYTES)
+    if rest or n == 0:
+        raise ValueError(f"a roster has {ROSTER_ENTRY_BYTES} bytes per node, got {len(blob)} bytes")
+    ids = np.frombuffer(blob[: 8 * n], dtype="<u8").tolist()
+    keys = blob[8 * n:]
+    return [int(v) for v in ids], [keys[32 * j: 32 * (j + 1)] for j in range(n)]
 
 
 class _Reader:
@@ -80,8 +105,7 @@ def encode_request(req: Request, params: RoundParams, with_roster: bool = True) 
         parts.append(np.ascontiguousarray(params.schedule.Z, dtype="<f8").tobytes())
     if with_roster:
         parts.append(struct.pack("<I", len(params.roster)))
-        parts.append(np.asarray(params.roster, dtype="<u8").tobytes())
-        parts.append(b"".join(params.public_keys))
+        parts.append(pack_roster(params.roster, params.public_keys))
     for m in req.incoming:
         parts.append(struct.pack("<qd", m.sender, m.weight) + _blob(m.payload))
     for u, r, v in req.retransmit:
@@ -117,11 +141,9 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
         schedule = _named_schedule(kind, T)
     if has_roster:
         (n,) = rd.take("<I")
-        ids = np.frombuffer(rd.raw(8 * n), dtype="<u8").tolist()
-        keys = rd.raw(32 * n)
-        roster = ([int(v) for v in ids], [keys[32 * j:32 * (j + 1)] for j in range(n)])
+        roster = unpack_roster(rd.raw(ROSTER_ENTRY_BYTES * n))
     elif roster is None:
-        raise ValueError("request without roster, and none given")
+        raise MissingRoster("request without roster, and none given")
     incoming = []
     for _ in range(n_in):
         sender, weight = rd.take("<qd")
