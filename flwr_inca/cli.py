@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -12,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import check_int, check_real
+from ._json import dumps
 from .protocol import (
     IncaConfig,
     MarkovDropout,
@@ -62,10 +63,10 @@ def _progress(label: str):
 
 
 def _positive_int(v: str) -> int:
-    i = int(v)
-    if i < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
-    return i
+    try:
+        return check_int("value", int(v))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}") from None
 
 
 def _table(rows: list[list[Any]], header: list[str]) -> str:
@@ -114,7 +115,7 @@ def cmd_mean(args: argparse.Namespace) -> int:
         "certified_epsilon": cert.epsilon, "threat": view.describe(),
     }
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(dumps(out, indent=1))
         return 0
     print(f"IncA mean of {n} parties, {d}-dim values clipped to L2 norm {C}, {args.iterations} iterations, "
           f"k = {args.neighbors}, dropout: {args.dropout!r}")
@@ -146,8 +147,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ))
     central = (args.value_sensitivity / (args.parties * results[-1].mu_target)) ** 2 if results else math.nan
     if args.json:
-        print(json.dumps({"calibrations": [r.to_dict() for r in results],
-                          "mse_central_dp": central}, indent=1))
+        print(dumps({"calibrations": [r.to_dict() for r in results], "mse_central_dp": central}, indent=1))
         return 0
     print(f"target ({args.epsilon:g}, {args.delta:g})-DP, n = {args.parties}, T = {args.iterations}, "
           f"k = {args.neighbors}, {results[0].threat if results else ''}, dropout: {args.dropout!r}, "
@@ -197,10 +197,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         cert = certify(trace, random_collusion(trace, args.collusion, args.seed), **kw)
     if args.json:
-        print(json.dumps({
-            "mu": {str(i): (m if math.isfinite(m) else "inf") for i, m in sorted(cert.mu.items())},
-            "max_mu": cert.max_mu if math.isfinite(cert.max_mu) else "inf",
-            "epsilon": cert.epsilon if math.isfinite(cert.epsilon) else "inf",
+        print(dumps({
+            "mu": {str(i): m for i, m in sorted(cert.mu.items())},
+            "max_mu": cert.max_mu,
+            "epsilon": cert.epsilon,
             "delta": args.delta,
             "threat": cert.view.threat,
             "corrupted": [int(c) for c in cert.view.corrupted],
@@ -275,15 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    eps = getattr(args, "epsilon", None)
-    if eps is not None and not (math.isfinite(eps) and eps > 0):
-        print(f"error: --epsilon must be a finite number > 0, got {eps}", file=sys.stderr)
-        return 2
-    delta = getattr(args, "delta", None)
-    if delta is not None and not (0 < delta < 1):
-        print(f"error: --delta must be in (0, 1), got {delta}", file=sys.stderr)
-        return 2
     try:
+        if getattr(args, "epsilon", None) is not None:
+            check_real("--epsilon", args.epsilon, 0.0, low_open=True)
+        if getattr(args, "delta", None) is not None:
+            check_real("--delta", args.delta, 0.0, 1.0, low_open=True, high_open=True)
         return int(args.func(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
