@@ -68,8 +68,8 @@ def main() -> None:
             t_new, new = timed(lambda: conversions.epsilon_for_delta(mu, delta), repeats=5)
         finally:
             conversions._log_delta = original
-        print(f"{mu:>8g} {delta:>8g} {t_old:>10.4g} {former_count[0]:>9d} {t_new:>12.3g} {new_count[0] // 5:>6d} "
-              f"{t_old / t_new:>8.0f}x {abs(new - old) / old:>10.2g}")
+        print(f"{mu:>8g} {delta:>8g} {t_old:>10.4g} {former_count[0]:>9d} {t_new:>12.3g} "
+              f"{new_count[0] // 5:>6d} {t_old / t_new:>8.0f}x {abs(new - old) / old:>10.2g}")
 
 
 if __name__ == "__main__":

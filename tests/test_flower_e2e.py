@@ -16,12 +16,12 @@ import pytest
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
+import flower_apps  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.exception import PrivacyBudgetExhausted  # noqa: E402
 from noise_reference import brute_noise_std  # noqa: E402
 
-import flower_apps  # noqa: E402
 from flwr_inca import replay  # noqa: E402
 from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy  # noqa: E402
 from flwr_inca.flower.node import RoundSecrets  # noqa: E402
@@ -137,7 +137,8 @@ def faulty_run(tmp_path_factory):
     def main(grid: Grid, context: Context) -> None:
         recording = RecordingGrid(grid, drop=lambda rnd, commit, party: (party, rnd, commit) in DROPS)
         strategy = TamperingStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, clip_norm=1.0,
-                                     precision="float64", exchange_timeout=120, ledger_path=tmp / "ledger.json",
+                                     precision="float64", exchange_timeout=120,
+                                     ledger_path=tmp / "ledger.json",
                                      max_noise_inflation=float("inf"),  # keep rounds with lost finals
                                      trace_dir=tmp / "traces", forward_client_metrics=True, seed=3,
                                      fraction_evaluate=0.5, min_available_nodes=NODES, min_train_nodes=NODES)
@@ -179,15 +180,17 @@ def test_training_completes_with_failures(faulty_run):
         assert metrics["inca-timeouts"] == sum(r == rnd for _, r, _ in DROPS)
         # the noise of the update, against a brute-force replay of the round's trace
         record = strategy.rounds[rnd]
-        assert metrics["inca-noise-std"] == pytest.approx(brute_noise_std(record.trace, record.finalists), rel=1e-9)
+        brute = brute_noise_std(record.trace, record.finalists)
+        assert metrics["inca-noise-std"] == pytest.approx(brute, rel=1e-9)
         assert record.client_metrics and all(m["tagged"] == 1 for m in record.client_metrics.values())
     eps = [server[r]["inca-epsilon"] for r in (1, 2, 3)]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(strategy.ledger.epsilon())
-    assert strategy.privacy_spent().epsilon == pytest.approx(eps[-1]) and strategy.privacy_spent().num_releases == 3
+    spent = strategy.privacy_spent()
+    assert spent.epsilon == pytest.approx(eps[-1]) and spent.num_releases == 3
     assert sorted(p.name for p in (faulty_run["tmp"] / "traces").iterdir()) == [
         "round-0001.json", "round-0002.json", "round-0003.json"]
     assert len(result.evaluate_metrics_clientapp) == ROUNDS  # FedAvg's evaluation still runs
-    assert "Global evaluation" in faulty_run["log"] and "Final results:" in faulty_run["log"]  # Flower's start
+    assert "Global evaluation" in faulty_run["log"] and "Final results:" in faulty_run["log"]  # Flower's
     # the server's metrics still reach the Result through train_metrics_clientapp, with a warning
     with pytest.warns(FutureWarning, match="train_metrics_serverapp"):
         assert result.train_metrics_clientapp[1]["inca-epsilon"] == server[1]["inca-epsilon"]
@@ -211,7 +214,8 @@ def test_tampered_payload_rejected_and_round_still_consistent(faulty_run):
     rnd, iteration = TAMPER
     assert len(TamperingStrategy.tampered) == 1
     sender, receiver = TamperingStrategy.tampered[0]
-    assert metrics[rnd]["inca-rejected-payloads"] == 1 and sum(m["inca-rejected-payloads"] for m in metrics.values()) == 1
+    assert metrics[rnd]["inca-rejected-payloads"] == 1
+    assert sum(m["inca-rejected-payloads"] for m in metrics.values()) == 1
     record = strategy.rounds[rnd]
     # the receiver rejects in the exchange committing to iteration + 1, the sender re-seals in the next,
     # the receiver computes in the one after: it cannot commit to iteration + 1 and + 2 meanwhile;
@@ -294,7 +298,8 @@ def scenarios(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scenarios")
     out: dict = {}
     app = ServerApp()
-    common = dict(fraction_evaluate=0.0, min_available_nodes=NODES, min_train_nodes=NODES, exchange_timeout=120)
+    common = {"fraction_evaluate": 0.0, "min_available_nodes": NODES, "min_train_nodes": NODES,
+              "exchange_timeout": 120}
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
@@ -304,7 +309,8 @@ def scenarios(tmp_path_factory):
             arrays, runs = ArrayRecord(INITIAL), []
             for _ in range(2):
                 strategy = IncaStrategy(iterations=3, sigma_star=0.0, sigma_delta=3.0, clip_norm=100.0,
-                                        precision="float64", ledger_path=None, forward_client_metrics=True, **common)
+                                        precision="float64", ledger_path=None, forward_client_metrics=True,
+                                        **common)
                 new = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1).arrays
                 runs.append((strategy, arrays, new))
                 arrays = new
@@ -336,8 +342,10 @@ def scenarios(tmp_path_factory):
 
         def no_training():
             recording = RecordingGrid(grid)
-            strategy = IncaStrategy(sigma_star=1.0, sigma_delta=5.0, ledger_path=None, fraction_train=0.0, **common)
-            return strategy, strategy.start(grid=recording, initial_arrays=ArrayRecord(INITIAL), num_rounds=2), recording
+            strategy = IncaStrategy(sigma_star=1.0, sigma_delta=5.0, ledger_path=None, fraction_train=0.0,
+                                    **common)
+            result = strategy.start(grid=recording, initial_arrays=ArrayRecord(INITIAL), num_rounds=2)
+            return strategy, result, recording
 
         _run(out, "started_twice", started_twice)
         _run(out, "too_few_finals", too_few_finals)
@@ -368,7 +376,8 @@ def test_strategy_started_twice_in_one_run_starts_each_round_afresh(scenarios):
             local = flower_apps.local_update(old.to_numpy_ndarrays(), pid, 1)
             updates.append(flatten_arrays(ArrayRecord(local))[0] - flatten_arrays(old)[0])
         assert np.allclose(record.update, np.mean(updates, axis=0), atol=1e-9)
-        assert np.allclose(flatten_arrays(new)[0], (flatten_arrays(old)[0] + record.update).astype(np.float32))
+        expected = (flatten_arrays(old)[0] + record.update).astype(np.float32)
+        assert np.allclose(flatten_arrays(new)[0], expected)
 
 
 def test_round_with_too_few_finals_fails_and_keeps_the_model(scenarios):
@@ -389,12 +398,14 @@ def test_budget_exhaustion_stops_cleanly_and_restart_resumes(scenarios, resume):
     assert isinstance(stop, IncaBudgetExhausted)
     if not resume:
         done = sorted(strategy.rounds)
-        assert 1 <= len(done) < 10 and done == list(range(1, len(done) + 1)) and stop.server_round == len(done) + 1
+        assert 1 <= len(done) < 10 and done == list(range(1, len(done) + 1))
+        assert stop.server_round == len(done) + 1
         assert [e.round for e in ledger.entries] == done
         # every round started only when predicted affordable, then was charged its certified cost
         for r in done:
             assert ledger.accountant.epsilon(costs[:r - 1] + [RoundCost(predicted)], ledger.delta) <= BUDGET
-            assert ledger.entries[r - 1].epsilon == pytest.approx(ledger.accountant.epsilon(costs[:r], ledger.delta))
+            composed = ledger.accountant.epsilon(costs[:r], ledger.delta)
+            assert ledger.entries[r - 1].epsilon == pytest.approx(composed)
             assert ledger.entries[r - 1].mu == strategy.rounds[r].mu
         # and it stopped for a reason: the next round did not fit (or the last one overran the budget)
         after = ledger.accountant.epsilon(costs + [RoundCost(predicted)], ledger.delta)
@@ -402,7 +413,8 @@ def test_budget_exhaustion_stops_cleanly_and_restart_resumes(scenarios, resume):
             assert stop.predicted_epsilon == float("inf")
         else:
             assert stop.predicted_epsilon == pytest.approx(after) and after > BUDGET
-        assert stop.epsilon == pytest.approx(ledger.epsilon()) == pytest.approx(strategy.privacy_spent().epsilon)
+        assert stop.epsilon == pytest.approx(ledger.epsilon())
+        assert stop.epsilon == pytest.approx(strategy.privacy_spent().epsilon)
         # the exception hands over the global model of the last round
         last = flatten_arrays(models[len(done)])[0]
         assert np.array_equal(flatten_arrays(stop.arrays)[0], last) and np.any(last != 0)
@@ -410,7 +422,8 @@ def test_budget_exhaustion_stops_cleanly_and_restart_resumes(scenarios, resume):
         again, restart_stop, _, restart_pushed = _outcome(scenarios, "restart")
         assert isinstance(restart_stop, IncaBudgetExhausted) and restart_stop.server_round == 1
         assert restart_pushed == 0 and again.rounds == {}
-        assert again.ledger.rounds == ledger.rounds and again.ledger.epsilon() == pytest.approx(ledger.epsilon())
+        assert again.ledger.rounds == ledger.rounds
+        assert again.ledger.epsilon() == pytest.approx(ledger.epsilon())
         assert restart_stop.epsilon == pytest.approx(ledger.epsilon())
 
 

@@ -17,7 +17,8 @@ from flwr_inca._json import InfinityEncoder, dumps, float_from_json, jsonable
 ])
 def test_check_int(value, minimum, maximum, ok):
     if ok:
-        assert check_int("k", value, minimum, maximum) == value and type(check_int("k", value, minimum, maximum)) is int
+        checked = check_int("k", value, minimum, maximum)
+        assert checked == value and type(checked) is int
     else:
         with pytest.raises(ValueError, match=r"^k must be an integer"):
             check_int("k", value, minimum, maximum)
@@ -53,8 +54,9 @@ def test_check_real_bounds():
 
 
 def test_json_writes_infinities_as_strings_and_reads_them_back():
-    data = {"mu": {"3": math.inf, "4": 0.5}, "neg": -math.inf, "nan": math.nan, "arr": np.array([1.0, np.inf]),
-            "n": np.int64(7), "f": np.float32(0.25), "t": (1, 2), "ok": np.bool_(True)}
+    data = {"mu": {"3": math.inf, "4": 0.5}, "neg": -math.inf, "nan": math.nan,
+            "arr": np.array([1.0, np.inf]), "n": np.int64(7), "f": np.float32(0.25), "t": (1, 2),
+            "ok": np.bool_(True)}
     text = dumps(data)
     assert "Infinity" not in text and "NaN" not in text
     back = json.loads(text)

@@ -7,5 +7,5 @@ from .client import IncaClient
 from .config import MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig
 from .strategy import IncaBudgetExhausted, IncaStrategy, RoundRecord
 
-__all__ = ["IncaStrategy", "IncaClient", "IncaBudgetExhausted", "RoundRecord", "PrivacyTarget", "MixingConfig",
-           "RelayConfig", "PersistenceConfig"]
+__all__ = ["IncaStrategy", "IncaClient", "IncaBudgetExhausted", "RoundRecord", "PrivacyTarget",
+           "MixingConfig", "RelayConfig", "PersistenceConfig"]

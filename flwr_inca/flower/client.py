@@ -123,7 +123,8 @@ class IncaClient:
         context.state[_STATE_SECRETS] = ConfigRecord({
             "round": round_, "noise-secret": secrets.noise_secret, "private-key": secrets.private_key,
         })
-        content = RecordDict({INCA_KEY: ConfigRecord({"public-key": secrets.public_key, "dim": int(value.size)})})
+        joined = ConfigRecord({"public-key": secrets.public_key, "dim": int(value.size)})
+        content = RecordDict({INCA_KEY: joined})
         if bool(cfg.get("forward-metrics", False)):
             for key, rec in reply.content.metric_records.items():
                 content[key] = MetricRecord(dict(rec))

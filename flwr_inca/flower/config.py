@@ -96,7 +96,9 @@ class PrivacyTarget:
     @property
     def sensitivity(self) -> float:
         """``value_sensitivity``, or its default 2 * ``clip_norm``."""
-        return float(self.value_sensitivity) if self.value_sensitivity is not None else 2 * float(self.clip_norm)
+        if self.value_sensitivity is not None:
+            return float(self.value_sensitivity)
+        return 2 * float(self.clip_norm)
 
     @property
     def accountant_name(self) -> str:
@@ -213,8 +215,9 @@ def build_groups(given: dict[str, Any], options: dict[str, Any]) -> dict[str, An
     flat: dict[str, dict[str, Any]] = {group: {} for group in CONFIG_GROUPS}
     for key, value in options.items():
         if key not in _FIELD_GROUP:
+            groups = ", ".join(c.__name__ for c in CONFIG_GROUPS.values())
             raise TypeError(f"IncaStrategy() got an unexpected keyword argument {key!r}; the settings are "
-                            f"FedAvg's and the fields of {', '.join(c.__name__ for c in CONFIG_GROUPS.values())}")
+                            f"FedAvg's and the fields of {groups}")
         flat[_FIELD_GROUP[key]][key] = value
     out = {}
     for group, cls in CONFIG_GROUPS.items():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..protocol.party import Incoming, IncaParty, PartyNoise, PartyState
+from ..protocol.party import IncaParty, Incoming, PartyNoise, PartyState
 from .crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal
 from .relay import Outgoing, Reply, Request
 from .shared import RoundParams
@@ -99,7 +99,8 @@ class _PartySession:
         if not (0 <= me < len(params.roster)):
             raise ValueError("party is not in the roster")
         if secrets.round != params.round:
-            raise ValueError(f"this party joined round {secrets.round}, the request is for round {params.round}")
+            raise ValueError(f"this party joined round {secrets.round}, the request is for round "
+                             f"{params.round}")
         self.keys = KeyPair(secrets.private_key)
         if self.keys.public != params.public_keys[me]:
             raise ValueError("the roster does not hold this party's public key")
@@ -153,8 +154,8 @@ class _PartySession:
         incoming, rejected = [], []
         for m in request.incoming:
             try:
-                sent = PartyState.from_bytes(open_sealed(self.key_with(m.sender), m.payload,
-                                                         self.associated_data(m.sender, self.me, request.task)))
+                ad = self.associated_data(m.sender, self.me, request.task)
+                sent = PartyState.from_bytes(open_sealed(self.key_with(m.sender), m.payload, ad))
                 if sent.y.size != self.d:
                     raise PayloadRejected("payload has the wrong dimension")
             except (PayloadRejected, ValueError):

@@ -119,7 +119,8 @@ class RoundRelay:
         final_round = commit > self.T
         routed: dict[int, tuple[dict[int, list[Outgoing]], dict[int, float]]] = {}
         for i in range(self.n):
-            if final_round and (i not in self.online[self.T] or i in self.finals) and not self.retransmit_due[i]:
+            done = i not in self.online[self.T] or i in self.finals
+            if final_round and done and not self.retransmit_due[i]:
                 continue  # nothing left to do for this party
             req = Request(i, commit, self.version[i], final=final_round and i in self.online[self.T])
             t = self.pending[i]
@@ -168,9 +169,10 @@ class RoundRelay:
         # retransmissions first: they only replace payloads known to be bad
         for m in rep.retransmissions:
             key = (m.iteration, i, m.receiver)
-            if key in self.bad and (i, m.receiver) in self.outbox[m.iteration] and len(m.payload) == self.payload_bytes:
-                old = self.outbox[m.iteration][(i, m.receiver)]
-                self.outbox[m.iteration][(i, m.receiver)] = Outgoing(i, m.receiver, old.weight, m.payload, m.iteration)
+            outbox = self.outbox[m.iteration]
+            if key in self.bad and (i, m.receiver) in outbox and len(m.payload) == self.payload_bytes:
+                old = outbox[(i, m.receiver)]
+                outbox[(i, m.receiver)] = Outgoing(i, m.receiver, old.weight, m.payload, m.iteration)
                 self.bad.discard(key)
                 self.retransmit_due[i] = [x for x in self.retransmit_due[i] if x != (m.iteration, m.receiver)]
         if rep.need_restore:
@@ -295,7 +297,8 @@ def collect_finals(relay: RoundRelay, exchange: Exchange, final_retries: int = 2
         relay.ingest(relay.T + 1, exchange(relay.T + 1, requests), requests)
 
 
-def drive(relay: RoundRelay, exchange: Exchange, final_retries: int = 2, progress: Progress | None = None) -> None:
+def drive(relay: RoundRelay, exchange: Exchange, final_retries: int = 2,
+          progress: Progress | None = None) -> None:
     """Run a round: :func:`run_iterations`, then :func:`collect_finals`."""
     run_iterations(relay, exchange, progress)
     collect_finals(relay, exchange, final_retries, progress)

@@ -194,7 +194,8 @@ class IncaStrategy(FedAvg):
         self.relay: RelayConfig = groups["relay"]
         self.persistence: PersistenceConfig = groups["persistence"]
         if self.mixing.calibrated and self.privacy.epsilon is None:
-            raise ValueError("give sigma_star and sigma_delta, or a per-round target epsilon to calibrate them")
+            raise ValueError("give sigma_star and sigma_delta, or a per-round target epsilon to calibrate "
+                             "them")
         super().__init__(fraction_train=fraction_train, fraction_evaluate=fraction_evaluate,
                          min_train_nodes=min_train_nodes, min_evaluate_nodes=min_evaluate_nodes,
                          min_available_nodes=min_available_nodes, weighted_by_key=weighted_by_key,
@@ -202,9 +203,11 @@ class IncaStrategy(FedAvg):
                          train_metrics_aggr_fn=train_metrics_aggr_fn,
                          evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn)
         self.forward_client_metrics = bool(forward_client_metrics)
-        self.seed = int(np.random.SeedSequence().entropy) if seed is None else check_int("seed (or None)", seed, 0)
+        self.seed = (int(np.random.SeedSequence().entropy) if seed is None
+                     else check_int("seed (or None)", seed, 0))
         self.ledger = PrivacyLedger(self.persistence.ledger_path, delta=self.privacy.delta,
-                                    max_epsilon=self.privacy.max_epsilon, accountant=self.privacy.accountant_name)
+                                    max_epsilon=self.privacy.max_epsilon,
+                                    accountant=self.privacy.accountant_name)
         self.calibrations: dict[int, Calibration] = {}
         self.rounds: dict[int, RoundRecord] = {}
         self.train_metrics_serverapp: dict[int, MetricRecord] = {}
@@ -258,20 +261,21 @@ class IncaStrategy(FedAvg):
         return messages
 
     def _check_budget(self, server_round: int, n: int, arrays: ArrayRecord) -> None:
-        budget = self.privacy.max_epsilon
+        budget, delta = self.privacy.max_epsilon, self.privacy.delta
         if budget is None:
             return
         spent = self.ledger.epsilon()
         if spent > budget:
             after = math.inf
-            reason = (f"IncA: stopping before round {server_round}: the certified cost of the rounds so far "
-                      f"brought epsilon to {spent:.4g} > max_epsilon = {budget:.4g} (delta = {self.privacy.delta:.1e})")
+            reason = (f"IncA: stopping before round {server_round}: the certified cost of the rounds so "
+                      f"far brought epsilon to {spent:.4g} > max_epsilon = {budget:.4g} "
+                      f"(delta = {delta:.1e})")
         else:
             after = self.ledger.epsilon_after(self.predicted_mu(max(n, 2)), self.privacy.sample_rate)
             if after <= budget:
                 return
-            reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from {spent:.4g} to "
-                      f"about {after:.4g} > max_epsilon = {budget:.4g} (delta = {self.privacy.delta:.1e})")
+            reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from {spent:.4g} "
+                      f"to about {after:.4g} > max_epsilon = {budget:.4g} (delta = {delta:.1e})")
         log(WARNING, "%s", reason)
         raise IncaBudgetExhausted(reason, server_round=server_round, arrays=arrays, epsilon=spent,
                                   predicted_epsilon=after, max_epsilon=budget, delta=self.privacy.delta)
@@ -285,19 +289,21 @@ class IncaStrategy(FedAvg):
         pending = self._pending.pop(server_round, None)
         if pending is None:
             if replies:
-                raise ValueError(f"round {server_round} was not configured by this strategy's configure_train")
+                raise ValueError(f"round {server_round} was not configured by this strategy's "
+                                 "configure_train")
             return None, None  # nothing was sent (fraction_train == 0)
         joined = self._join(replies)
         record = RoundRecord(server_round, joined.roster, client_metrics=joined.metrics)
         self.rounds[server_round] = record
         vector, spec = flatten_arrays(pending.arrays)
-        if len(record.roster) < max(2, self.mixing.min_finalists):
-            record.failed = f"only {len(record.roster)} node(s) joined (min_finalists = {self.mixing.min_finalists})"
+        minimum = self.mixing.min_finalists
+        if len(record.roster) < max(2, minimum):
+            record.failed = f"only {len(record.roster)} node(s) joined (min_finalists = {minimum})"
             log(ERROR, "IncA round %d failed: %s; the global model is unchanged", server_round, record.failed)
             return None, None
-        if set(joined.dims.values()) != {vector.size}:
-            raise ValueError(f"nodes report value dimensions {sorted(set(joined.dims.values()))}, the model has "
-                             f"{vector.size}")
+        dims = sorted(set(joined.dims.values()))
+        if dims != [vector.size]:
+            raise ValueError(f"nodes report value dimensions {dims}, the model has {vector.size}")
         mixed = self._mix(server_round, pending.grid, joined, vector.size)
         new_arrays = self._certify_charge_and_apply(record, mixed, vector, spec, pending.arrays)
         record.seconds = time.time() - pending.started
@@ -335,8 +341,8 @@ class IncaStrategy(FedAvg):
         s_star, s_delta = self._sigmas(n)
         mix = self.mixing
         schedule = InjectionSchedule.resolve(mix.schedule, mix.iterations)
-        params = RoundParams(server_round, mix.iterations, min(mix.neighbors, n - 1), s_star, s_delta, schedule,
-                             roster, [joined.keys[node] for node in roster], mix.precision)
+        params = RoundParams(server_round, mix.iterations, min(mix.neighbors, n - 1), s_star, s_delta,
+                             schedule, roster, [joined.keys[node] for node in roster], mix.precision)
         relay = RoundRelay(n, mix.iterations, d, schedule, s_star, s_delta, mix.precision)
         counters = {"errors": 0, "malformed": 0, "timeouts": 0}
         has_roster: set[int] = set()  # nodes that keep the roster: their requests omit it
@@ -386,7 +392,8 @@ class IncaStrategy(FedAvg):
             "inca-rejected-payloads": relay.rejected_payloads, "inca-errors": counters["errors"],
             "inca-timeouts": counters["timeouts"], "inca-malformed-replies": counters["malformed"],
             "inca-invalid-replies": relay.invalid_replies, "inca-restores": relay.restores,
-            "inca-sigma-star": float(mixed.params.sigma_star), "inca-sigma-delta": float(mixed.params.sigma_delta),
+            "inca-sigma-star": float(mixed.params.sigma_star),
+            "inca-sigma-delta": float(mixed.params.sigma_delta),
             "inca-noise-std": float(record.noise_std), "inca-round-failed": int(bool(record.failed)),
         })
 
@@ -407,7 +414,8 @@ class IncaStrategy(FedAvg):
         if not mix.calibrated:
             return float(mix.sigma_star), float(mix.sigma_delta)
         if n not in self.calibrations:
-            log(INFO, "IncA: calibrating noise for n = %d parties over %d simulated runs", n, priv.calibration_runs)
+            log(INFO, "IncA: calibrating noise for n = %d parties over %d simulated runs", n,
+                priv.calibration_runs)
             self.calibrations[n] = calibrate(
                 priv.epsilon, priv.delta, n, iterations=mix.iterations, neighbors=min(mix.neighbors, n - 1),
                 collusion=priv.collusion, observed_fraction=priv.observed_fraction,
@@ -446,7 +454,8 @@ class IncaStrategy(FedAvg):
             raise
         return mu, self.ledger.spend(mu, rate, force=True, note=f"round {server_round}")
 
-    def _noise_check(self, trace: ExecutionTrace, finalists: list[int], roster: list[int]) -> tuple[float, str]:
+    def _noise_check(self, trace: ExecutionTrace, finalists: list[int],
+                     roster: list[int]) -> tuple[float, str]:
         """The update's noise std per coordinate, and why the round must fail ("" if it need not):
         lost final messages that leave more than ``max_noise_inflation`` times the noise."""
         if not finalists:
@@ -460,8 +469,8 @@ class IncaStrategy(FedAvg):
         limit = self.mixing.max_noise_inflation
         if noise + tiny <= limit * (full + tiny):
             return noise, ""
-        return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the update's "
-                       f"noise std is {noise:.3g} per coordinate instead of {full:.3g} "
+        return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the "
+                       f"update's noise std is {noise:.3g} per coordinate instead of {full:.3g} "
                        f"(max_noise_inflation = {limit})")
 
     def predicted_mu(self, n: int) -> float:
@@ -470,9 +479,11 @@ class IncaStrategy(FedAvg):
         if n not in self._predicted:
             mix = self.mixing
             s_star, s_delta = self._sigmas(n)
-            config = IncaConfig(iterations=mix.iterations, neighbors=min(mix.neighbors, n - 1), sigma_star=s_star,
-                                sigma_delta=s_delta, schedule=mix.schedule, dropout=self.privacy.calibration_dropout)
-            runs = np.random.SeedSequence(self.seed, spawn_key=(_PREDICT, n)).spawn(self.privacy.budget_check_runs)
+            config = IncaConfig(iterations=mix.iterations, neighbors=min(mix.neighbors, n - 1),
+                                sigma_star=s_star, sigma_delta=s_delta, schedule=mix.schedule,
+                                dropout=self.privacy.calibration_dropout)
+            root = np.random.SeedSequence(self.seed, spawn_key=(_PREDICT, n))
+            runs = root.spawn(self.privacy.budget_check_runs)
             worst = 0.0
             for run in runs:
                 execution, threat = run.spawn(2)
@@ -501,10 +512,11 @@ class IncaStrategy(FedAvg):
         """One mixing exchange: the requests out, the replies that arrived in time back (by party)."""
         messages = []
         for req in requests:
-            forwarded = [replace(m, payload=self.relay_payload(params.round, m.sender, m.receiver, m.iteration,
-                                                               m.payload))
+            forwarded = [replace(m, payload=self.relay_payload(params.round, m.sender, m.receiver,
+                                                               m.iteration, m.payload))
                          for m in req.incoming]
-            data = encode_request(replace(req, incoming=forwarded), params, with_roster=req.party not in has_roster)
+            data = encode_request(replace(req, incoming=forwarded), params,
+                                  with_roster=req.party not in has_roster)
             content = RecordDict({INCA_KEY: ConfigRecord({FIELD: data})})
             messages.append(Message(content, dst_node_id=roster[req.party],
                                     message_type=f"{MessageType.TRAIN}.{MIX_ACTION}"))
@@ -533,7 +545,8 @@ class IncaStrategy(FedAvg):
         counters["timeouts"] += len(requests) - arrived
         return replies
 
-    def relay_payload(self, server_round: int, sender: int, receiver: int, iteration: int, payload: bytes) -> bytes:
+    def relay_payload(self, server_round: int, sender: int, receiver: int, iteration: int,
+                      payload: bytes) -> bytes:
         """Hook on every peer payload the relay forwards (identity; subclasses may observe it)."""
         return payload
 

@@ -26,7 +26,8 @@ _REQ, _REP = b"INQ1", b"INP1"
 _SCHEDULES = {"incremental": 0, "early": 1, "custom": 2}
 _PRECISIONS = {"float32": 4, "float64": 8}
 _REQ_HEAD = "<4sqqqddBBqqBqqdIIBB"  # magic .. has_restore, has_roster
-_REP_HEAD = "<4sqBBIqIIB"  # magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final
+# magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final
+_REP_HEAD = "<4sqBBIqIIB"
 
 
 ROSTER_ENTRY_BYTES = 8 + 32  # per party: node id (u64) and X25519 public key
@@ -111,7 +112,8 @@ def encode_request(req: Request, params: RoundParams, with_roster: bool = True) 
     for u, r, v in req.retransmit:
         parts.append(struct.pack("<qqq", u, r, v))
     if req.restore is not None:
-        parts.append(struct.pack("<qq", req.restore.receiver, req.restore.iteration) + _blob(req.restore.payload))
+        own = req.restore
+        parts.append(struct.pack("<qq", own.receiver, own.iteration) + _blob(own.payload))
     return b"".join(parts)
 
 
@@ -156,7 +158,8 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
     rd.done()
     params = RoundParams(round_, T, k, s_star, s_delta, schedule, list(roster[0]), list(roster[1]),
                          "float32" if prec == 4 else "float64")
-    req = Request(party, commit, version, task, incoming, dw, [tuple(x) for x in retransmit], bool(final), restore)
+    req = Request(party, commit, version, task, incoming, dw, [tuple(x) for x in retransmit], bool(final),
+                  restore)
     return req, params
 
 
@@ -192,7 +195,8 @@ def decode_reply(data: bytes, party: int) -> tuple[Reply, bool]:
     if magic != _REP:
         raise ValueError("not an IncA reply")
     rejected = np.frombuffer(rd.raw(8 * n_rej), dtype="<i8").tolist()
-    rep = Reply(party, computed=computed, rejected=[int(v) for v in rejected], need_restore=bool(need_restore))
+    rep = Reply(party, computed=computed, rejected=[int(v) for v in rejected],
+                need_restore=bool(need_restore))
     for _ in range(n_out):
         receiver, weight = rd.take("<qd")
         rep.outgoing.append(Outgoing(party, receiver, weight, rd.blob(), out_iter))

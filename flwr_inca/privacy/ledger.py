@@ -64,8 +64,8 @@ class PrivacyLedger:
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-        self.max_epsilon = (None if max_epsilon is None
-                            else check_real("max_epsilon (or None)", max_epsilon, 0.0, low_open=True, finite=False))
+        self.max_epsilon = None if max_epsilon is None else check_real(
+            "max_epsilon (or None)", max_epsilon, 0.0, low_open=True, finite=False)
         self.accountant = create_accountant(accountant) if isinstance(accountant, str) else accountant
         self._entries: list[LedgerEntry] = []
         if self.path is not None and self.path.exists():
@@ -166,9 +166,10 @@ class PrivacyLedger:
             if not isinstance(r, dict) or r.get("round") != k:
                 raise ValueError(f"ledger {self.path}: round {k} is missing or out of order")
             where = f"ledger {self.path}: round {k}:"
-            entries.append(LedgerEntry(k, _check_mu(float_from_json(r.get("mu"), f"{where} mu")),
-                                       _check_rate(float_from_json(r.get("sample_rate", 1.0), f"{where} sample_rate")),
-                                       float_from_json(r.get("epsilon"), f"{where} epsilon"), str(r.get("note", ""))))
+            mu = _check_mu(float_from_json(r.get("mu"), f"{where} mu"))
+            rate = _check_rate(float_from_json(r.get("sample_rate", 1.0), f"{where} sample_rate"))
+            eps = float_from_json(r.get("epsilon"), f"{where} epsilon")
+            entries.append(LedgerEntry(k, mu, rate, eps, str(r.get("note", ""))))
         self._entries = entries
 
     def __repr__(self) -> str:
