@@ -383,3 +383,15 @@ def test_round_costs_compose_in_the_ledger_the_strategy_uses():
     strategy = IncaStrategy(**SIGMAS)
     costs = [strategy._certify_and_spend(_trace(seed=s), s)[0] for s in (1, 2)]
     assert strategy.ledger.costs() == [RoundCost(c) for c in costs]
+
+
+def test_flowers_result_has_no_field_for_server_side_train_metrics():
+    # why IncA's metrics live in IncaStrategy.train_metrics_serverapp: Flower's Result records only
+    # aggregate_train's MetricRecord (train_metrics_clientapp). If this fails, Flower added a field:
+    # move IncA's metrics there.
+    from dataclasses import fields
+
+    from flwr.serverapp.strategy import Result
+
+    assert {f.name for f in fields(Result)} == {
+        "arrays", "train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp"}
