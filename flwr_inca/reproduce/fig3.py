@@ -219,8 +219,11 @@ def _plot(result: FigureResult, path: Path, series: list[tuple[str, str, str]], 
 
 
 def plot_3a(result: FigureResult, path: Path) -> None:
-    colors = {1: "tab:blue", 3: "tab:orange", 5: "tab:green"}
-    series = [(f"IncA k={k} T={T}", colors[k], "o-" if T == 20 else "s--") for k, T in TOPOLOGIES_3A]
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+    ks = sorted({k for k, _ in TOPOLOGIES_3A})
+    longest = max(T for _, T in TOPOLOGIES_3A)
+    series = [(f"IncA k={k} T={T}", palette[ks.index(k) % len(palette)], "o-" if T == longest else "s--")
+              for k, T in TOPOLOGIES_3A]
     _plot(result, path, series, lower_bound=False)
 
 
