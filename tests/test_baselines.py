@@ -36,8 +36,8 @@ from flwr_inca.baselines.calibration import run_seeds
 from flwr_inca.baselines.gossip import GossipView, gossip_polynomials, second_eigenvalue
 from flwr_inca.baselines.pairwise import pairwise_estimate, pairwise_masked_values
 from flwr_inca.privacy import calibrate, mu_for_epsilon, random_collusion
-from flwr_inca.privacy.conversions import classic_c
 from flwr_inca.privacy.certificate import SensitivityProfile
+from flwr_inca.privacy.conversions import classic_c
 from flwr_inca.protocol import IncaConfig, PermanentDropout, run_inca, sample_trace
 
 
@@ -97,7 +97,7 @@ def brute_pairwise_mu(execution: PairwiseExecution, corrupted, s_star, s_delta) 
     the corrupted parties' values and the terms they share are known and leave the system."""
     n = execution.parties
     edges = [tuple(map(int, e)) for e in execution.edges]
-    C = set(int(c) for c in corrupted)
+    C = {int(c) for c in corrupted}
     rows = []
     for k in range(n):
         if execution.dropped_before[k]:
@@ -352,7 +352,7 @@ def test_inca_baseline_is_run_inca_and_its_view_is_the_dense_reference():
 
 
 def test_shared_calibration_equals_privacy_calibrate_for_inca():
-    kw = dict(iterations=6, neighbors=1, dropout=PermanentDropout(0.1))
+    kw = {"iterations": 6, "neighbors": 1, "dropout": PermanentDropout(0.1)}
     inca = IncaBaseline(IncaConfig(sigma_star=1.0, sigma_delta=1.0, **kw))
     ours = calibrate_baseline(inca, 30, 0.5, 1e-5, Threat.collusion(0.1), runs=6, seed=11)
     for procedure in ("paper", "exact"):
