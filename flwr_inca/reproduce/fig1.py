@@ -115,8 +115,9 @@ def plot(result: FigureResult, path: Path) -> None:
 
     rows = result.rows
     rho = np.array([r["rho"] for r in rows])
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
     ax.plot(rho, [r["ldp_classic"] for r in rows], "k--", label="LDP (classic)")
+    ax.plot(rho, [r["ldp_exact"] for r in rows], "--", color="gray", lw=1, label="LDP (tight)")
     ax.plot(rho, [r["muffliato_pndp_T17"] for r in rows], "-", color="tab:purple", label="Muffliato PNDP, T = 17")
     ax.plot(rho, [r["muffliato_pndp_T8"] for r in rows], ":", color="tab:purple", label="Muffliato PNDP, T = 8 (paper)")
     ax.plot(rho, [r["inca_formula_classic"] for r in rows], "-", color="tab:blue", label="IncA formula (classic)")
@@ -126,12 +127,15 @@ def plot(result: FigureResult, path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), marker, color=color, mfc="none",
                     label=f"IncA measured, {'paper calibration' if proc == 'paper' else 'exact calibration'}")
+    ax.plot(rho, [r["muffliato_T8_measured_party"] for r in rows], "-.", color="tab:purple", lw=1,
+            label="Muffliato measured, a party's own estimate (T = 8)")
     ax.plot(rho, [r["cdp_classic"] for r in rows], "k-", label="CDP (classic)")
+    ax.plot(rho, [r["cdp_exact"] for r in rows], "-", color="gray", lw=1, label="CDP (tight)")
     ax.set_yscale("log")
     ax.set_xlabel("fraction of corrupted parties")
     ax.set_ylabel("MSE")
     ax.set_title(f"n = {N}, eps = {EPSILON}, delta = {DELTA:g}, {result.params['runs']} runs per point", fontsize=9)
-    ax.legend(fontsize=7, loc="center right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

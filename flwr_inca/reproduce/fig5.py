@@ -33,7 +33,7 @@ TS = (2, 4, 6, 8, 10)
 THREATS = ("eavesdrop", "collusion", "eavesdrop-copies")
 OBSERVED, CORRUPTED = 0.5, 0.3
 DEFAULT_RUNS = 100
-FLOOR_TOL = 1e-6
+FLOOR_TOL = 1e-4  # relative; the certificate's limit is accurate to a few 1e-6 at n = 100
 
 COLUMNS = ["threat", "k", "T", "messages", "runs", "precondition_success", "exact_floor_success", "agreement"]
 
@@ -102,23 +102,26 @@ def _first_full(rows: list[dict], threat: str, k: int, column: str, by: str = "T
 
 def _checks(rows: list[dict]) -> list[Check]:
     col = "precondition_success"
+    edp = {k: float(np.mean([r[col] for r in rows if r["threat"] == "eavesdrop" and r["k"] == k])) for k in KS}
     edp_T = [_first_full(rows, "eavesdrop", k, col) for k in KS]
     edp_msgs = [_first_full(rows, "eavesdrop", k, col, "messages") for k in KS]
-    cdp = {k: np.mean([r[col] for r in rows if r["threat"] == "collusion" and r["k"] == k]) for k in KS}
+    cdp = {k: float(np.mean([r[col] for r in rows if r["threat"] == "collusion" and r["k"] == k])) for k in KS}
     agreement = min(r["agreement"] for r in rows)
     return [
-        Check("E-DP: higher k needs fewer iterations T for 100% success (5a)", "decreasing in k",
-              "first T with 100%: " + ", ".join(f"k={k}: {t}" for k, t in zip(KS, edp_T)),
-              all(a >= b for a, b in pairwise(edp_T)), "paper's reading: half of the message vectors seen"),
-        Check("E-DP: lower k needs fewer messages kT in total (5b)", "increasing in k",
+        Check("E-DP: higher k needs fewer iterations (5a)", "success grows with k",
+              "mean success over T: " + ", ".join(f"k={k}: {v:.2f}" for k, v in edp.items())
+              + "; first T with 100%: " + ", ".join(f"k={k}: {t}" for k, t in zip(KS, edp_T)),
+              all(a <= b + 1e-12 for a, b in pairwise(edp.values())),
+              "paper's reading: half of the message vectors seen per iteration"),
+        Check("E-DP: lower k needs fewer messages kT in total (5b)", "k = 1 fewest",
               "first kT with 100%: " + ", ".join(f"k={k}: {m}" for k, m in zip(KS, edp_msgs)),
-              all(a <= b for a, b in pairwise(edp_msgs)), ""),
+              edp_msgs[0] <= min(edp_msgs), ""),
         Check("C-DP: k = 1 is best (5c)", "k = 1 highest success",
               "mean success over T: " + ", ".join(f"k={k}: {v:.2f}" for k, v in cdp.items()),
               cdp[1] >= max(cdp.values()) - 1e-12, ""),
-        Check("precondition and exact floor agree run by run", "(not in the paper)", f"min agreement {agreement:.3f}",
-              None, "the exact check can only be weaker than the precondition's requirement when ranks are "
-              "deficient; see the per-cell column"),
+        Check("precondition <=> exact floor at the central level, run by run", "(not in the paper)",
+              f"lowest agreement in a cell: {agreement:.3f}", agreement == 1.0,
+              "Thm 4.5's precondition and the exact certificate's sigma_delta -> inf limit agree"),
     ]
 
 
