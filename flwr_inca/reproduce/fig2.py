@@ -35,7 +35,8 @@ PAPER_RUNS = 100_000
 DEFAULT_RUNS = 200
 T_START = 32
 
-COLUMNS = ["n", "rho", "runs", "min_T_all_runs", "median_T", "p99_T", "T_for_1e5_runs", "expected_isolated_at_min_T"]
+COLUMNS = ["n", "rho", "runs", "min_T_all_runs", "median_T", "p99_T", "T_estimate_these_runs", "T_for_1e5_runs",
+           "expected_isolated_at_min_T"]
 
 
 def first_connected_iteration(trace: ExecutionTrace, corrupted: np.ndarray) -> int | None:
@@ -85,6 +86,11 @@ def expected_isolated(n: int, rho: float, T: int) -> float:
     return n_h * all_to_corrupted * nobody_picks
 
 
+def _estimate(n: int, rho: float, runs: int) -> float:
+    """Smallest T at which ``runs`` runs expect less than one isolated honest party in all."""
+    return next((T for T in range(1, n) if runs * expected_isolated(n, rho, T) < 1), math.inf)
+
+
 def work(runs: int) -> int:
     return len(PARTIES) * runs
 
@@ -111,10 +117,10 @@ def run(runs: int, seed: int, bar: ProgressBar) -> FigureResult:
         for rho in RHOS:
             t = np.array(firsts[rho], dtype=float)
             need = int(np.max(t)) if np.all(np.isfinite(t)) else math.inf
-            paper_T = next((T for T in range(1, n) if PAPER_RUNS * expected_isolated(n, rho, T) < 1), math.inf)
+            paper_T = _estimate(n, rho, PAPER_RUNS)
             rows.append({"n": n, "rho": rho, "runs": runs, "min_T_all_runs": need,
                          "median_T": float(np.median(t)), "p99_T": float(np.quantile(t, 0.99)),
-                         "T_for_1e5_runs": paper_T,
+                         "T_estimate_these_runs": _estimate(n, rho, runs), "T_for_1e5_runs": paper_T,
                          "expected_isolated_at_min_T": expected_isolated(n, rho, need) if math.isfinite(need) else math.nan})
     result = FigureResult("fig2", "Fig. 2: iterations for Thm 4.5's precondition (k = 1, fresh neighbours, C-DP)",
                           COLUMNS, rows, plot=plot, params={"runs": runs, "seed": seed, "k": 1})
@@ -126,6 +132,9 @@ def run(runs: int, seed: int, bar: ProgressBar) -> FigureResult:
               15 < big["T_for_1e5_runs"] <= 18,
               "the maximum over runs grows with the run count; the 1e5-run column extrapolates with the "
               "isolated-party estimate (checked against the measured runs in the tests)"),
+        Check("(ours) the isolated-party estimate predicts the measured maximum within 1 iteration",
+              "(not in the paper)", f"{sum(abs(r['T_estimate_these_runs'] - r['min_T_all_runs']) <= 1 for r in rows)} "
+              f"of {len(rows)} cells", None, "what supports reading the 1e5-run column as the paper's number"),
         Check("communication stays low as n grows (<= ~16 messages per party for n <= 5000)", "yes",
               f"largest measured: {worst}", worst <= 17, ""),
     ]
