@@ -30,7 +30,9 @@ from flwr_inca.baselines import (
     muffliato_sigma,
     noisy_gossip_step,
     pairwise_model,
+    pndp_mean_privacy_loss,
     random_corrupted,
+    rdp_to_dp_epsilon,
 )
 from flwr_inca.baselines.calibration import run_seeds
 from flwr_inca.baselines.gossip import GossipView, gossip_polynomials, second_eigenvalue
@@ -190,6 +192,9 @@ def test_muffliato_sigma_is_the_minimum_over_the_split():
     assert 180 < sigma**2 < 181
     assert round(sigma**2 / 1024, 4) == 0.1764  # paper App. B
     assert alpha == pytest.approx(math.log(1e5) / (0.1 - eps_bar) + 1)
+    # Eqs. (65)-(66): at that noise, the mean RDP loss of a degree-10 party converts back to epsilon
+    assert pndp_mean_privacy_loss(sigma, alpha, 8, 10, 1024) == pytest.approx(eps_bar)
+    assert rdp_to_dp_epsilon(eps_bar, alpha, 1e-5) == pytest.approx(0.1)
     m = Muffliato.pndp(0.1, 1e-5, 1024, reading="paper")
     assert m.iterations == 8 and m.sigma_star == pytest.approx(sigma)
 
