@@ -193,8 +193,9 @@ def secagg_noise_std(n: int) -> float:
 
 def secagg_guarantee(n: int, failed: int) -> tuple[float, float]:
     """(epsilon of the aggregate against the server + ceil(0.1 n) colluders who know their own noise,
-    probability per round that some honest node's secrets are recoverable by the colluders, exposing its
-    update with only its own noise share). Colluders among the survivors, in expectation."""
+    probability per round (union bound over the honest nodes) that some honest node's secrets are
+    recoverable by the colluders, exposing its update with only its own noise share). Colluders among
+    the survivors, in expectation."""
     n_c = coalition_size(RHO, n)
     honest_survivors = (n - failed) * (n - n_c) / n
     mu = 2 * CLIP / (math.sqrt(honest_survivors) * secagg_noise_std(n))
