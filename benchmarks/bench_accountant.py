@@ -6,6 +6,7 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --scaling 500 1000 2000 4000   # exact vs bound, side by side
     python benchmarks/bench_accountant.py --tightness 200 500 1000 2000  # Fig. 3 settings, calibrated
     python benchmarks/bench_accountant.py --large 10000 100000           # bound at scale + Thm 4.5 check
+    python benchmarks/bench_accountant.py --structure 100000             # the Thm 4.5 / 4.9 check alone
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
     python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
     python benchmarks/bench_accountant.py --baseline 200                 # vs a dense pseudo-inverse
@@ -161,12 +162,18 @@ def _regenerate(n: int, gamma: float, trace_seed: int, view_seed: int):
     return trace, random_collusion(trace, 0.1, view_seed)
 
 
-def large(ns: list[int]) -> None:
-    print("the bound at scale (sigma_star = 1, sigma_delta = 6) and the Thm 4.5 / 4.9 pre-check\n")
+def structure(ns: list[int]) -> None:
+    """The Thm 4.5 / 4.9 precondition check alone (union-find over the honest communication graph)."""
     for n in ns:
         s = run_job("structure", n)
         print(f"n = {n}: structure pre-check {s['seconds']:.2f} s ({s['components']} components), "
               f"peak {s['max_rss_gb']:.2f} GB", flush=True)
+
+
+def large(ns: list[int]) -> None:
+    print("the bound at scale (sigma_star = 1, sigma_delta = 6) and the Thm 4.5 / 4.9 pre-check\n")
+    for n in ns:
+        structure([n])
         b = run_job("bound", n)
         print(f"n = {n}: bound certificate {b['seconds']:.1f} s, max mu {b['max_mu']:.5g}, "
               f"{b['rows']} observed honest messages, peak {b['max_rss_gb']:.2f} GB", flush=True)
@@ -252,6 +259,7 @@ def main() -> None:
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--large", type=int, nargs="*")
+    p.add_argument("--structure", type=int, nargs="*", help="the Thm 4.5 / 4.9 pre-check alone")
     p.add_argument("--calibrate-large", type=int, nargs="*")
     p.add_argument("--strategy", type=int, nargs="*")
     p.add_argument("--draws", type=int, default=3)
@@ -267,6 +275,8 @@ def main() -> None:
         scaling(args.scaling, args.exact_max)
     if args.tightness:
         tightness(args.tightness, args.gammas, args.runs, args.epsilon)
+    if args.structure:
+        structure(args.structure)
     if args.large:
         large(args.large)
     if args.calibrate_large:
@@ -280,7 +290,7 @@ def main() -> None:
     if args.full:
         full()
     if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline,
-                args.full, args.extrapolate]):
+                args.structure, args.full, args.extrapolate]):
         p.print_help()
 
 

@@ -26,7 +26,8 @@ N, EPS, DELTA = 60, 0.5, 1e-5
 
 @pytest.fixture(scope="module")
 def calibrations():
-    kw = dict(iterations=12, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1), runs=12, seed=3)
+    kw = {"iterations": 12, "neighbors": 1, "collusion": 0.1, "dropout": PermanentDropout(0.1), "runs": 12,
+          "seed": 3}
     return {p: calibrate(EPS, DELTA, N, procedure=p, **kw) for p in ("paper", "exact")}
 
 
@@ -94,7 +95,7 @@ def test_calibration_config_and_dict(calibrations):
 
 
 def test_value_sensitivity_scales_sigmas():
-    kw = dict(iterations=8, runs=3, seed=0, collusion=0.1)
+    kw = {"iterations": 8, "runs": 3, "seed": 0, "collusion": 0.1}
     a = calibrate(1.0, 1e-5, 30, **kw)
     b = calibrate(1.0, 1e-5, 30, value_sensitivity=2.5, **kw)
     assert b.sigma_star == pytest.approx(2.5 * a.sigma_star)
@@ -117,6 +118,10 @@ def test_eavesdrop_calibration_runs():
         ({"procedure": "paper", "epsilon": 2.0}, "epsilon < 1"),
         ({"neighbors": 30}, "neighbors"),
         ({"target_success": 0.0}, "target_success"),
+        ({"runs": True}, "runs must be an integer >= 1, got True"),
+        ({"value_sensitivity": -1.0}, "value_sensitivity must be a finite number > 0"),
+        ({"min_alpha": float("nan")}, "min_alpha"),
+        ({"observed_fraction": 1.5, "collusion": None}, r"observed_fraction must be in \[0, 1\]"),
     ],
 )
 def test_calibration_bad_input(kwargs, match):
@@ -129,7 +134,7 @@ def test_calibration_bad_input(kwargs, match):
 
 def test_impossible_target_is_reported_and_local_dp_level_is_flagged():
     # one iteration and half the parties corrupted: some honest party has every message observed
-    kw = dict(iterations=1, collusion=0.5, runs=3, seed=0)
+    kw = {"iterations": 1, "collusion": 0.5, "runs": 3, "seed": 0}
     with pytest.raises(ValueError, match="impossible target for the paper's procedure"):
         calibrate(0.5, 1e-5, 20, procedure="paper", **kw)
     cal = calibrate(0.5, 1e-5, 20, procedure="exact", **kw)
@@ -250,3 +255,45 @@ def test_min_alpha_above_the_grid_is_used():
     cal = calibrate(1.0, 1e-5, 10, iterations=5, runs=5, min_alpha=20)
     assert cal.alpha == 20 and [a["alpha"] for a in cal.alternatives] == [20]
     assert cal.success_fraction == 1.0
+
+
+@pytest.mark.parametrize("procedure", ["paper", "exact"])
+def test_running_maximum_equals_bisecting_every_run(calibrations, procedure):
+    """The selection keeps a running maximum over the runs (one mu evaluation per run, bisecting only
+    new records); it must give what bisecting every run gives, for every alpha tried."""
+    from flwr_inca.privacy import profile
+
+    cal = calibrations[procedure]
+    profiles = [profile(*_regenerate(cal, r)) for r in range(cal.runs)]
+    for row in cal.alternatives:
+        need = np.array([p.min_sigma_delta(row["sigma_star"], cal.mu_target) for p in profiles])
+        finite = need[np.isfinite(need)]
+        if procedure == "exact" and finite.size < need.size:
+            assert math.isinf(row["sigma_delta"]) and row["success_fraction"] == 0
+            continue
+        assert row["sigma_delta"] == pytest.approx(finite.max(), rel=1e-5)
+        assert row["success_fraction"] == finite.size / need.size
+
+
+def test_required_sigma_delta_quantile_and_infeasible_runs():
+    from flwr_inca.privacy.calibration import required_sigma_delta
+
+    class Fixed:  # a run that needs exactly `need` (inf: no sigma_delta suffices)
+        def __init__(self, need):
+            self.need = need
+
+        def mu(self, s_star, s_delta):
+            return np.array([2.0 if s_delta < self.need else 1.0])
+
+        def mu_limit(self, s_star):
+            return np.array([2.0 if math.isinf(self.need) else 1.0])
+
+        def min_sigma_delta(self, s_star, mu_target):
+            return self.need
+
+    runs = [Fixed(v) for v in (3.0, 1.0, math.inf, 5.0, 2.0)]
+    assert required_sigma_delta(runs, 1.0, 1.5) == (math.inf, 0.0)
+    assert required_sigma_delta(runs, 1.0, 1.5, every_run=False) == (5.0, 0.8)
+    assert required_sigma_delta(runs, 1.0, 1.5, quantile=0.6) == (3.0, 0.6)
+    with pytest.raises(ValueError, match="at least one"):
+        required_sigma_delta([], 1.0, 1.5)

@@ -11,9 +11,10 @@ both procedures of :func:`flwr_inca.privacy.calibrate` on the same simulated vie
   ``1 / (n_O mu^2)``, n_O the mean number of honest outputs) that minimises the predicted MSE.
 
 So IncA, GOPA and CorDP-DME are calibrated by one check for the same kind of execution, not each by its
-own loose bound. For IncA the result is exactly :func:`flwr_inca.privacy.calibrate`'s (same seeds, same
-numbers; tested), which should eventually call :func:`calibrate_samples` instead of keeping its own
-copy of the selection below.
+own loose bound. The selection (the grid of alphas, the sigma_delta each needs, by a running maximum
+over the runs) is :func:`flwr_inca.privacy.calibration.required_sigma_delta` and
+:func:`~flwr_inca.privacy.calibration.alpha_candidates`, shared with :func:`flwr_inca.privacy.calibrate`:
+for IncA the result is exactly ``privacy.calibrate``'s (same seeds, same numbers; tested).
 
 :func:`measure_mse` then runs fresh executions on values drawn i.i.d. from U[0, 1] and reports the
 empirical mean squared error against the true mean, as the paper's second experiment does.
@@ -29,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ..privacy.calibration import DEFAULT_ALPHAS, FLOOR_FACTORS, PAPER_ALPHA
+from .._json import jsonable
+from ..privacy.calibration import PAPER_ALPHA, alpha_candidates, required_sigma_delta
 from ..privacy.certificate import SensitivityProfile
 from ..privacy.conversions import classic_mu, mu_for_epsilon
 from ..protocol.dropout import NoDropout, PermanentDropout
@@ -92,11 +94,8 @@ class NoiseCalibration:
         return baseline.with_sigmas(self.sigma_star, self.sigma_delta)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for k, v in list(out.items()):
-            if isinstance(v, float) and not math.isfinite(v):
-                out[k] = "inf"
-        return out
+        """JSON-ready record (``flwr_inca._json``: an infinite sigma is written ``"inf"``)."""
+        return jsonable(asdict(self))
 
 
 def run_seeds(seed: int | None, runs: int) -> np.ndarray:
@@ -162,32 +161,15 @@ def calibrate_samples(
         if n_o <= 0:
             raise ValueError("no honest party's value reaches the output in the simulated runs")
         quantile = float(target_success)
-        if alphas is not None:
-            candidates = sorted(float(a) for a in alphas)
-            if any(not (a > 0) for a in candidates):
-                raise ValueError("alphas must be > 0")
-        else:
-            # floor of each run: mu_inf(s*) = mu_inf(1) / s*, so s*_min = mu_inf(1) / mu_target
-            floors = np.sort([float(s.profile.mu_limit(1.0).max(initial=0.0)) / mu_target for s in samples])
-            floor = float(floors[math.ceil(quantile * runs - 1e-9) - 1]) ** 2 * n_o * mu_target**2
-            if not math.isfinite(floor):
-                raise ValueError("no sigma_star makes the simulated runs private: the adversary sees too much")
-            candidates = sorted({a for a in DEFAULT_ALPHAS if a > floor * 1.005 and a >= min_alpha}
-                                | {floor * f for f in FLOOR_FACTORS if floor > 0 and floor * f >= min_alpha})
-            if not candidates:
-                candidates = [max(min_alpha, floor * 1.01)]
+        candidates = alpha_candidates([s.profile for s in samples], mu_target, n_o, quantile, alphas=alphas,
+                                      min_alpha=min_alpha)
 
+    profiles = [s.profile for s in samples]
     rows = []
     for alpha in candidates:
         s_star = math.sqrt(alpha / (n_o * mu_target**2))  # unit sensitivity
-        if quantile >= 1.0:  # the worst case over the runs: a running maximum needs few bisections
-            s_delta, success = _worst_case_sigma_delta(samples, s_star, mu_target, every_run=procedure == "exact")
-        else:
-            need = np.array([s.profile.min_sigma_delta(s_star, mu_target) for s in samples])
-            finite = np.sort(need[np.isfinite(need)])
-            required = math.ceil(quantile * runs - 1e-9)
-            s_delta = float(finite[required - 1]) if finite.size >= required and finite.size > 0 else math.inf
-            success = float(np.mean(need <= s_delta)) if math.isfinite(s_delta) else 0.0
+        s_delta, success = required_sigma_delta(profiles, s_star, mu_target, quantile=quantile,
+                                                every_run=procedure == "exact")
         mse = (float(np.mean([s.weights.expected_mse(s_star * value_sensitivity, s_delta * value_sensitivity,
                                                        value_variance) for s in samples]))
                if math.isfinite(s_delta) else math.inf)
@@ -216,31 +198,6 @@ def calibrate_samples(
         predicted_mse=best["predicted_mse"], runs=runs, seconds=time.perf_counter() - start,
         alternatives=rows, notes=notes,
     )
-
-
-def _worst_case_sigma_delta(samples: Sequence[ViewSample], s_star: float, mu_target: float,
-                            every_run: bool) -> tuple[float, float]:
-    """``(max over the feasible runs of the smallest sufficient sigma_delta, feasible share)``.
-
-    A run that the current maximum already makes private is checked with one evaluation of mu; only a
-    run that needs more is bisected (a new record: about ln R of them in R runs in random order),
-    instead of bisecting every run. A run is feasible when some sigma_delta suffices (its
-    sigma_delta -> inf limit meets the target); with ``every_run`` one infeasible run makes the
-    answer inf, as the exact procedure requires all runs.
-    """
-    current, feasible = 0.0, 0
-    for s in samples:
-        limit = s.profile.mu_limit(s_star)
-        if not np.all(np.isfinite(limit)) or limit.max(initial=0.0) > mu_target:
-            if every_run:
-                return math.inf, 0.0
-            continue
-        feasible += 1
-        if s.profile.mu(s_star, current).max(initial=0.0) > mu_target:
-            current = max(current, s.profile.min_sigma_delta(s_star, mu_target))
-    if feasible == 0:
-        return math.inf, 0.0
-    return current, feasible / len(samples)
 
 
 def paper_dropout_fraction(baseline: LinearGaussianBaseline) -> float:

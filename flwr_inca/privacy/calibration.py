@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from .._checks import check_int, check_probability, check_real
+from .._json import jsonable
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel, NoDropout, PermanentDropout
 from ..protocol.engine import sample_trace
@@ -50,8 +52,8 @@ from .certificate import SensitivityProfile, profile
 from .conversions import classic_mu, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
-__all__ = ["DEFAULT_ALPHAS", "Calibration", "alpha_grid", "calibrate", "evaluate_alpha", "pick_alpha",
-           "simulate_runs"]
+__all__ = ["DEFAULT_ALPHAS", "Calibration", "alpha_candidates", "alpha_grid", "calibrate", "evaluate_alpha",
+           "pick_alpha", "required_sigma_delta", "simulate_runs"]
 
 # alpha: sigma_star^2 in units of 1 / (n_O mu^2), the central-DP level of the honest finalists
 DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0)
@@ -114,11 +116,81 @@ class Calibration:
         return IncaConfig(**kw)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for k, v in list(out.items()):
-            if isinstance(v, float) and not math.isfinite(v):
-                out[k] = "inf"
-        return out
+        """JSON-ready record (``flwr_inca._json``: an infinite sigma is written ``"inf"``)."""
+        return jsonable(asdict(self))
+
+
+class Profile(Protocol):
+    """What the selection needs of a run's certificate: an exact ``SensitivityProfile`` or a
+    ``SensitivityBound`` (unit value sensitivity)."""
+
+    def mu(self, sigma_star: float, sigma_delta: float) -> np.ndarray: ...
+
+    def mu_limit(self, sigma_star: float) -> np.ndarray: ...
+
+    def min_sigma_delta(self, sigma_star: float, mu_target: float) -> float: ...
+
+
+def required_sigma_delta(profiles: Sequence[Profile], sigma_star: float, mu_target: float, *,
+                         quantile: float = 1.0, every_run: bool = True) -> tuple[float, float]:
+    """``(sigma_delta, success fraction)``: the smallest sigma_delta (unit sensitivity) that makes the
+    required share of the simulated runs ``mu <= mu_target`` at ``sigma_star``.
+
+    * ``quantile = 1`` (every run; the paper's worst case over runs): a running maximum. A run that the
+      current maximum already makes private costs one evaluation of mu; only a run that needs more is
+      bisected (a new record: about ln R of them in R runs in random order) instead of bisecting every
+      run. With ``every_run``, one run that no sigma_delta makes private (its sigma_delta -> infinity
+      limit misses the target) gives ``(inf, 0)``; without, the maximum covers the feasible runs and the
+      success fraction is their share (the paper's procedure).
+    * ``quantile < 1``: every run's smallest sufficient sigma_delta, and their ``quantile`` order
+      statistic.
+    """
+    runs = len(profiles)
+    if runs == 0:
+        raise ValueError("profiles must hold at least one simulated run")
+    if quantile < 1.0:
+        need = np.array([p.min_sigma_delta(sigma_star, mu_target) for p in profiles])
+        finite = np.sort(need[np.isfinite(need)])
+        required = math.ceil(quantile * runs - 1e-9)
+        s_delta = float(finite[required - 1]) if finite.size >= required and finite.size > 0 else math.inf
+        return s_delta, (float(np.mean(need <= s_delta)) if math.isfinite(s_delta) else 0.0)
+    current, feasible = 0.0, 0
+    for p in profiles:
+        limit = p.mu_limit(sigma_star)
+        if not np.all(np.isfinite(limit)) or limit.max(initial=0.0) > mu_target:
+            if every_run:
+                return math.inf, 0.0
+            continue
+        feasible += 1
+        if p.mu(sigma_star, current).max(initial=0.0) > mu_target:
+            current = max(current, p.min_sigma_delta(sigma_star, mu_target))
+    if feasible == 0 or not math.isfinite(current):
+        return math.inf, 0.0
+    return current, feasible / runs
+
+
+def alpha_candidates(profiles: Sequence[Profile], mu_target: float, n_o: float, quantile: float, *,
+                     alphas: Sequence[float] | None = None, min_alpha: float = 1.0) -> list[float]:
+    """The exact procedure's alphas (sigma_star^2 in units of ``1 / (n_O mu^2)``): ``alphas`` if given,
+    else :data:`DEFAULT_ALPHAS` above the floor plus multiples of the floor, the floor being the
+    smallest alpha at which the ``quantile`` share of runs can be made private by some sigma_delta."""
+    if alphas is not None:
+        candidates = sorted(float(a) for a in alphas)
+        if any(not (a > 0) for a in candidates):
+            raise ValueError("alphas must be > 0")
+        return candidates
+    runs = len(profiles)
+    # floor of each run: mu_inf(s*) = mu_inf(1) / s*, so s*_min = mu_inf(1) / mu_target
+    floors = np.sort([float(p.mu_limit(1.0).max(initial=0.0)) / mu_target for p in profiles])
+    floor = float(floors[math.ceil(quantile * runs - 1e-9) - 1]) ** 2 * n_o * mu_target**2
+    if not math.isfinite(floor):
+        raise ValueError("no sigma_star makes the simulated runs private: the adversary sees too "
+                         "much (more iterations, fewer neighbours or a weaker threat may help)")
+    candidates = sorted({a for a in DEFAULT_ALPHAS if a > floor * 1.005 and a >= min_alpha}
+                        | {floor * f for f in FLOOR_FACTORS if floor > 0 and floor * f >= min_alpha})
+    if not candidates:  # min_alpha above the whole grid: it is the only choice
+        candidates = [max(min_alpha, floor * 1.01)]
+    return candidates
 
 
 def _unit_mse(run: _Run, n: int, s_star: float, s_delta: float, value_variance: float) -> float:
@@ -130,12 +202,9 @@ def _unit_mse(run: _Run, n: int, s_star: float, s_delta: float, value_variance: 
 def _threat(collusion: float | None, observed_fraction: float | None) -> tuple[float, str]:
     """``(rho, description)`` of the threat; raises for out-of-range fractions."""
     if observed_fraction is None:
-        rho = float(collusion or 0.0)
-        if not (0.0 <= rho < 1.0):
-            raise ValueError(f"collusion fraction rho must be in [0, 1), got {collusion!r}")
+        rho = check_probability("collusion fraction rho", 0.0 if collusion is None else collusion, one=False)
         return rho, f"collusion rho={rho:g}"
-    if not (0.0 <= observed_fraction <= 1.0):
-        raise ValueError(f"observed_fraction must be in [0, 1], got {observed_fraction!r}")
+    observed_fraction = check_probability("observed_fraction", observed_fraction)
     return 0.0, f"eavesdrop fraction={observed_fraction:g}"
 
 
@@ -193,7 +262,6 @@ def alpha_grid(
     """``(candidate alphas, n_O)``: the paper's single alpha = 1.3 with n_O = n (1 - gamma - rho), or
     the exact procedure's grid (given, or :data:`DEFAULT_ALPHAS` above the floor plus multiples of the
     floor) with n_O = mean number of honest finalists."""
-    runs = len(sims)
     if procedure == "paper":
         n_o = parties * (1.0 - _dropout_fraction(dropout, sims, parties, rho) - rho)
         if n_o <= 0:
@@ -202,22 +270,8 @@ def alpha_grid(
     n_o = float(np.mean([s.honest_finalists for s in sims]))
     if n_o <= 0:
         raise ValueError("no honest party finishes in the simulated runs; nothing can be calibrated")
-    if alphas is not None:
-        candidates = sorted(float(a) for a in alphas)
-        if any(not (a > 0) for a in candidates):
-            raise ValueError("alphas must be > 0")
-        return candidates, n_o
-    # floor of each run: mu_inf(s*) = mu_inf(1) / s*, so s*_min = mu_inf(1) / mu_target
-    floors = np.sort([float(s.profile.mu_limit(1.0).max(initial=0.0)) / mu_target for s in sims])
-    floor = float(floors[math.ceil(quantile * runs - 1e-9) - 1]) ** 2 * n_o * mu_target**2
-    if not math.isfinite(floor):
-        raise ValueError("no sigma_star makes the simulated runs private: the adversary sees too "
-                         "much (more iterations, fewer neighbours or a weaker threat may help)")
-    candidates = sorted({a for a in DEFAULT_ALPHAS if a > floor * 1.005 and a >= min_alpha}
-                        | {floor * f for f in FLOOR_FACTORS if floor > 0 and floor * f >= min_alpha})
-    if not candidates:  # min_alpha above the whole grid: it is the only choice
-        candidates = [max(min_alpha, floor * 1.01)]
-    return candidates, n_o
+    return alpha_candidates([s.profile for s in sims], mu_target, n_o, quantile, alphas=alphas,
+                            min_alpha=min_alpha), n_o
 
 
 def evaluate_alpha(
@@ -234,13 +288,11 @@ def evaluate_alpha(
 ) -> dict[str, float]:
     """The sigmas one alpha needs (sigma_delta covering the required share of runs), the share of runs
     it certifies and the mean predicted MSE, in value units."""
-    runs = len(sims)
     s_star = math.sqrt(alpha / (n_o * mu_target**2))  # unit sensitivity
-    need = np.array([s.profile.min_sigma_delta(s_star, mu_target) for s in sims])
-    finite = np.sort(need[np.isfinite(need)])
-    required = math.ceil(quantile * runs - 1e-9) if procedure == "exact" else max(finite.size, 1)
-    s_delta = float(finite[required - 1]) if finite.size >= required and finite.size > 0 else math.inf
-    success = float(np.mean(need <= s_delta)) if math.isfinite(s_delta) else 0.0
+    # the paper's procedure covers every feasible run; the exact one the required share of all runs
+    s_delta, success = required_sigma_delta([s.profile for s in sims], s_star, mu_target,
+                                            quantile=quantile if procedure == "exact" else 1.0,
+                                            every_run=procedure == "exact")
     mse = (float(np.mean([_unit_mse(s, parties, s_star * value_sensitivity, s_delta * value_sensitivity,
                                     value_variance) for s in sims])) if math.isfinite(s_delta) else math.inf)
     return {"alpha": alpha, "sigma_star": s_star * value_sensitivity,
@@ -337,18 +389,13 @@ def calibrate(
     start = time.perf_counter()
     if procedure not in ("exact", "paper"):
         raise ValueError(f"procedure must be 'exact' or 'paper', got {procedure!r}")
-    if not (math.isfinite(float(epsilon)) and epsilon > 0):
-        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
-    if not (0 < delta < 1):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
-        raise ValueError(f"runs must be an integer >= 1, got {runs!r}")
-    if not (0 < target_success <= 1):
-        raise ValueError(f"target_success must be in (0, 1], got {target_success!r}")
-    if not (math.isfinite(value_sensitivity) and value_sensitivity > 0):
-        raise ValueError(f"value_sensitivity must be > 0, got {value_sensitivity!r}")
-    if not (math.isfinite(min_alpha) and min_alpha >= 0):
-        raise ValueError(f"min_alpha must be >= 0, got {min_alpha!r}")
+    epsilon = check_real("epsilon", epsilon, 0.0, low_open=True)
+    delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    runs = check_int("runs", runs, 1)
+    target_success = check_probability("target_success", target_success, zero=False)
+    value_sensitivity = check_real("value_sensitivity", value_sensitivity, 0.0, low_open=True)
+    value_variance = check_real("value_variance", value_variance, 0.0)
+    min_alpha = check_real("min_alpha", min_alpha, 0.0)
     rho, threat = _threat(collusion, observed_fraction)
     # the paper's classic bound raises for epsilon >= 1
     mu_target = classic_mu(epsilon, delta) if procedure == "paper" else mu_for_epsilon(epsilon, delta)

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.linalg as la
 
+from .._checks import check_real
+from .._json import jsonable
 from ..protocol.trace import ExecutionTrace
 from .bound import BoundSettings, SensitivityBound, bound_profile
 from .conversions import epsilon_for_delta
@@ -174,10 +176,11 @@ class Certificate:
         return epsilon_for_delta(self.mu[party], d)
 
     def to_dict(self) -> dict:
+        """JSON-ready record (``flwr_inca._json``: an unbounded mu is written ``"inf"``)."""
         out = {
             "method": self.method,
-            "mu": {str(i): _json_float(v) for i, v in sorted(self.mu.items())},
-            "max_mu": _json_float(self.max_mu),
+            "mu": {str(i): v for i, v in sorted(self.mu.items())},
+            "max_mu": self.max_mu,
             "sigma_star": self.sigma_star,
             "sigma_delta": self.sigma_delta,
             "value_sensitivity": self.value_sensitivity,
@@ -186,8 +189,8 @@ class Certificate:
         }
         if self.delta is not None:
             out["delta"] = self.delta
-            out["epsilon"] = _json_float(self.epsilon)
-        return out
+            out["epsilon"] = self.epsilon
+        return jsonable(out)
 
 
 def _whiten(K: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -212,10 +215,6 @@ def _whiten(K: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     resid = np.linalg.norm(X - U @ coords, axis=0)
     lost = resid > 1e-8 * np.maximum(np.linalg.norm(X, axis=0), 1e-300)
     return coords / np.sqrt(kappa)[:, None], lost
-
-
-def _json_float(v: float) -> float | str:
-    return v if math.isfinite(v) else "inf"
 
 
 def _check_view(trace: ExecutionTrace, view: AdversaryView) -> None:
@@ -294,13 +293,11 @@ def certify(
     """
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
     s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
-    for name, v in (("sigma_star", s_star), ("sigma_delta", s_delta)):
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
-    if not (math.isfinite(value_sensitivity) and value_sensitivity > 0):
-        raise ValueError(f"value_sensitivity must be > 0, got {value_sensitivity!r}")
-    if delta is not None and not (0 < delta < 1):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    s_star = check_real("sigma_star", s_star, 0.0)
+    s_delta = check_real("sigma_delta", s_delta, 0.0)
+    value_sensitivity = check_real("value_sensitivity", value_sensitivity, 0.0, low_open=True)
+    if delta is not None:
+        delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     prof = profile(trace, view, method, solver=solver, sigma_star=s_star, sigma_delta=s_delta,
                    bound_settings=bound_settings)
     mu = prof.mu(s_star, s_delta) * value_sensitivity
