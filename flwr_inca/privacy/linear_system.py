@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.sparse as sp
 
 from ..protocol.schedules import adapted_rows
 from ..protocol.trace import ExecutionTrace
@@ -123,9 +122,9 @@ def _structured_gram_a(trace: ExecutionTrace, view: AdversaryView, per_t: list[n
     Noise part only, unit variance, honest terms only. With ``D`` the online parties at t and
     ``nu`` the fresh terms of online honest parties (t < T):
     ``y^(t) = W^O_t y^(t-1) - D e^(t-1) + nu`` and ``e^(t) = (I - D) e^(t-1) + nu``.
-    ``C`` holds the covariance of the current state with every message observed so far (one column
-    per observed message), propagated with the sparse step matrix; block row t of ``G_A`` is read
-    from it when step t's messages are observed.
+    The state covariance is kept in blocks (``Cov(e)`` is diagonal: one outstanding term per party), and
+    the covariances of the current state with every message observed so far are propagated with the
+    sparse step matrix; block row t of ``G_A`` is read from them when step t's messages are observed.
     """
     n, T = trace.parties, trace.iterations
     online = trace.online_mask()
@@ -135,42 +134,59 @@ def _structured_gram_a(trace: ExecutionTrace, view: AdversaryView, per_t: list[n
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     m = int(offsets[-1])
     G = np.zeros((m, m))
-    # Ct[k] = Cov(observed message k, state now); stored transposed so that propagating it is a
-    # dense-times-sparse product on contiguous rows (the fast path in SciPy)
-    Ct = np.zeros((m, 2 * n))
+    # Cy[k] = Cov(observed message k, y now), Ce[k] = Cov(observed message k, e now); stored with one row
+    # per message so that propagating them is a dense-times-sparse product on contiguous rows
+    Cy = np.zeros((m, n))
+    Ce = np.zeros((m, n))
+    # state covariance in blocks: Pyy = Cov(y), Pye = Cov(y, e), and Cov(e) = diag(pee) (each party has
+    # one outstanding term, and distinct parties' terms are independent)
+    Pyy = np.zeros((n, n))
+    Pye = np.zeros((n, n))
+    pee = np.zeros(n)
 
-    def add_fresh(P: np.ndarray, mask: np.ndarray) -> None:
-        """P += Cov of fresh terms: each enters both y_i and e_i (the 2x2 block [[1, 1], [1, 1]])."""
+    def add_fresh(mask: np.ndarray) -> None:
+        """Fresh terms enter both y_i and e_i: the 2x2 block [[1, 1], [1, 1]] on (y_i, e_i)."""
         i = np.flatnonzero(mask)
-        for r in (i, i + n):
-            for c in (i, i + n):
-                P[r, c] += mask[i]
+        Pyy[i, i] += mask[i]
+        Pye[i, i] += mask[i]
+        pee[i] += mask[i]
 
-    P = np.zeros((2 * n, 2 * n))
-    add_fresh(P, is_h)  # y^(0) = e^(0) = eta_{.,1} of honest parties
+    add_fresh(is_h)  # y^(0) = e^(0) = eta_{.,1} of honest parties
 
     def observe(t: int) -> None:
         idx = per_t[t]
         if idx.size == 0:
             return
         a, b = int(offsets[t]), int(offsets[t + 1])
-        Ct[a:b] = P[idx]  # P is symmetric: rows idx = Cov(y_idx, state)
-        block = Ct[:b, idx].T  # Cov(y_obs(t), every message observed so far)
+        Cy[a:b] = Pyy[idx]  # Cov(y_idx, y)
+        Ce[a:b] = Pye[idx]  # Cov(y_idx, e)
+        block = Cy[:b, idx].T  # Cov(y_obs(t), every message observed so far)
         G[a:b, :b] = block
         G[:a, a:b] = block[:, :a].T
 
     observe(0)
     for t in range(1, T + 1):
         on = online[t].astype(float)
-        W = trace.steps[t - 1].matrix(n)
-        F = sp.bmat([[W, sp.diags(-on)], [None, sp.diags(1.0 - on)]], format="csr")
-        Ft = F.T.tocsc()
-        P = F @ np.ascontiguousarray((F @ P).T)  # F P F^T (P symmetric); sparse @ C-ordered avoids copies
+        W = trace.steps[t - 1].matrix(n).tocsr()
+        # y' = W y - D e, e' = (I - D) e with D = diag(on) (on is 0/1, so D (I - D) = 0):
+        # Cov(y') = W Pyy W^T - W Pye D - D Pye^T W^T + D diag(pee) D, Cov(y', e') = W Pye (I - D)
+        WPye = W @ Pye
+        cross = WPye * on[None, :]
+        Pyy_new = W @ np.ascontiguousarray((W @ Pyy).T)  # W Pyy W^T (Pyy symmetric)
+        Pyy_new -= cross
+        Pyy_new -= cross.T
+        Pyy_new[np.diag_indices(n)] += on * pee
+        Pyy = Pyy_new
+        Pye = WPye * (1.0 - on)[None, :]
+        pee = pee * (1.0 - on)
         if t < T:
-            add_fresh(P, on * is_h)
+            add_fresh(on * is_h)
         k = int(offsets[t])
         if k:
-            Ct[:k] = Ct[:k] @ Ft
+            # the same step on the covariances with the observed messages: Cov(obs, y') =
+            # Cov(obs, y) W^T - Cov(obs, e) D, Cov(obs, e') = Cov(obs, e) (I - D)
+            Cy[:k] = Cy[:k] @ W.T.tocsc() - Ce[:k] * on[None, :]
+            Ce[:k] *= (1.0 - on)[None, :]
         observe(t)
     return (G + G.T) / 2
 
