@@ -8,6 +8,7 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --large 10000 100000           # bound at scale + Thm 4.5 check
     python benchmarks/bench_accountant.py --structure 100000             # the Thm 4.5 / 4.9 check alone
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
+    python benchmarks/bench_accountant.py --screening 1000               # could a cheap pass screen parties?
     python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
     python benchmarks/bench_accountant.py --baseline 200                 # vs a dense pseudo-inverse
     python benchmarks/bench_accountant.py --extrapolate 100000           # one batch of the bound, extrapolated
@@ -189,6 +190,36 @@ def extrapolate(ns: list[int]) -> None:
               f"(before refinement); peak {r['max_rss_gb']:.2f} GB", flush=True)
 
 
+def screening(ns: list[int], iterations: tuple[int, ...] = (0, 1, 2, 4, 8)) -> None:
+    """Could a cheap first pass screen most parties out? The bound of every party after 0 (the warm
+    start alone), 1, 2, 4 and 8 CG iterations, against the largest bound after 8."""
+    from threadpoolctl import threadpool_limits
+
+    from flwr_inca.privacy.bound import BoundSettings, _cg, _evaluate, _Operator, _warm_start
+    from flwr_inca.privacy.message_space import MessageSpace
+
+    for n in ns:
+        trace, view = _setting(n)
+        with threadpool_limits(1, user_api="blas"):
+            ms = MessageSpace(trace, view, S_STAR, S_DELTA)
+            op = _Operator(ms, S_STAR, S_DELTA, BoundSettings())
+            mus: dict[int, list[np.ndarray]] = {k: [] for k in iterations}
+            for a in range(0, ms.nH, 64):
+                part = np.arange(a, min(a + 64, ms.nH))
+                b = op.w * ms.apply_P(ms.target(part))
+                x, done = _warm_start(ms, part), 0
+                for k in iterations:
+                    x = _cg(op, b, x, k - done)
+                    done = k
+                    X, E = _evaluate(ms, x, part)
+                    mus[k].append(np.sqrt(X / S_STAR**2 + E / S_DELTA**2))
+        final = np.concatenate(mus[iterations[-1]]).max()
+        for k in iterations:
+            m = np.concatenate(mus[k])
+            print(f"n = {n}, {k} CG iterations: max bound / final max {m.max() / final:.3f}, median {np.median(m):.4g}, "
+                  f"parties above the final max {(m > final).sum()} of {m.size}", flush=True)
+
+
 def calibrate_large(ns: list[int], runs: int) -> None:
     for n in ns:
         c = run_job("calibrate", n, runs=runs, solver="auto")
@@ -261,6 +292,7 @@ def main() -> None:
     p.add_argument("--large", type=int, nargs="*")
     p.add_argument("--structure", type=int, nargs="*", help="the Thm 4.5 / 4.9 pre-check alone")
     p.add_argument("--calibrate-large", type=int, nargs="*")
+    p.add_argument("--screening", type=int, nargs="*", help="bounds after 0..8 CG iterations")
     p.add_argument("--strategy", type=int, nargs="*")
     p.add_argument("--draws", type=int, default=3)
     p.add_argument("--baseline", type=int, nargs="*")
@@ -279,6 +311,8 @@ def main() -> None:
         structure(args.structure)
     if args.large:
         large(args.large)
+    if args.screening:
+        screening(args.screening)
     if args.calibrate_large:
         calibrate_large(args.calibrate_large, args.runs)
     if args.strategy:
@@ -290,7 +324,7 @@ def main() -> None:
     if args.full:
         full()
     if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline,
-                args.structure, args.full, args.extrapolate]):
+                args.structure, args.screening, args.full, args.extrapolate]):
         p.print_help()
 
 
