@@ -70,7 +70,8 @@ def adversarial_collusion(
     budget = min(coalition_size(f, n), n - 1)
     if budget < 1:
         raise ValueError(f"fraction {fraction} of {n} parties corrupts nobody")
-    kw = dict(sigma_star=sigma_star, sigma_delta=sigma_delta, value_sensitivity=value_sensitivity, delta=delta)
+    kw = {"sigma_star": sigma_star, "sigma_delta": sigma_delta, "value_sensitivity": value_sensitivity,
+          "delta": delta}
     out, inc = _contacts(trace)
 
     baseline = certify(trace, random_collusion(trace, f, seed), **kw)
