@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-__all__ = ["ParamSpec", "LocalWork", "CohortTrainer", "cross_entropy", "evaluate"]
+__all__ = ["ParamSpec", "LocalWork", "CohortTrainer", "clip_rows", "cross_entropy", "evaluate"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 CHUNK_BYTES = 16 * 2**20  # per-example gradients held at once (they stay in cache)
@@ -168,9 +168,7 @@ class CohortTrainer:
                 updates = self._record_step(start, work.rows)
             else:
                 updates = self._party_steps(start, work.rows)
-            # the Flower client's rule (flwr_inca.flower.client.clip): scale down to the bound if above
-            norms = updates.norm(dim=1, keepdim=True)
-            updates = torch.where(norms > self.party_clip, updates * (self.party_clip / norms), updates)
+            updates = clip_rows(updates, self.party_clip)
         return updates.numpy()
 
     def _record_step(self, start: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
@@ -221,6 +219,13 @@ class CohortTrainer:
                 theta.sub_(self.lr * self.spec.flatten(g, lead=1))
             out[lo:lo + block.shape[0]] = theta - start
         return out
+
+
+def clip_rows(updates: torch.Tensor, bound: float) -> torch.Tensor:
+    """Each row scaled down to L2 norm ``bound`` if it is longer: the Flower client's rule
+    (``flwr_inca.flower.client.clip``), so both routes release the same clipped updates."""
+    norms = updates.norm(dim=1, keepdim=True)
+    return torch.where(norms > bound, updates * (bound / norms), updates)
 
 
 def evaluate(model: nn.Module, spec: ParamSpec, params: np.ndarray, x: np.ndarray, y: np.ndarray,
