@@ -466,3 +466,24 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     load_mnist.cache_clear()
     assert main(["simulate", "--clients", "1", "--backend", "inline", "--out", str(tmp_path / "x")]) == 2
     assert "num_clients must be an integer >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["incremental", "early"])
+@pytest.mark.parametrize("max_bytes", [64 * 2**20, 1])  # everything ahead / one draw at a time
+def test_noise_drawn_ahead_is_the_seeded_noise(schedule, max_bytes):
+    from flwr_inca.protocol import IncaConfig, TemporaryDropout, replay, sample_trace
+    from flwr_inca.simulation.noise import NoiseAhead
+
+    for dtype, dropout in ((np.float32, PermanentDropout(0.3)), (np.float64, TemporaryDropout(0.3)), (np.float32, None)):
+        config = IncaConfig(sigma_star=0.4, sigma_delta=2.0, iterations=6, schedule=schedule, dropout=dropout)
+        trace = sample_trace(30, config, seed=5)
+        x = np.random.default_rng(1).standard_normal((30, 17)).astype(dtype)
+        ahead = NoiseAhead(77, trace, 17, dtype, max_bytes=max_bytes)
+        got = replay(trace, x, seed=77, noise=ahead)
+        ahead.close()
+        want = replay(trace, x, seed=77)
+        assert np.array_equal(got.estimate, want.estimate) and np.array_equal(got.final_messages, want.final_messages)
+    abandoned = NoiseAhead(77, trace, 17, np.float32, max_bytes=1)
+    abandoned.close()
+    abandoned._thread.join(timeout=5)
+    assert not abandoned._thread.is_alive()  # a refused round's thread ends

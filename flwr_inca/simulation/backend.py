@@ -115,6 +115,10 @@ class InlineBackend:
         self.trainer = CohortTrainer(model_fn, x, y, **trainer_kwargs)
         self.actors = 0
 
+    def submit(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> Callable[[], np.ndarray]:
+        """Training as a deferred call (run when collected: this backend has no other process)."""
+        return lambda: self.train(params, participants, works)
+
     def train(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> np.ndarray:
         return _assemble(participants, works, [self.trainer.train(params, w) for w in works])
 
@@ -195,10 +199,14 @@ class RayBackend:
         self.address = ray.get_runtime_context().gcs_address
         ray.get([a.__ray_ready__.remote() for a in self._actors])  # surface construction errors now
 
-    def train(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> np.ndarray:
+    def submit(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> Callable[[], np.ndarray]:
+        """Start training on the actors now; the returned call waits for and assembles the updates."""
         ref = self.ray.put(params)
         futures = [actor.train.remote(ref, work) for actor, work in zip(self._actors, works)]
-        return _assemble(participants, works, self.ray.get(futures))
+        return lambda: _assemble(participants, works, self.ray.get(futures))
+
+    def train(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> np.ndarray:
+        return self.submit(params, participants, works)()
 
     def close(self) -> None:
         for actor in self._actors:

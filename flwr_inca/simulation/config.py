@@ -54,9 +54,11 @@ class SimulationConfig:
             sensitivity bound).
 
     Privacy:
-        epsilon, delta: total budget over ``rounds`` (epsilon None: no budget; then the noise must be
+        epsilon, delta: total budget over ``budget_rounds`` (epsilon None: no budget; then the noise must be
             given: ``sigma_star``/``sigma_delta`` for inca, ``noise_multiplier`` for central-dp).
             Training stops before a round whose charge would exceed epsilon.
+        budget_rounds: rounds the budget is planned for (default ``rounds``): each round's target is
+            the budget's share of ``budget_rounds`` (e.g. plan for 100 rounds, run 20 now).
         accountant: ``"prv"``/``"rdp"`` (record level, default prv) or ``"gdp"`` (party level).
         mu_resolution: a round is charged its mu rounded *up* to this relative grid (0.005: at most
             0.5% more), so the PRV accountant composes few distinct rounds (its cost grows with them);
@@ -95,6 +97,7 @@ class SimulationConfig:
     local_epochs: int | None = None
     epsilon: float | None = 1.0
     delta: float = 1e-5
+    budget_rounds: int | None = None
     accountant: str | None = None
     mu_resolution: float = 0.005
     ledger_path: str | None = None
@@ -156,6 +159,8 @@ class SimulationConfig:
             _positive("epsilon", self.epsilon)
         if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not (0 < self.delta < 1):
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
+        if self.budget_rounds is not None:
+            _int("budget_rounds", self.budget_rounds, 1)
         if self.accountant is not None and self.accountant not in ("prv", "rdp", "gdp"):
             raise ValueError(f"accountant must be 'prv', 'rdp' or 'gdp', got {self.accountant!r}")
         if not (isinstance(self.mu_resolution, (int, float)) and 0 <= self.mu_resolution < 1):

@@ -44,7 +44,8 @@ class RoundRecord:
     seconds: float = 0.0
     seconds_plan: float = 0.0  # sampling the execution and certifying it
     seconds_charge: float = 0.0  # the ledger (composition with the accountant)
-    seconds_train: float = 0.0
+    seconds_train: float = 0.0  # from starting local training to its results (overlaps seconds_plan)
+    seconds_train_wait: float = 0.0  # of which the round waited for training after it was charged
     seconds_mix: float = 0.0
     seconds_eval: float = 0.0
     noise: dict[str, float] = field(default_factory=dict)

@@ -53,6 +53,7 @@ from ..protocol.engine import replay, sample_trace
 from ..protocol.noise import NoiseSource
 from ..protocol.trace import ExecutionTrace
 from . import seeding
+from .noise import NoiseAhead
 
 if TYPE_CHECKING:
     from .config import SimulationConfig
@@ -72,6 +73,7 @@ class MixContext:
         participants: expected participants per round (what calibration simulates).
         dimension: d, the length of an update.
         seed: the simulation's seed (mixers derive their streams with ``seeding``).
+        precision: dtype of the updates :meth:`Mixer.mix` gets (``"float32"`` or ``"float64"``).
     """
 
     value_sensitivity: float
@@ -80,6 +82,7 @@ class MixContext:
     participants: int
     dimension: int
     seed: int
+    precision: str = "float32"
 
 
 @dataclass
@@ -134,6 +137,9 @@ class Mixer(ABC):
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
         """``updates``: (participants, d) clipped updates. Returns the released update (d,)
         (NaN if the round produced no output, e.g. every IncA party dropped out)."""
+
+    def abandon(self, plan: RoundPlan) -> None:
+        """The planned round will not be mixed (its charge was refused): release what it holds."""
 
     def describe(self) -> str:
         return self.name
@@ -258,6 +264,7 @@ class IncaMixer(Mixer):
         calibration_margin: float = 0.01,
         certification: str = "exact",
         certify_every: int = 1,
+        noise_ahead_bytes: int = 512 * 2**20,
     ) -> None:
         super().__init__()
         if (sigma_star is None) != (sigma_delta is None):
@@ -287,6 +294,7 @@ class IncaMixer(Mixer):
         self.sigma_star, self.sigma_delta = sigma_star, sigma_delta
         self.calibration_runs, self.calibration_margin = calibration_runs, float(calibration_margin)
         self.certification, self.certify_every = certification, certify_every
+        self.noise_ahead_bytes = int(noise_ahead_bytes)
         self.calibration: Calibration | None = None
         self._calibrated_n = 0
         self._worst_certified = 0.0
@@ -369,9 +377,12 @@ class IncaMixer(Mixer):
         config = self.inca_config(participants)
         start = time.perf_counter()
         trace = sample_trace(participants, config, seeding.seed_of(self.context.seed, seeding.TRACE, round))
-        sampled = time.perf_counter()
         info: dict[str, Any] = {"sigma_star": config.sigma_star, "sigma_delta": config.sigma_delta,
                                 "finalists": int(trace.steps[-1].online.size)}
+        if self.noise_ahead_bytes > 0:  # the round's noise is drawn while it is certified and trained
+            info["noise_ahead"] = NoiseAhead(self._noise_seed(round), trace, self.context.dimension,
+                                             np.dtype(self.context.precision), self.noise_ahead_bytes)
+        sampled = time.perf_counter()
         if self.certification == "local-bound":
             mu, certified = self.context.value_sensitivity / config.sigma_star, False
             info["cost"] = "local bound S / sigma_star (valid for any execution; not a certificate)"
@@ -387,9 +398,22 @@ class IncaMixer(Mixer):
         info["seconds_certify"] = time.perf_counter() - sampled
         return RoundPlan(round, participants, mu, certified, trace, info)
 
+    def _noise_seed(self, round: int) -> int:
+        return seeding.seed_of(self.context.seed, seeding.NOISE, round)
+
     def mix(self, updates: np.ndarray, plan: RoundPlan, noise: NoiseSource | None = None) -> np.ndarray:
         """IncA on the updates, replaying the planned execution. ``noise`` replaces the simulated
         noise (e.g. ``PartyNoise.explicit(...)`` to reproduce a Flower round)."""
-        result = replay(plan.trace, updates, seeding.seed_of(self.context.seed, seeding.NOISE, plan.round),
-                        dissemination=self.dissemination, noise=noise)
+        ahead = plan.info.pop("noise_ahead", None)
+        try:
+            result = replay(plan.trace, updates, self._noise_seed(plan.round), dissemination=self.dissemination,
+                            noise=noise if noise is not None else ahead)
+        finally:
+            if ahead is not None:
+                ahead.close()
         return result.estimate
+
+    def abandon(self, plan: RoundPlan) -> None:
+        ahead = plan.info.pop("noise_ahead", None)
+        if ahead is not None:
+            ahead.close()

@@ -5,9 +5,10 @@ Each round, in this order (charge first, then do anything that can fail):
 1. who is available (across-round availability) and who takes part (``fraction`` of them);
 2. the mixer's plan: for IncA a fresh execution trace (topology and in-round dropouts; it does not
    depend on any value) certified against the threat;
-3. the ledger is charged the plan's cost; a round whose charge would exceed the budget is not run,
-   and training stops, saying why;
-4. the participants train locally from the current global model (Ray actors, vectorized);
+3. the ledger is charged the plan's cost; a round whose charge would exceed the budget releases
+   nothing, and training stops, saying why;
+4. the participants train locally from the current global model (Ray actors, vectorized); this
+   releases nothing, so it starts before step 2 and runs on the actors while the driver certifies;
 5. the mixer releases the round's update, which is applied; the model is evaluated.
 """
 
@@ -92,8 +93,8 @@ def _stderr_progress(record: RoundRecord, history: History) -> None:
     bar_len = 20
     done = int(bar_len * record.round / total)
     print(f"[{'#' * done}{'.' * (bar_len - done)}] round {record.round:>4}/{total}  acc {acc}  eps {eps}  "
-          f"mu {mu}  {record.participants} clients  {record.seconds:.2f} s/round (train {record.seconds_train:.2f}, "
-          f"mix {record.seconds_mix:.2f}, certify {record.seconds_plan:.2f}, ledger {record.seconds_charge:.2f})",
+          f"mu {mu}  {record.participants} clients  {record.seconds:.2f} s/round (certify {record.seconds_plan:.2f} "
+          f"| train {record.seconds_train:.2f}, ledger {record.seconds_charge:.2f}, mix {record.seconds_mix:.2f})",
           file=sys.stderr, flush=True)
 
 
@@ -147,7 +148,8 @@ def simulate(
     spec = ParamSpec.of(model)
     params = spec.vector(model)
 
-    plan = privacy_plan(config.privacy_unit, epsilon=config.epsilon, delta=config.delta, rounds=config.rounds,
+    plan = privacy_plan(config.privacy_unit, epsilon=config.epsilon, delta=config.delta,
+                        rounds=config.budget_rounds or config.rounds,
                         clip_norm=config.clip_norm, lr=config.learning_rate, batch_size=config.batch_size,
                         local_size=float(partitions.sizes().mean()), accountant=config.accountant)
     mixer = mixer if mixer is not None else create_mixer(config)
@@ -164,7 +166,8 @@ def simulate(
     # the ledger charges mu rounded up to the resolution: calibrate so that the rounded charge fits
     target = None if plan.mu_round is None else plan.mu_round / (1.0 + config.mu_resolution)
     mixer.prepare(MixContext(plan.value_sensitivity, target, plan.delta,
-                             _expected_participants(config, clients), spec.dimension, config.seed))
+                             _expected_participants(config, clients), spec.dimension, config.seed,
+                             config.precision))
     trainer_kwargs: dict[str, Any] = dict(unit=config.privacy_unit, lr=config.learning_rate,
                                           clip_norm=config.clip_norm, batch_size=config.batch_size,
                                           party_clip=plan.party_clip, loss_fn=loss_fn)
@@ -221,6 +224,10 @@ def simulate(
                 available, size=count, replace=False))
             record.participants = int(count)
 
+            # local training starts now on the actors: it releases nothing, so it may run while the
+            # round is certified and charged; only the mixer's output is released, and only after
+            t_train = time.perf_counter()
+            collect = backend.submit(params, participants, planner.plan(rnd, participants))
             t = time.perf_counter()
             round_plan = mixer.plan(rnd, int(count))
             record.seconds_plan = time.perf_counter() - t
@@ -231,14 +238,15 @@ def simulate(
                             if k in ("sigma_star", "sigma_delta", "noise_multiplier", "noise_std")}
 
             t = time.perf_counter()
-            if ledger is not None:  # charge before anything is computed from the clients' data
+            if ledger is not None:  # charged before anything computed from the clients' data is used
                 record.charged_mu = charge_resolution(record.mu, config.mu_resolution)
                 try:
                     record.epsilon = ledger.spend(record.charged_mu, plan.sample_rate,
                                                   note=f"round {rnd}: {record.cost}")
                 except BudgetExceededError as exc:
+                    mixer.abandon(round_plan)
                     history.stopped = (f"stopped before round {rnd}: its cost would exceed the budget "
-                                       f"(nothing of it was computed or spent). {exc}")
+                                       f"(nothing of it was released or spent). {exc}")
                     break
             else:
                 record.charged_mu, record.epsilon = math.inf, math.inf
@@ -248,8 +256,9 @@ def simulate(
                 round_plan.trace.save(out_dir / "traces" / f"round-{rnd:04d}.json")
 
             t = time.perf_counter()
-            updates = backend.train(params, participants, planner.plan(rnd, participants))
-            record.seconds_train = time.perf_counter() - t
+            updates = collect()
+            record.seconds_train = time.perf_counter() - t_train
+            record.seconds_train_wait = time.perf_counter() - t
             t = time.perf_counter()
             update = np.asarray(mixer.mix(updates.astype(dtype, copy=False), round_plan))
             record.seconds_mix = time.perf_counter() - t

@@ -185,17 +185,21 @@ class CohortTrainer:
         for lo in range(0, c, per_chunk):
             block = rows[lo:lo + per_chunk]
             valid = block >= 0
-            owner = torch.from_numpy(np.nonzero(valid)[0])
-            if owner.numel() == 0:
+            counts = valid.sum(axis=1)
+            if counts.sum() == 0:
                 continue
-            x, y = self._tensors(block[valid])
+            x, y = self._tensors(block[valid])  # row-major: each client's examples are contiguous
             g = per_example(params, x, y)
-            flat = [g[name].reshape(owner.numel(), -1) for name in self.spec.names]
+            flat = [g[name].reshape(int(counts.sum()), -1) for name in self.spec.names]
             norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
-            factor = (self.clip_norm / (norms + 1e-12)).clamp(max=1.0)[:, None]
-            target = out[lo:lo + block.shape[0]]
-            for f, a, b in zip(flat, offsets[:-1], offsets[1:]):
-                target[:, a:b].index_add_(0, owner, f.mul_(factor))
+            factor = (self.clip_norm / (norms + 1e-12)).clamp(max=1.0)
+            # each client's clipped sum on its own rows: the same arithmetic in any cohort
+            ends = np.cumsum(counts)
+            for j, (end, count) in enumerate(zip(ends, counts)):
+                if count:
+                    rows_j = slice(int(end - count), int(end))
+                    for f, a, b in zip(flat, offsets[:-1], offsets[1:]):
+                        out[lo + j, a:b] = factor[rows_j] @ f[rows_j]
         return out.mul_(-self.lr / self.batch_size)
 
     def _party_steps(self, start: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
