@@ -227,13 +227,15 @@ def test_charge_is_never_below_the_cost():
 
 def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
     ledger = tmp_path / "ledger.json"
-    trained = []
+    trained = {}
     config = SimulationConfig(rounds=30, epsilon=1.5, sigma_star=3.0, sigma_delta=20.0, backend="inline",
                               iterations=5, ledger_path=str(ledger), privacy_unit="party")
-    hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False, on_round=lambda c: trained.append(c.round))
+    hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False, on_round=lambda c: trained.__setitem__(c.round, c))
     assert hist.stopped.startswith(f"stopped before round {len(hist.rounds) + 1}")
     assert "max_epsilon" in hist.stopped and 1 <= len(hist.rounds) < 30
-    assert trained == [r.round for r in hist.rounds]  # the refused round never trained
+    assert sorted(trained) == [r.round for r in hist.rounds]  # the refused round released nothing
+    last = trained[len(hist.rounds)]
+    assert np.array_equal(hist.parameters, (last.params_before + last.update).astype(np.float32))
     assert hist.epsilon <= 1.5
     # a run resumed on that ledger counts what it spent: it cannot afford another round
     again = simulate(MODEL, PARTS, (XT, YT), config, progress=False)

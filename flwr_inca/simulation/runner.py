@@ -7,9 +7,13 @@ Each round, in this order (charge first, then do anything that can fail):
    depend on any value) certified against the threat;
 3. the ledger is charged the plan's cost; a round whose charge would exceed the budget releases
    nothing, and training stops, saying why;
-4. the participants train locally from the current global model (Ray actors, vectorized); this
-   releases nothing, so it starts before step 2 and runs on the actors while the driver certifies;
-5. the mixer releases the round's update, which is applied; the model is evaluated.
+4. the participants train locally from the current global model (Ray actors, vectorized);
+5. the mixer computes the round's update, which is applied (released) and evaluated.
+
+Steps 4 and 5 release nothing until the update is applied, so they overlap steps 2 and 3: training
+starts on the actors before the driver certifies, and the charge (the accountant's composition) runs
+in a thread beside the wait for training and the mix. The update is applied only after its charge
+succeeded; a refused charge discards it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +203,7 @@ def simulate(
             history.parameters = params
             history.save(out_dir, plot=False)
 
+    charger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inca-ledger")
     initial = RoundRecord(0, epsilon=ledger.epsilon() if ledger is not None else 0.0)
     evaluate_into(initial)
     history.records.append(initial)
@@ -237,31 +243,40 @@ def simulate(
             record.noise = {k: float(v) for k, v in round_plan.info.items()
                             if k in ("sigma_star", "sigma_delta", "noise_multiplier", "noise_std")}
 
-            t = time.perf_counter()
-            if ledger is not None:  # charged before anything computed from the clients' data is used
+            # the charge runs beside the wait for training and the mix: the mix's output is released
+            # (applied to the model) only once the charge has succeeded; a refused charge discards it
+            charge = None
+            if ledger is not None:
                 record.charged_mu = charge_resolution(record.mu, config.mu_resolution)
-                try:
-                    record.epsilon = ledger.spend(record.charged_mu, plan.sample_rate,
-                                                  note=f"round {rnd}: {record.cost}")
-                except BudgetExceededError as exc:
-                    mixer.abandon(round_plan)
-                    history.stopped = (f"stopped before round {rnd}: its cost would exceed the budget "
-                                       f"(nothing of it was released or spent). {exc}")
-                    break
+                charge = charger.submit(_charge, ledger, record.charged_mu, plan.sample_rate,
+                                        f"round {rnd}: {record.cost}")
             else:
                 record.charged_mu, record.epsilon = math.inf, math.inf
-            record.seconds_charge = time.perf_counter() - t
             if out_dir is not None and config.save_traces and round_plan.trace is not None:
                 round_plan.trace.meta["round"] = rnd
                 round_plan.trace.save(out_dir / "traces" / f"round-{rnd:04d}.json")
 
             t = time.perf_counter()
-            updates = collect()
-            record.seconds_train = time.perf_counter() - t_train
-            record.seconds_train_wait = time.perf_counter() - t
-            t = time.perf_counter()
-            update = np.asarray(mixer.mix(updates.astype(dtype, copy=False), round_plan))
-            record.seconds_mix = time.perf_counter() - t
+            failure: BaseException | None = None
+            try:
+                updates = collect()
+                record.seconds_train = time.perf_counter() - t_train
+                record.seconds_train_wait = time.perf_counter() - t
+                t = time.perf_counter()
+                update = np.asarray(mixer.mix(updates.astype(dtype, copy=False), round_plan))
+                record.seconds_mix = time.perf_counter() - t
+            except BaseException as exc:  # noqa: BLE001  (re-raised once the charge is recorded)
+                failure = exc
+            if charge is not None:
+                try:
+                    record.epsilon, record.seconds_charge = charge.result()
+                except BudgetExceededError as exc:
+                    mixer.abandon(round_plan)
+                    history.stopped = (f"stopped before round {rnd}: its cost would exceed the budget "
+                                       f"(nothing of it was released or spent). {exc}")
+                    break
+            if failure is not None:
+                raise failure
             before = params
             if update.shape != params.shape or not np.all(np.isfinite(update)):
                 record.failed = "the mixer produced no finite update (e.g. every party dropped out); model unchanged"
@@ -278,6 +293,7 @@ def simulate(
                 report(record, history)
             save()
     finally:
+        charger.shutdown(wait=True)
         backend.close()
         history.parameters = params
         if out_dir is not None:
@@ -285,6 +301,13 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str) -> tuple[float, float]:
+    """Spend one round in the ledger: ``(composed epsilon, seconds)``; raises BudgetExceededError."""
+    start = time.perf_counter()
+    epsilon = ledger.spend(mu, sample_rate, note=note)
+    return epsilon, time.perf_counter() - start
 
 
 def _open_ledger(config: SimulationConfig, plan: PrivacyPlan, out_dir: Path | None) -> PrivacyLedger:
