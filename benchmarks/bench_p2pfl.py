@@ -31,17 +31,23 @@ from pathlib import Path
 
 import numpy as np
 
+_STUB = (
+    "class _Missing:\n    def __init__(self, *a, **k):\n"
+    "        raise RuntimeError('torchvision stand-in')\n\n"
+    "def __getattr__(name):\n    return _Missing\n"
+)
 STAND_IN = {
-    "__init__.py": "from . import datasets, transforms, models\n",
-    "datasets.py": "class MNIST:\n    def __init__(self, *a, **k):\n        raise RuntimeError('stand-in')\n",
-    "transforms.py": "class Compose:\n    def __init__(self, *a, **k):\n        pass\n",
-    "models.py": "",
+    "__init__.py": "__version__ = '0.0'\nfrom . import datasets, transforms, models, ops, utils, io\n"
+    + _STUB,
+    **{f"{m}.py": _STUB for m in ("datasets", "transforms", "ops", "utils", "io")},
+    "models/__init__.py": "from . import feature_extraction\n" + _STUB,
+    "models/feature_extraction.py": _STUB,
 }
 
 
 def _stand_in_torchvision() -> None:
     root = Path(tempfile.mkdtemp(prefix="tv-stand-in-"))
-    (root / "torchvision").mkdir()
+    (root / "torchvision" / "models").mkdir(parents=True)
     for name, text in STAND_IN.items():
         (root / "torchvision" / name).write_text(text)
     sys.path.insert(0, str(root))
@@ -60,10 +66,14 @@ def _mnist(directory: str):
     d = Path(directory)
 
     def images(name):
-        return (((_idx(d / f"{name}-images-idx3-ubyte.gz").astype(np.float32) / 255.0) - 0.1307) / 0.3081)
+        return ((_idx(d / f"{name}-images-idx3-ubyte.gz").astype(np.float32) / 255.0) - 0.1307) / 0.3081
 
-    return (images("train"), _idx(d / "train-labels-idx1-ubyte.gz"), images("t10k"),
-            _idx(d / "t10k-labels-idx1-ubyte.gz"))
+    return (
+        images("train"),
+        _idx(d / "train-labels-idx1-ubyte.gz"),
+        images("t10k"),
+        _idx(d / "t10k-labels-idx1-ubyte.gz"),
+    )
 
 
 def main() -> None:
@@ -75,11 +85,11 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=420)
     args = p.parse_args()
     _stand_in_torchvision()
+    os.chdir(tempfile.mkdtemp(prefix="p2pfl-run-"))  # p2pfl and Lightning write logs to the cwd
     import lightning as L
+    import p2pfl.learning.frameworks.pytorch.lightning_learner as learner_module
     import torch
     from datasets import Dataset, DatasetDict
-
-    import p2pfl.learning.frameworks.pytorch.lightning_learner as learner_module
     from p2pfl.communication.protocols.protobuff.memory import MemoryCommunicationProtocol
     from p2pfl.learning.dataset.p2pfl_dataset import P2PFLDataset
     from p2pfl.learning.dataset.partition_strategies import RandomIIDPartitionStrategy
@@ -119,14 +129,22 @@ def main() -> None:
             return loss
 
     xtr, ytr, xte, yte = _mnist(args.data_dir)
-    data = P2PFLDataset(DatasetDict({"train": Dataset.from_dict({"image": list(xtr), "label": ytr}),
-                                     "test": Dataset.from_dict({"image": list(xte), "label": yte})}))
+    data = P2PFLDataset(
+        DatasetDict(
+            {
+                "train": Dataset.from_dict({"image": list(xtr), "label": ytr}),
+                "test": Dataset.from_dict({"image": list(xte), "label": yte}),
+            }
+        )
+    )
     data.set_batch_size(64)
     parts = data.generate_partitions(args.nodes, RandomIIDPartitionStrategy)
     start = time.perf_counter()
     nodes = []
     for i in range(args.nodes):
-        node = Node(LightningModel(LogReg()), parts[i], protocol=MemoryCommunicationProtocol(), addr=f"node-{i}")
+        node = Node(
+            LightningModel(LogReg()), parts[i], protocol=MemoryCommunicationProtocol(), addr=f"node-{i}"
+        )
         node.start()
         nodes.append(node)
     result: dict = {"nodes": args.nodes, "rounds": args.rounds, "ray": args.ray}
@@ -158,17 +176,27 @@ def main() -> None:
         done.set()
         result["learning_seconds"] = time.perf_counter() - t0
         result["finished"] = all(n.state.round is None for n in nodes)
-        marks = [t for r, t in stamps if r >= 0]
-        ends = marks + ([stamps[-1][1]] if stamps and stamps[-1][0] == -1 else [])
+        # node 0's round counter: r = 0 .. rounds-1 while training, then rounds, then None (finished)
+        marks = [(r, t) for r, t in stamps if r >= 0]
+        ends = [t for _, t in marks]
+        if marks and marks[-1][0] < args.rounds and stamps[-1][0] == -1:
+            ends.append(stamps[-1][1])
         result["round_seconds"] = list(np.diff(ends)) if len(ends) > 1 else []
-        result["round_seconds_median"] = float(np.median(result["round_seconds"])) if result["round_seconds"] else None
+        result["round_seconds_median"] = (
+            float(np.median(result["round_seconds"])) if result["round_seconds"] else None
+        )
         accs = []
         for node in nodes:
             w, b = node.learner.get_model().get_parameters()
             accs.append(float(((xte @ w.T + b).argmax(1) == yte).mean()))
         result["accuracy_mean"], result["accuracy_min"] = float(np.mean(accs)), float(np.min(accs))
     except Exception as exc:  # report p2pfl's failure honestly
-        result["error"] = f"{type(exc).__name__}: {exc}"
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        result["error"] = (
+            f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno} {where.name})"
+        )
     finally:
         for node in nodes:
             try:

@@ -30,8 +30,19 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "mnist_logreg"
-MAIN = dict(epsilon=1.0, delta=1e-5, iterations=10, neighbors=1, collusion=0.1, privacy_unit="record",
-            lr=6.0, clip_norm=1.0, batch_size=50, calibration_runs=10, threat_draws=1)
+MAIN = dict(
+    epsilon=1.0,
+    delta=1e-5,
+    iterations=10,
+    neighbors=1,
+    collusion=0.1,
+    privacy_unit="record",
+    lr=6.0,
+    clip_norm=1.0,
+    batch_size=50,
+    calibration_runs=10,
+    threat_draws=1,
+)
 
 
 def _uptime() -> str:
@@ -90,12 +101,19 @@ def _simulate(data, clients, config, progress=False, on_round=None):
     from flwr_inca.simulation.mnist import ModelFactory
 
     parts = iid(data.x_train, data.y_train, clients)
-    return simulate(ModelFactory("logreg", data.features, data.classes), parts, (data.x_test, data.y_test), config,
-                    progress=progress, on_round=on_round, dataset=data.name)
+    return simulate(
+        ModelFactory("logreg", data.features, data.classes),
+        parts,
+        (data.x_test, data.y_test),
+        config,
+        progress=progress,
+        on_round=on_round,
+        dataset=data.name,
+    )
 
 
 def _breakdown(hist, skip_first=False):
-    rounds = [r for r in hist.rounds if not r.failed][1 if skip_first else 0:]
+    rounds = [r for r in hist.rounds if not r.failed][1 if skip_first else 0 :]
     keys = ["seconds", "seconds_train_wait", "seconds_mix", "seconds_plan", "seconds_charge", "seconds_eval"]
     out = {k: _median([getattr(r, k) for r in rounds]) for k in keys + ["seconds_train"]}
     out["seconds_other"] = _median([r.seconds - sum(getattr(r, k) for k in keys[1:]) for r in rounds])
@@ -106,7 +124,7 @@ def _breakdown(hist, skip_first=False):
 def part_main(args):
     """1000 clients, record-level eps = 1, IncA T = 10, k = 1, 40 rounds; then each floor alone."""
     from flwr_inca.privacy import certify, random_collusion
-    from flwr_inca.protocol import replay, sample_trace
+    from flwr_inca.protocol import replay
     from flwr_inca.simulation import SimulationConfig, iid
     from flwr_inca.simulation.backend import RayBackend, WorkPlanner
     from flwr_inca.simulation.mnist import ModelFactory
@@ -114,20 +132,36 @@ def part_main(args):
     start = time.perf_counter()
     data = _data(args)
     out_dir = tempfile.mkdtemp(prefix="bench-sim-")
-    config = SimulationConfig(rounds=args.rounds, backend="ray", num_actors=args.actors, output_dir=out_dir, **MAIN)
+    config = SimulationConfig(
+        rounds=args.rounds, backend="ray", num_actors=args.actors, output_dir=out_dir, **MAIN
+    )
     plans = {}
-    hist = _simulate(data, args.clients, config, progress=True,
-                     on_round=lambda c: plans.__setitem__(c.round, c.plan))
+    hist = _simulate(
+        data, args.clients, config, progress=True, on_round=lambda c: plans.__setitem__(c.round, c.plan)
+    )
     total = time.perf_counter() - start
     per_round = _breakdown(hist)
 
     # the floors, alone, in the same process right after the run (Ray is still up)
     parts = iid(data.x_train, data.y_train, args.clients)
     kwargs = dict(unit="record", lr=6.0, clip_norm=1.0, batch_size=50, party_clip=hist.plan["party_clip"])
-    backend = RayBackend(ModelFactory("logreg", data.features, data.classes), parts, kwargs,
-                         num_actors=args.actors, address=None)
-    planner = WorkPlanner(parts, backend.cohorts, unit="record", sample_rate=hist.plan["sample_rate"],
-                          batch_size=50, local_steps=None, local_epochs=None, seed=0)
+    backend = RayBackend(
+        ModelFactory("logreg", data.features, data.classes),
+        parts,
+        kwargs,
+        num_actors=args.actors,
+        address=None,
+    )
+    planner = WorkPlanner(
+        parts,
+        backend.cohorts,
+        unit="record",
+        sample_rate=hist.plan["sample_rate"],
+        batch_size=50,
+        local_steps=None,
+        local_epochs=None,
+        seed=0,
+    )
     everyone = np.arange(args.clients)
     params = hist.parameters
     train_t = []
@@ -150,21 +184,42 @@ def part_main(args):
     floors = {"train": _median(train_t), "engine": _median(engine_t), "certify": _median(cert_t)}
     floor_sum = sum(floors.values())
     result = {
-        "uptime": _uptime(), "clients": args.clients, "rounds_run": len(hist.rounds), "stopped": hist.stopped,
-        "total_seconds": total, "accuracy": hist.accuracy, "epsilon": hist.epsilon,
-        "per_round_median": per_round, "floors": floors, "floor_sum": floor_sum,
-        "ratio_round_to_floors": per_round["seconds"] / floor_sum, "backend": hist.backend,
-        "sigma_star": hist.rounds[0].noise.get("sigma_star"), "sigma_delta": hist.rounds[0].noise.get("sigma_delta"),
+        "uptime": _uptime(),
+        "clients": args.clients,
+        "rounds_run": len(hist.rounds),
+        "stopped": hist.stopped,
+        "total_seconds": total,
+        "accuracy": hist.accuracy,
+        "epsilon": hist.epsilon,
+        "per_round_median": per_round,
+        "floors": floors,
+        "floor_sum": floor_sum,
+        "ratio_round_to_floors": per_round["seconds"] / floor_sum,
+        "backend": hist.backend,
+        "sigma_star": hist.rounds[0].noise.get("sigma_star"),
+        "sigma_delta": hist.rounds[0].noise.get("sigma_delta"),
         "certified_rounds": sum(r.certified for r in hist.rounds),
         "setup_seconds": total - sum(r.seconds for r in hist.rounds),
     }
-    print(f"\n{args.clients} clients, {len(hist.rounds)} rounds: total {total:.1f} s (setup {result['setup_seconds']:.1f} s: "
-          f"data, Ray, calibration), final accuracy {hist.accuracy:.4f}, epsilon {hist.epsilon:.4f}"
-          f"{'; ' + hist.stopped if hist.stopped else ''}")
-    print(_table([[k.replace("seconds_", "") if k != "seconds" else "round", v] for k, v in per_round.items()],
-                 ["per round (median)", "s"]))
-    print(_table([[k, v] for k, v in floors.items()] + [["sum", floor_sum],
-                 ["round / sum of floors", per_round["seconds"] / floor_sum]], ["floor (alone)", "s"]))
+    print(
+        f"\n{args.clients} clients, {len(hist.rounds)} rounds: total {total:.1f} s "
+        f"(setup {result['setup_seconds']:.1f} s: data, Ray, calibration), "
+        f"final accuracy {hist.accuracy:.4f}, epsilon {hist.epsilon:.4f}"
+        f"{'; ' + hist.stopped if hist.stopped else ''}"
+    )
+    print(
+        _table(
+            [[k.replace("seconds_", "") if k != "seconds" else "round", v] for k, v in per_round.items()],
+            ["per round (median)", "s"],
+        )
+    )
+    print(
+        _table(
+            [[k, v] for k, v in floors.items()]
+            + [["sum", floor_sum], ["round / sum of floors", per_round["seconds"] / floor_sum]],
+            ["floor (alone)", "s"],
+        )
+    )
     return result
 
 
@@ -174,8 +229,17 @@ def part_flower(args):
     same model, data, split and privacy settings (budget planned for 40 rounds; a few are run)."""
     results = []
     for clients, rounds in zip(args.clients, args.rounds_per_size):
-        child = [sys.executable, __file__, "_flower_child", "--clients", str(clients), "--rounds", str(rounds),
-                 "--data-dir", args.data_dir]
+        child = [
+            sys.executable,
+            __file__,
+            "_flower_child",
+            "--clients",
+            str(clients),
+            "--rounds",
+            str(rounds),
+            "--data-dir",
+            args.data_dir,
+        ]
         t = time.perf_counter()
         proc = subprocess.run(child, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -190,21 +254,55 @@ def part_flower(args):
         for seed in range(args.seeds):
             config = SimulationConfig(rounds=rounds, budget_rounds=40, backend="ray", seed=seed, **MAIN)
             hist = _simulate(data, clients, config)
-            sims.append({"per_round": _breakdown(hist, skip_first=False),
-                         "accuracy": hist.column("accuracy"), "epsilon": hist.epsilon})
+            sims.append(
+                {
+                    "per_round": _breakdown(hist, skip_first=False),
+                    "accuracy": hist.column("accuracy"),
+                    "epsilon": hist.epsilon,
+                }
+            )
         sim_round = _median([s["per_round"]["seconds"] for s in sims])
         flower_round = _median(flower["round_seconds"][1:] or flower["round_seconds"])
         accs = np.array([s["accuracy"][-1] for s in sims])
-        row = {"clients": clients, "rounds": rounds, "uptime": _uptime(), "flower": flower, "simulator": sims,
-               "flower_round_seconds": flower_round, "simulator_round_seconds": sim_round,
-               "speedup": flower_round / sim_round, "flower_accuracy": flower["accuracy"][-1],
-               "simulator_accuracy_mean": float(accs.mean()), "simulator_accuracy_std": float(accs.std(ddof=1))
-               if len(accs) > 1 else 0.0}
+        row = {
+            "clients": clients,
+            "rounds": rounds,
+            "uptime": _uptime(),
+            "flower": flower,
+            "simulator": sims,
+            "flower_round_seconds": flower_round,
+            "simulator_round_seconds": sim_round,
+            "speedup": flower_round / sim_round,
+            "flower_accuracy": flower["accuracy"][-1],
+            "simulator_accuracy_mean": float(accs.mean()),
+            "simulator_accuracy_std": float(accs.std(ddof=1)) if len(accs) > 1 else 0.0,
+        }
         results.append(row)
-        print(_table([[clients, rounds, flower_round, sim_round, row["speedup"], row["flower_accuracy"],
-                       f"{accs.mean():.4f} +- {row['simulator_accuracy_std']:.4f} ({len(accs)} seeds)"]],
-                     ["clients", "rounds", "Flower s/round", "simulator s/round", "speed-up", "Flower acc",
-                      "simulator acc"]), flush=True)
+        print(
+            _table(
+                [
+                    [
+                        clients,
+                        rounds,
+                        flower_round,
+                        sim_round,
+                        row["speedup"],
+                        row["flower_accuracy"],
+                        f"{accs.mean():.4f} +- {row['simulator_accuracy_std']:.4f} ({len(accs)} seeds)",
+                    ]
+                ],
+                [
+                    "clients",
+                    "rounds",
+                    "Flower s/round",
+                    "simulator s/round",
+                    "speed-up",
+                    "Flower acc",
+                    "simulator acc",
+                ],
+            ),
+            flush=True,
+        )
     return results
 
 
@@ -213,10 +311,19 @@ def flower_child(args):
     with OS entropy), IncaStrategy with the simulator's settings; prints RESULT{json}."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     sys.path.insert(0, str(EXAMPLE))
-    cfg = {"num-server-rounds": 40, "privacy-unit": "record", "epsilon": MAIN["epsilon"], "delta": MAIN["delta"],
-           "iterations": MAIN["iterations"], "neighbors": MAIN["neighbors"], "collusion": MAIN["collusion"],
-           "lr": MAIN["lr"], "clip-norm": MAIN["clip_norm"], "batch-size": MAIN["batch_size"],
-           "data-dir": args.data_dir}
+    cfg = {
+        "num-server-rounds": 40,
+        "privacy-unit": "record",
+        "epsilon": MAIN["epsilon"],
+        "delta": MAIN["delta"],
+        "iterations": MAIN["iterations"],
+        "neighbors": MAIN["neighbors"],
+        "collusion": MAIN["collusion"],
+        "lr": MAIN["lr"],
+        "clip-norm": MAIN["clip_norm"],
+        "batch-size": MAIN["batch_size"],
+        "data-dir": args.data_dir,
+    }
     os.environ["FLWR_INCA_EXAMPLE_CONFIG"] = json.dumps(cfg)  # read by the example's ClientApp
     from flwr.app import ArrayRecord, Context, MetricRecord
     from flwr.serverapp import Grid, ServerApp
@@ -234,12 +341,26 @@ def flower_child(args):
         data = task.load_data(args.data_dir)
         plan = task.privacy_plan(task.load_config(), len(data.y_train) // args.clients)
         strategy = IncaStrategy(
-            fraction_train=1.0, min_train_nodes=args.clients, min_available_nodes=args.clients, fraction_evaluate=0.0,
-            iterations=MAIN["iterations"], neighbors=MAIN["neighbors"], epsilon=plan["epsilon_round"],
-            delta=MAIN["delta"], max_epsilon=MAIN["epsilon"], clip_norm=plan["party_clip"],
-            value_sensitivity=plan["value_sensitivity"], sample_rate=plan["sample_rate"], accountant="prv",
-            collusion=MAIN["collusion"], threat_draws=MAIN["threat_draws"], calibration_runs=MAIN["calibration_runs"],
-            ledger_path=None, seed=0, exchange_timeout=600)
+            fraction_train=1.0,
+            min_train_nodes=args.clients,
+            min_available_nodes=args.clients,
+            fraction_evaluate=0.0,
+            iterations=MAIN["iterations"],
+            neighbors=MAIN["neighbors"],
+            epsilon=plan["epsilon_round"],
+            delta=MAIN["delta"],
+            max_epsilon=MAIN["epsilon"],
+            clip_norm=plan["party_clip"],
+            value_sensitivity=plan["value_sensitivity"],
+            sample_rate=plan["sample_rate"],
+            accountant="prv",
+            collusion=MAIN["collusion"],
+            threat_draws=MAIN["threat_draws"],
+            calibration_runs=MAIN["calibration_runs"],
+            ledger_path=None,
+            seed=0,
+            exchange_timeout=600,
+        )
         model = task.make_model(data.features)
         stamps, accs = [], []
 
@@ -250,15 +371,27 @@ def flower_child(args):
             accs.append(acc)
             return MetricRecord({"accuracy": acc})
 
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=args.rounds,
-                       evaluate_fn=evaluate)
-        out.update(round_seconds=list(np.diff(stamps)), accuracy=accs,
-                   strategy_seconds=[strategy.rounds[r].seconds for r in sorted(strategy.rounds)],
-                   epsilon=strategy.ledger.epsilon(), sigma_star=strategy.rounds[1].trace.sigma_star,
-                   sigma_delta=strategy.rounds[1].trace.sigma_delta)
+        strategy.start(
+            grid=grid,
+            initial_arrays=ArrayRecord(model.state_dict()),
+            num_rounds=args.rounds,
+            evaluate_fn=evaluate,
+        )
+        out.update(
+            round_seconds=list(np.diff(stamps)),
+            accuracy=accs,
+            strategy_seconds=[strategy.rounds[r].seconds for r in sorted(strategy.rounds)],
+            epsilon=strategy.ledger.epsilon(),
+            sigma_star=strategy.rounds[1].trace.sigma_star,
+            sigma_delta=strategy.rounds[1].trace.sigma_delta,
+        )
 
-    run_simulation(server_app=app, client_app=client_app, num_supernodes=args.clients,
-                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    run_simulation(
+        server_app=app,
+        client_app=client_app,
+        num_supernodes=args.clients,
+        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
+    )
     print("RESULT" + json.dumps(out))
 
 
@@ -272,9 +405,18 @@ def part_p2pfl(args):
     results = []
     for nodes in args.nodes:
         row = {"nodes": nodes, "uptime": _uptime()}
-        cmd = [args.p2pfl_python, str(ROOT / "benchmarks" / "bench_p2pfl.py"), "--nodes", str(nodes), "--rounds",
-               str(args.rounds), "--data-dir", args.data_dir or os.environ.get("FLWR_INCA_MNIST_DIR", ""),
-               "--timeout", str(args.p2pfl_timeout)]
+        cmd = [
+            args.p2pfl_python,
+            str(ROOT / "benchmarks" / "bench_p2pfl.py"),
+            "--nodes",
+            str(nodes),
+            "--rounds",
+            str(args.rounds),
+            "--data-dir",
+            args.data_dir or os.environ.get("FLWR_INCA_MNIST_DIR", ""),
+            "--timeout",
+            str(args.p2pfl_timeout),
+        ] + (["--ray"] if args.p2pfl_ray else [])
         t = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.p2pfl_timeout + 120)
@@ -286,23 +428,50 @@ def part_p2pfl(args):
         except subprocess.TimeoutExpired:
             row["p2pfl"] = {"error": f"timed out after {args.p2pfl_timeout + 120} s"}
         row["p2pfl_wall"] = time.perf_counter() - t
+        # FedAvg: p2pfl's task exactly (no clipping in effect); IncA: the product's main setting,
+        # record-level DP at epsilon = 1 over 40 planned rounds (one DP step per round), for its cost
         local = dict(privacy_unit="party", local_epochs=1, lr=0.1, batch_size=64, clip_norm=1e6)
-        for mode, extra in (("fedavg", dict(mode="fedavg", epsilon=None)),
-                            ("inca", dict(mode="inca", epsilon=1.0, clip_norm=1.0, iterations=10))):
-            opts = {**local, **extra}
+        for mode, opts in (
+            ("fedavg", dict(mode="fedavg", epsilon=None, **local)),
+            ("inca", dict(budget_rounds=40, **MAIN)),
+        ):
             hist = _simulate(data, nodes, SimulationConfig(rounds=args.rounds, backend="ray", **opts))
-            row[f"simulator_{mode}"] = {"per_round": _breakdown(hist), "accuracy": hist.column("accuracy"),
-                                        "epsilon": hist.epsilon}
+            row[f"simulator_{mode}"] = {
+                "per_round": _breakdown(hist),
+                "accuracy": hist.column("accuracy"),
+                "epsilon": hist.epsilon,
+            }
         results.append(row)
         p2 = row["p2pfl"]
-        print(_table([[nodes, args.rounds, p2.get("round_seconds_median", p2.get("error", "?"))[:60]
-                       if isinstance(p2.get("round_seconds_median", p2.get("error")), str)
-                       else p2.get("round_seconds_median"),
-                       p2.get("accuracy_mean", "-"),
-                       row["simulator_fedavg"]["per_round"]["seconds"], row["simulator_fedavg"]["accuracy"][-1],
-                       row["simulator_inca"]["per_round"]["seconds"], row["simulator_inca"]["accuracy"][-1]]],
-                     ["nodes", "rounds", "p2pfl s/round", "p2pfl acc", "sim FedAvg s/round", "sim FedAvg acc",
-                      "sim IncA s/round", "sim IncA acc"]), flush=True)
+        print(
+            _table(
+                [
+                    [
+                        nodes,
+                        args.rounds,
+                        p2.get("round_seconds_median", p2.get("error", "?"))[:60]
+                        if isinstance(p2.get("round_seconds_median", p2.get("error")), str)
+                        else p2.get("round_seconds_median"),
+                        p2.get("accuracy_mean", "-"),
+                        row["simulator_fedavg"]["per_round"]["seconds"],
+                        row["simulator_fedavg"]["accuracy"][-1],
+                        row["simulator_inca"]["per_round"]["seconds"],
+                        row["simulator_inca"]["accuracy"][-1],
+                    ]
+                ],
+                [
+                    "nodes",
+                    "rounds",
+                    "p2pfl s/round",
+                    "p2pfl acc",
+                    "sim FedAvg s/round",
+                    "sim FedAvg acc",
+                    "sim IncA s/round",
+                    "sim IncA acc",
+                ],
+            ),
+            flush=True,
+        )
     return results
 
 
@@ -310,8 +479,19 @@ def part_p2pfl(args):
 def part_scaling(args):
     results = []
     for clients in args.clients:
-        child = [sys.executable, __file__, "_scaling_child", "--clients", str(clients), "--data-dir", args.data_dir,
-                 "--rounds", str(args.rounds), "--fraction", str(args.fraction)]
+        child = [
+            sys.executable,
+            __file__,
+            "_scaling_child",
+            "--clients",
+            str(clients),
+            "--data-dir",
+            args.data_dir,
+            "--rounds",
+            str(args.rounds),
+            "--fraction",
+            str(args.fraction),
+        ]
         if clients >= args.bound_above:
             child += ["--local-bound"]
         proc = subprocess.run(child, capture_output=True, text=True)
@@ -322,10 +502,37 @@ def part_scaling(args):
         res = json.loads(proc.stdout.split("RESULT", 1)[1])
         results.append(res)
         pr = res["per_round"]
-        print(_table([[clients, res["participants"], res["cost"], pr["seconds"], pr["seconds_train"], pr["seconds_mix"],
-                       pr["seconds_plan"], pr["seconds_charge"], res["driver_peak_mb"], res["actor_peak_mb"]]],
-                     ["clients", "per round", "cost", "s/round", "train", "mix", "certify", "ledger",
-                      "driver peak MB", "actors peak MB"]), flush=True)
+        print(
+            _table(
+                [
+                    [
+                        clients,
+                        res["participants"],
+                        res["cost"],
+                        pr["seconds"],
+                        pr["seconds_train"],
+                        pr["seconds_mix"],
+                        pr["seconds_plan"],
+                        pr["seconds_charge"],
+                        res["driver_peak_mb"],
+                        res["actor_peak_mb"],
+                    ]
+                ],
+                [
+                    "clients",
+                    "per round",
+                    "cost",
+                    "s/round",
+                    "train",
+                    "mix",
+                    "certify",
+                    "ledger",
+                    "driver peak MB",
+                    "actors peak MB",
+                ],
+            ),
+            flush=True,
+        )
     return results
 
 
@@ -336,17 +543,31 @@ def scaling_child(args):
     extra = {}
     if args.local_bound:
         # no exact certificate at this size (see the 'certify' part): fixed noise, charged the local bound
-        extra = dict(epsilon=None, sigma_star=args.sigma_star * math.sqrt(1000 / (args.clients * args.fraction)),
-                     sigma_delta=args.sigma_delta, certification="local-bound")
-    config = SimulationConfig(rounds=args.rounds, backend="ray", fraction=args.fraction,
-                              **{**MAIN, "calibration_runs": 3, **extra})
+        extra = dict(
+            epsilon=None,
+            sigma_star=args.sigma_star * math.sqrt(1000 / (args.clients * args.fraction)),
+            sigma_delta=args.sigma_delta,
+            certification="local-bound",
+        )
+    config = SimulationConfig(
+        rounds=args.rounds, backend="ray", fraction=args.fraction, **{**MAIN, "calibration_runs": 3, **extra}
+    )
     peaks = []
     hist = _simulate(data, args.clients, config, on_round=lambda c: peaks.append(_actor_peaks_mb()))
     actor = max((sum(p) for p in peaks), default=0.0)
-    out = {"clients": args.clients, "participants": hist.rounds[0].participants, "rounds": len(hist.rounds),
-           "per_round": _breakdown(hist, skip_first=True), "driver_peak_mb": _rss_mb(), "actor_peak_mb": actor,
-           "cost": hist.rounds[0].cost, "epsilon": hist.epsilon, "accuracy": hist.accuracy, "uptime": _uptime(),
-           "backend": hist.backend}
+    out = {
+        "clients": args.clients,
+        "participants": hist.rounds[0].participants,
+        "rounds": len(hist.rounds),
+        "per_round": _breakdown(hist, skip_first=True),
+        "driver_peak_mb": _rss_mb(),
+        "actor_peak_mb": actor,
+        "cost": hist.rounds[0].cost,
+        "epsilon": hist.epsilon,
+        "accuracy": hist.accuracy,
+        "uptime": _uptime(),
+        "backend": hist.backend,
+    }
     print("RESULT" + json.dumps(out))
 
 
@@ -358,15 +579,23 @@ def part_actors(args):
     rows, out = [], []
     for rep in range(args.repeats):  # interleaved
         for actors in (1, 2):
-            hist = _simulate(data, args.clients[0], SimulationConfig(rounds=args.rounds, backend="ray",
-                                                                     num_actors=actors, **MAIN))
+            hist = _simulate(
+                data,
+                args.clients[0],
+                SimulationConfig(rounds=args.rounds, backend="ray", num_actors=actors, **MAIN),
+            )
             b = _breakdown(hist, skip_first=True)
             out.append({"actors": actors, "repeat": rep, **b})
     for actors in (1, 2):
         sel = [o for o in out if o["actors"] == actors]
-        rows.append([actors, _median([o["seconds_train"] for o in sel]), _median([o["seconds"] for o in sel])])
+        rows.append(
+            [actors, _median([o["seconds_train"] for o in sel]), _median([o["seconds"] for o in sel])]
+        )
     print(_table(rows, ["actors", "train s/round", "round s"]))
-    print(f"training speed-up 2 vs 1 actor: {rows[0][1] / rows[1][1]:.2f}x; round: {rows[0][2] / rows[1][2]:.2f}x")
+    print(
+        f"training speed-up 2 vs 1 actor: {rows[0][1] / rows[1][1]:.2f}x; "
+        f"round: {rows[0][2] / rows[1][2]:.2f}x"
+    )
     return {"uptime": _uptime(), "runs": out}
 
 
@@ -399,13 +628,18 @@ def part_shard(args):
         full_t.append(time.perf_counter() - t)
         t = time.perf_counter()
         halves = np.array_split(np.arange(d), 2)
-        parts = ray.get([task.remote(trace_ref, np.ascontiguousarray(x[:, h]), 10 * r + i)
-                         for i, h in enumerate(halves)])
+        parts = ray.get(
+            [task.remote(trace_ref, np.ascontiguousarray(x[:, h]), 10 * r + i) for i, h in enumerate(halves)]
+        )
         np.concatenate(parts)
         shard_t.append(time.perf_counter() - t)
     res = {"uptime": _uptime(), "n": n, "d": d, "full": _median(full_t), "two_shards": _median(shard_t)}
-    print(_table([[n, d, res["full"], res["two_shards"], res["full"] / res["two_shards"]]],
-                 ["n", "d", "one engine (s)", "2 shards on Ray (s)", "speed-up"]))
+    print(
+        _table(
+            [[n, d, res["full"], res["two_shards"], res["full"] / res["two_shards"]]],
+            ["n", "d", "one engine (s)", "2 shards on Ray (s)", "speed-up"],
+        )
+    )
     ray.shutdown()
     return res
 
@@ -414,8 +648,9 @@ def part_shard(args):
 def part_certify(args):
     rows, out = [], []
     for n in args.parties:
-        proc = subprocess.run([sys.executable, __file__, "_certify_child", "--parties", str(n)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "_certify_child", "--parties", str(n)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             out.append({"n": n, "error": proc.stderr[-500:]})
             continue
@@ -445,38 +680,68 @@ def certify_child(args):
     view = random_collusion(trace, 0.1, 1)
     t = time.perf_counter()
     certify(trace, view)
-    print("RESULT" + json.dumps({"n": args.parties, "seconds": time.perf_counter() - t, "peak_mb": _rss_mb()}))
+    print(
+        "RESULT" + json.dumps({"n": args.parties, "seconds": time.perf_counter() - t, "peak_mb": _rss_mb()})
+    )
 
 
 # -------------------------------------------------------------------------------------------- cli
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("part", choices=["main", "flower", "p2pfl", "scaling", "actors", "shard", "certify",
-                                    "_flower_child", "_scaling_child", "_certify_child"])
+    p.add_argument(
+        "part",
+        choices=[
+            "main",
+            "flower",
+            "p2pfl",
+            "scaling",
+            "actors",
+            "shard",
+            "certify",
+            "_flower_child",
+            "_scaling_child",
+            "_certify_child",
+        ],
+    )
     p.add_argument("--data-dir", default=os.environ.get("FLWR_INCA_MNIST_DIR", ""))
     p.add_argument("--clients", type=int, nargs="+", default=None)
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--rounds-per-size", type=int, nargs="+", default=None, help="flower: rounds per client count")
+    p.add_argument(
+        "--rounds-per-size", type=int, nargs="+", default=None, help="flower: rounds per client count"
+    )
     p.add_argument("--seeds", type=int, default=3, help="flower: simulator seeds for the accuracy spread")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nodes", type=int, nargs="+", default=[10, 50])
     p.add_argument("--p2pfl-python", default="/work/venvs/p2pfl-w10/bin/python")
     p.add_argument("--p2pfl-timeout", type=int, default=420)
+    p.add_argument("--p2pfl-ray", action="store_true", help="p2pfl trains in its Ray actor pool")
     p.add_argument("--fraction", type=float, default=1.0)
     p.add_argument("--local-bound", action="store_true")
-    p.add_argument("--bound-above", type=int, default=5000, help="scaling: charge the local bound from this size")
+    p.add_argument(
+        "--bound-above", type=int, default=5000, help="scaling: charge the local bound from this size"
+    )
     p.add_argument("--sigma-star", type=float, default=None, help="scaling: sigma_star at 1000 participants")
     p.add_argument("--sigma-delta", type=float, default=None)
     p.add_argument("--parties", type=int, nargs="+", default=[1000, 2000, 4000])
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.part == "_flower_child":
-        return flower_child(argparse.Namespace(clients=args.clients[0], rounds=args.rounds, data_dir=args.data_dir))
+        return flower_child(
+            argparse.Namespace(clients=args.clients[0], rounds=args.rounds, data_dir=args.data_dir)
+        )
     if args.part == "_scaling_child":
-        return scaling_child(argparse.Namespace(clients=args.clients[0], rounds=args.rounds, data_dir=args.data_dir,
-                                                fraction=args.fraction, local_bound=args.local_bound,
-                                                sigma_star=args.sigma_star or 0.0021, sigma_delta=args.sigma_delta or 0.5))
+        return scaling_child(
+            argparse.Namespace(
+                clients=args.clients[0],
+                rounds=args.rounds,
+                data_dir=args.data_dir,
+                fraction=args.fraction,
+                local_bound=args.local_bound,
+                sigma_star=args.sigma_star or 0.0021,
+                sigma_delta=args.sigma_delta or 0.5,
+            )
+        )
     if args.part == "_certify_child":
         return certify_child(argparse.Namespace(parties=args.parties[0]))
     print(f"# {args.part} — {_uptime()}", flush=True)

@@ -93,12 +93,20 @@ def test_inca_learns_and_spends_within_the_budget(tmp_path):
 
 
 def test_noiseless_inca_is_fedavg_exactly():
-    common = dict(rounds=3, epsilon=None, privacy_unit="party", precision="float64", local_steps=2, batch_size=8)
+    common = dict(
+        rounds=3, epsilon=None, privacy_unit="party", precision="float64", local_steps=2, batch_size=8
+    )
 
     def released(**kw):
         out = {}
-        hist = simulate(MODEL, PARTS, (XT, YT), SimulationConfig(backend="inline", iterations=5, **common, **kw),
-                        progress=False, on_round=lambda c: out.__setitem__(c.round, (c.params_before, c.update)))
+        hist = simulate(
+            MODEL,
+            PARTS,
+            (XT, YT),
+            SimulationConfig(backend="inline", iterations=5, **common, **kw),
+            progress=False,
+            on_round=lambda c: out.__setitem__(c.round, (c.params_before, c.update)),
+        )
         return hist, out
 
     fedavg, avg = released(mode="fedavg")
@@ -160,8 +168,14 @@ def test_record_level_accounting_is_opacus_accountant():
 
     z = 1.7
     for accountant, ref in (("prv", PRVAccountant), ("rdp", RDPAccountant)):
-        hist = run(mode="central-dp", epsilon=None, noise_multiplier=z, rounds=4, mu_resolution=0.0,
-                   accountant=accountant)
+        hist = run(
+            mode="central-dp",
+            epsilon=None,
+            noise_multiplier=z,
+            rounds=4,
+            mu_resolution=0.0,
+            accountant=accountant,
+        )
         q = hist.plan["sample_rate"]
         assert q == 1.0  # 40 examples per client, batch 50: every example takes part
         opacus = ref()
@@ -176,8 +190,15 @@ def test_record_level_accounting_with_subsampling_is_opacus_accountant():
     from opacus.accountants import PRVAccountant
 
     parts = iid(X, Y, 8)  # 120 examples per client, batch 20: q = 1/6
-    hist = run(mode="central-dp", parts=parts, epsilon=None, noise_multiplier=0.9, rounds=5, batch_size=20,
-               mu_resolution=0.0)
+    hist = run(
+        mode="central-dp",
+        parts=parts,
+        epsilon=None,
+        noise_multiplier=0.9,
+        rounds=5,
+        batch_size=20,
+        mu_resolution=0.0,
+    )
     assert hist.plan["sample_rate"] == pytest.approx(1 / 6)
     acc = PRVAccountant()
     for _ in range(5):
@@ -188,8 +209,9 @@ def test_record_level_accounting_with_subsampling_is_opacus_accountant():
 def test_privacy_plan_is_shared_and_composes_to_the_budget():
     from opacus.accountants import PRVAccountant
 
-    plan = privacy_plan("record", epsilon=2.0, delta=1e-5, rounds=25, clip_norm=0.8, lr=3.0, batch_size=40,
-                        local_size=2000)
+    plan = privacy_plan(
+        "record", epsilon=2.0, delta=1e-5, rounds=25, clip_norm=0.8, lr=3.0, batch_size=40, local_size=2000
+    )
     acc = PRVAccountant()
     acc.history = [(1 / plan.mu_round, plan.sample_rate, 25)]
     assert acc.get_epsilon(delta=1e-5) == pytest.approx(2.0, abs=0.02)
@@ -199,14 +221,26 @@ def test_privacy_plan_is_shared_and_composes_to_the_budget():
     with pytest.raises(ValueError, match="privacy_unit"):
         privacy_plan("household", epsilon=1.0, delta=1e-5, rounds=1, clip_norm=1.0)
     with pytest.raises(ValueError, match="gdp"):
-        privacy_plan("record", epsilon=1.0, delta=1e-5, rounds=3, clip_norm=1.0, lr=1.0, batch_size=5,
-                     local_size=100, accountant="gdp")
+        privacy_plan(
+            "record",
+            epsilon=1.0,
+            delta=1e-5,
+            rounds=3,
+            clip_norm=1.0,
+            lr=1.0,
+            batch_size=5,
+            local_size=100,
+            accountant="gdp",
+        )
 
 
 def test_central_dp_noise_has_the_calibrated_variance():
     mixer = CentralDPMixer()
-    mixer.prepare(MixContext(value_sensitivity=2.0, mu_round=0.5, delta=1e-5, participants=10,
-                             dimension=200_000, seed=4))
+    mixer.prepare(
+        MixContext(
+            value_sensitivity=2.0, mu_round=0.5, delta=1e-5, participants=10, dimension=200_000, seed=4
+        )
+    )
     plan = mixer.plan(1, 10)
     assert plan.mu == pytest.approx(0.5) and plan.certified
     out = mixer.mix(np.zeros((10, 200_000)), plan)
@@ -228,9 +262,19 @@ def test_charge_is_never_below_the_cost():
 def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
     ledger = tmp_path / "ledger.json"
     trained = {}
-    config = SimulationConfig(rounds=30, epsilon=1.5, sigma_star=3.0, sigma_delta=20.0, backend="inline",
-                              iterations=5, ledger_path=str(ledger), privacy_unit="party")
-    hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False, on_round=lambda c: trained.__setitem__(c.round, c))
+    config = SimulationConfig(
+        rounds=30,
+        epsilon=1.5,
+        sigma_star=3.0,
+        sigma_delta=20.0,
+        backend="inline",
+        iterations=5,
+        ledger_path=str(ledger),
+        privacy_unit="party",
+    )
+    hist = simulate(
+        MODEL, PARTS, (XT, YT), config, progress=False, on_round=lambda c: trained.__setitem__(c.round, c)
+    )
     assert hist.stopped.startswith(f"stopped before round {len(hist.rounds) + 1}")
     assert "max_epsilon" in hist.stopped and 1 <= len(hist.rounds) < 30
     assert sorted(trained) == [r.round for r in hist.rounds]  # the refused round released nothing
@@ -239,7 +283,7 @@ def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
     assert hist.epsilon <= 1.5
     # a run resumed on that ledger counts what it spent: it cannot afford another round
     again = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
-    assert again.rounds == [] and again.stopped.startswith(f"stopped before round 1")
+    assert again.rounds == [] and again.stopped.startswith("stopped before round 1")
     assert "resumed ledger" in again.notes[0]
     # a ledger that has spent the whole budget is refused up front, naming the parameter
     from flwr_inca.privacy import PrivacyLedger
@@ -255,8 +299,14 @@ def test_certify_every_r_rounds_and_local_bound_are_said_plainly():
     assert "predicted" in hist.rounds[1].cost and hist.rounds[1].mu == hist.rounds[0].mu
     assert hist.rounds[3].mu == max(hist.rounds[0].mu, hist.rounds[2].mu)
     assert "every 2 rounds" in hist.mixer
-    bound = run(rounds=2, epsilon=None, sigma_star=0.3, sigma_delta=2.0, certification="local-bound",
-                privacy_unit="party")
+    bound = run(
+        rounds=2,
+        epsilon=None,
+        sigma_star=0.3,
+        sigma_delta=2.0,
+        certification="local-bound",
+        privacy_unit="party",
+    )
     assert all(not r.certified and r.mu == pytest.approx(2.0 / 0.3) for r in bound.rounds)
     assert "local bound" in bound.rounds[0].cost and "no certificate" in bound.mixer
 
@@ -264,11 +314,23 @@ def test_certify_every_r_rounds_and_local_bound_are_said_plainly():
 def test_certificate_bounds_what_the_round_reveals():
     # the round's charge is the exact certificate of the trace that is then replayed
     seen = {}
-    hist = simulate(MODEL, PARTS, (XT, YT), SimulationConfig(**{**{k: v for k, v in FAST.items() if k != "progress"},
-                                                               "epsilon": None, "sigma_star": 0.2,
-                                                               "sigma_delta": 3.0, "privacy_unit": "party",
-                                                               "dropout": PermanentDropout(0.2)}),
-                    progress=False, on_round=lambda c: seen.setdefault(c.round, c.plan))
+    hist = simulate(
+        MODEL,
+        PARTS,
+        (XT, YT),
+        SimulationConfig(
+            **{
+                **{k: v for k, v in FAST.items() if k != "progress"},
+                "epsilon": None,
+                "sigma_star": 0.2,
+                "sigma_delta": 3.0,
+                "privacy_unit": "party",
+                "dropout": PermanentDropout(0.2),
+            }
+        ),
+        progress=False,
+        on_round=lambda c: seen.setdefault(c.round, c.plan),
+    )
     from flwr_inca.privacy import certify, random_collusion
 
     for r in hist.rounds:
@@ -318,22 +380,50 @@ def test_dropouts_across_rounds_and_rejoin_with_the_current_model():
     table[2, 2:] = False  # round 3: only clients 0 and 1
     table[3, 1:] = False  # round 4: one client, below min_clients: skipped
     seen = {}
-    hist = simulate(MODEL, PARTS, (XT, YT), SimulationConfig(
-        rounds=4, backend="inline", mode="fedavg", epsilon=None, privacy_unit="party", local_steps=2,
-        batch_size=8, availability=AvailabilityTable(table)), progress=False,
-        on_round=lambda c: seen.__setitem__(c.round, c))
+    hist = simulate(
+        MODEL,
+        PARTS,
+        (XT, YT),
+        SimulationConfig(
+            rounds=4,
+            backend="inline",
+            mode="fedavg",
+            epsilon=None,
+            privacy_unit="party",
+            local_steps=2,
+            batch_size=8,
+            availability=AvailabilityTable(table),
+        ),
+        progress=False,
+        on_round=lambda c: seen.__setitem__(c.round, c),
+    )
     assert 0 not in seen[1].participants and 0 not in seen[2].participants
     assert seen[1].participants.size == clients - 1 and seen[3].participants.tolist() == [0, 1]
     assert 4 not in seen and "skipped" in hist.rounds[3].failed and hist.rounds[3].available == 1
     # round 3: client 0 rejoins with the model after round 2, not the one it last saw (the initial one)
     after_round_2 = seen[2].params_before + seen[2].update
     assert np.array_equal(seen[3].params_before, after_round_2.astype(np.float32))
-    planner = WorkPlanner(PARTS, [np.arange(clients)], unit="party", sample_rate=1.0, batch_size=8,
-                          local_steps=2, local_epochs=None, seed=0)
+    planner = WorkPlanner(
+        PARTS,
+        [np.arange(clients)],
+        unit="party",
+        sample_rate=1.0,
+        batch_size=8,
+        local_steps=2,
+        local_epochs=None,
+        seed=0,
+    )
     x0, y0 = PARTS.client(0)
-    solo = CohortTrainer(MODEL, np.concatenate([PARTS.client(c)[0] for c in range(clients)]),
-                         np.concatenate([PARTS.client(c)[1] for c in range(clients)]), unit="party",
-                         lr=0.05, clip_norm=1.0, batch_size=8, party_clip=1.0)
+    solo = CohortTrainer(
+        MODEL,
+        np.concatenate([PARTS.client(c)[0] for c in range(clients)]),
+        np.concatenate([PARTS.client(c)[1] for c in range(clients)]),
+        unit="party",
+        lr=0.05,
+        clip_norm=1.0,
+        batch_size=8,
+        party_clip=1.0,
+    )
     work = planner.plan(3, np.array([0, 1]))[0]
     redo = solo.train(seen[3].params_before, work)
     assert np.allclose(redo[0], seen[3].updates[0], atol=1e-7)
@@ -343,9 +433,14 @@ def test_dropouts_across_rounds_and_rejoin_with_the_current_model():
 
 def test_fraction_samples_the_available_clients():
     seen = {}
-    simulate(MODEL, PARTS, (XT, YT), SimulationConfig(rounds=3, backend="inline", mode="fedavg", epsilon=None,
-                                                      fraction=0.25), progress=False,
-             on_round=lambda c: seen.__setitem__(c.round, c.participants))
+    simulate(
+        MODEL,
+        PARTS,
+        (XT, YT),
+        SimulationConfig(rounds=3, backend="inline", mode="fedavg", epsilon=None, fraction=0.25),
+        progress=False,
+        on_round=lambda c: seen.__setitem__(c.round, c.participants),
+    )
     assert all(p.size == 6 for p in seen.values())
     assert len({tuple(p) for p in seen.values()}) == 3  # a fresh sample each round
 
@@ -372,8 +467,9 @@ def test_a_new_mechanism_is_one_small_class():
 # ------------------------------------------------------------------------------------------ Ray
 @pytest.mark.usefixtures("local_ray")
 def test_results_are_identical_for_any_number_of_actors():
-    common = dict(rounds=2, epsilon=2.0, calibration_runs=2, iterations=5, dropout=PermanentDropout(0.1),
-                  fraction=0.75)
+    common = dict(
+        rounds=2, epsilon=2.0, calibration_runs=2, iterations=5, dropout=PermanentDropout(0.1), fraction=0.75
+    )
     inline = run(backend="inline", **common)
     one = run(backend="ray", num_actors=1, **common)
     two = run(backend="ray", num_actors=2, **common)
@@ -383,28 +479,32 @@ def test_results_are_identical_for_any_number_of_actors():
         assert other.column("accuracy") == inline.column("accuracy")
         assert other.column("mu") == inline.column("mu")
     party = dict(rounds=2, epsilon=None, mode="fedavg", privacy_unit="party", local_epochs=2, batch_size=7)
-    assert np.array_equal(run(backend="ray", num_actors=2, **party).parameters,
-                          run(backend="inline", **party).parameters)
+    assert np.array_equal(
+        run(backend="ray", num_actors=2, **party).parameters, run(backend="inline", **party).parameters
+    )
 
 
 # ------------------------------------------------------------------------------------------ errors
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "gossip-magic"}, "mode must be one of"),
-    ({"fraction": 0.0}, r"fraction .* must be in \(0, 1\]"),
-    ({"fraction": 1.5}, r"fraction .* must be in \(0, 1\]"),
-    ({"rounds": 0}, "rounds must be an integer >= 1"),
-    ({"min_clients": 1}, "min_clients must be an integer >= 2"),
-    ({"privacy_unit": "household"}, "privacy_unit must be one of"),
-    ({"local_steps": 3}, "exactly one local step"),
-    ({"mode": "fedavg", "epsilon": 1.0}, "epsilon=None"),
-    ({"delta": 1.0}, r"delta must be in \(0, 1\)"),
-    ({"num_actors": 0}, "num_actors must be an integer >= 1"),
-    ({"backend": "dask"}, "backend must be one of"),
-    ({"collusion": 1.0}, "collusion must be a fraction"),
-    ({"sigma_star": 1.0}, "give both sigma_star and sigma_delta"),
-    ({"iterations": 0}, "iterations must be an integer >= 1"),
-    ({"certify_every": 0}, "certify_every must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "gossip-magic"}, "mode must be one of"),
+        ({"fraction": 0.0}, r"fraction .* must be in \(0, 1\]"),
+        ({"fraction": 1.5}, r"fraction .* must be in \(0, 1\]"),
+        ({"rounds": 0}, "rounds must be an integer >= 1"),
+        ({"min_clients": 1}, "min_clients must be an integer >= 2"),
+        ({"privacy_unit": "household"}, "privacy_unit must be one of"),
+        ({"local_steps": 3}, "exactly one local step"),
+        ({"mode": "fedavg", "epsilon": 1.0}, "epsilon=None"),
+        ({"delta": 1.0}, r"delta must be in \(0, 1\)"),
+        ({"num_actors": 0}, "num_actors must be an integer >= 1"),
+        ({"backend": "dask"}, "backend must be one of"),
+        ({"collusion": 1.0}, "collusion must be a fraction"),
+        ({"sigma_star": 1.0}, "give both sigma_star and sigma_delta"),
+        ({"iterations": 0}, "iterations must be an integer >= 1"),
+        ({"certify_every": 0}, "certify_every must be an integer >= 1"),
+    ],
+)
 def test_bad_configuration_names_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SimulationConfig(**kwargs)
@@ -427,8 +527,13 @@ def test_bad_inputs_name_what_was_wrong():
     with pytest.raises(ValueError, match="parameter 'steps' has dtype torch.int64"):
         simulate(IntParam, PARTS, None, SimulationConfig(backend="inline"), progress=False)
     with pytest.raises(ValueError, match="BatchNorm"):
-        simulate(lambda: torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.BatchNorm1d(4)), PARTS,
-                 None, SimulationConfig(backend="inline", mode="fedavg", epsilon=None), progress=False)
+        simulate(
+            lambda: torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.BatchNorm1d(4)),
+            PARTS,
+            None,
+            SimulationConfig(backend="inline", mode="fedavg", epsilon=None),
+            progress=False,
+        )
     with pytest.raises(ValueError, match="inca needs sigma_star and sigma_delta, or a budget"):
         run(epsilon=None)
     with pytest.raises(ValueError, match="central-dp needs noise_multiplier"):
@@ -452,9 +557,28 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "datasets", None)  # no Hugging Face: the digits fallback
     load_mnist.cache_clear()
     out = tmp_path / "run"
-    code = main(["simulate", "--clients", "10", "--rounds", "3", "--backend", "inline", "--epsilon", "4",
-                 "--calibration-runs", "2", "--iterations", "5", "--batch-size", "20", "--out", str(out),
-                 "--save-traces"])
+    code = main(
+        [
+            "simulate",
+            "--clients",
+            "10",
+            "--rounds",
+            "3",
+            "--backend",
+            "inline",
+            "--epsilon",
+            "4",
+            "--calibration-runs",
+            "2",
+            "--iterations",
+            "5",
+            "--batch-size",
+            "20",
+            "--out",
+            str(out),
+            "--save-traces",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "falling back to scikit-learn" in captured.err
@@ -476,7 +600,11 @@ def test_noise_drawn_ahead_is_the_seeded_noise(schedule, max_bytes):
     from flwr_inca.protocol import IncaConfig, TemporaryDropout, replay, sample_trace
     from flwr_inca.simulation.noise import NoiseAhead
 
-    for dtype, dropout in ((np.float32, PermanentDropout(0.3)), (np.float64, TemporaryDropout(0.3)), (np.float32, None)):
+    for dtype, dropout in (
+        (np.float32, PermanentDropout(0.3)),
+        (np.float64, TemporaryDropout(0.3)),
+        (np.float32, None),
+    ):
         config = IncaConfig(sigma_star=0.4, sigma_delta=2.0, iterations=6, schedule=schedule, dropout=dropout)
         trace = sample_trace(30, config, seed=5)
         x = np.random.default_rng(1).standard_normal((30, 17)).astype(dtype)
@@ -484,7 +612,9 @@ def test_noise_drawn_ahead_is_the_seeded_noise(schedule, max_bytes):
         got = replay(trace, x, seed=77, noise=ahead)
         ahead.close()
         want = replay(trace, x, seed=77)
-        assert np.array_equal(got.estimate, want.estimate) and np.array_equal(got.final_messages, want.final_messages)
+        assert np.array_equal(got.estimate, want.estimate) and np.array_equal(
+            got.final_messages, want.final_messages
+        )
     abandoned = NoiseAhead(77, trace, 17, np.float32, max_bytes=1)
     abandoned.close()
     abandoned._thread.join(timeout=5)

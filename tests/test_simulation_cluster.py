@@ -21,6 +21,7 @@ pytest.importorskip("ray")
 pytest.importorskip("torch")
 
 import test_simulation as sim  # noqa: E402  (its synthetic data and model)
+
 from flwr_inca.simulation import SimulationConfig, simulate  # noqa: E402
 
 CONFIG = dict(rounds=2, epsilon=2.0, calibration_runs=2, iterations=5, lr=2.0, fraction=0.75)
@@ -59,13 +60,42 @@ def ray_cluster():
     base = _free_port_block(80)
     temp = tempfile.mkdtemp(prefix="rw10-", dir="/tmp")  # short: Ray's socket paths have a length limit
     ray_bin = str(Path(sys.executable).parent / "ray")
-    cmd = [ray_bin, "start", "--head", "--block", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
-           "--port", str(base), "--node-manager-port", str(base + 1), "--object-manager-port", str(base + 2),
-           "--ray-client-server-port", str(base + 3), "--dashboard-agent-listen-port", str(base + 4),
-           "--dashboard-agent-grpc-port", str(base + 5), "--runtime-env-agent-port", str(base + 6),
-           "--metrics-export-port", str(base + 7), "--dashboard-port", str(base + 8),
-           "--min-worker-port", str(base + 20), "--max-worker-port", str(base + 79),
-           "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp]
+    cmd = [
+        ray_bin,
+        "start",
+        "--head",
+        "--block",
+        "--num-cpus",
+        "2",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(base),
+        "--node-manager-port",
+        str(base + 1),
+        "--object-manager-port",
+        str(base + 2),
+        "--ray-client-server-port",
+        str(base + 3),
+        "--dashboard-agent-listen-port",
+        str(base + 4),
+        "--dashboard-agent-grpc-port",
+        str(base + 5),
+        "--runtime-env-agent-port",
+        str(base + 6),
+        "--metrics-export-port",
+        str(base + 7),
+        "--dashboard-port",
+        str(base + 8),
+        "--min-worker-port",
+        str(base + 20),
+        "--max-worker-port",
+        str(base + 79),
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--temp-dir",
+        temp,
+    ]
     log = open(Path(temp) / "ray-start.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -106,8 +136,9 @@ def test_cluster_run_matches_the_in_process_run(ray_cluster):
     remote = json.loads(run.stdout.split("RESULT", 1)[1])
     assert remote["gcs"].rsplit(":", 1)[1] == address.rsplit(":", 1)[1]  # it ran on that cluster
     assert "2 actor(s)" in remote["backend"]
-    local = simulate(sim.MODEL, sim.PARTS, (sim.XT, sim.YT), SimulationConfig(backend="inline", **CONFIG),
-                     progress=False)
+    local = simulate(
+        sim.MODEL, sim.PARTS, (sim.XT, sim.YT), SimulationConfig(backend="inline", **CONFIG), progress=False
+    )
     assert np.array_equal(np.array(remote["params"], dtype=np.float32), local.parameters)
     assert remote["accuracy"] == local.column("accuracy")
     assert remote["mu"] == local.column("mu") and remote["epsilon"] == local.column("epsilon")

@@ -12,10 +12,10 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
+import flower_apps  # noqa: E402
 from flwr.app import ArrayRecord, Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-import flower_apps  # noqa: E402
 from flwr_inca.flower import IncaStrategy  # noqa: E402
 from flwr_inca.flower.client import clip, flatten_arrays  # noqa: E402
 from flwr_inca.flower.node import RoundSecrets  # noqa: E402
@@ -39,19 +39,34 @@ def flower_rounds():
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = IncaStrategy(clip_norm=CLIP, precision="float64", ledger_path=None, seed=7,
-                                forward_client_metrics=True, fraction_evaluate=0.0, min_available_nodes=NODES,
-                                min_train_nodes=NODES, exchange_timeout=20, **SETTINGS)
+        strategy = IncaStrategy(
+            clip_norm=CLIP,
+            precision="float64",
+            ledger_path=None,
+            seed=7,
+            forward_client_metrics=True,
+            fraction_evaluate=0.0,
+            min_available_nodes=NODES,
+            min_train_nodes=NODES,
+            exchange_timeout=20,
+            **SETTINGS,
+        )
         globals_ = {}
 
         def evaluate_fn(rnd, arrays):
             globals_[rnd] = [a.copy() for a in arrays.to_numpy_ndarrays()]
 
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=ROUNDS, evaluate_fn=evaluate_fn)
+        strategy.start(
+            grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=ROUNDS, evaluate_fn=evaluate_fn
+        )
         out.update(strategy=strategy, globals=globals_)
 
-    run_simulation(server_app=app, client_app=flower_apps.client, num_supernodes=NODES,
-                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    run_simulation(
+        server_app=app,
+        client_app=flower_apps.client,
+        num_supernodes=NODES,
+        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
+    )
     return out
 
 
@@ -67,15 +82,20 @@ def test_simulator_round_is_the_flower_round(flower_rounds):
             pid = int(record.client_metrics[node]["partition-id"])
             new = flatten_arrays(ArrayRecord(flower_apps.local_update(globals_[rnd - 1], pid, rnd)))[0]
             raw.append(new - old)
-            noises.append(PartyNoise(RoundSecrets.generate(rnd, flower_apps.FIXED_SEED, node=node).noise_secret, rnd))
+            noises.append(
+                PartyNoise(RoundSecrets.generate(rnd, flower_apps.FIXED_SEED, node=node).noise_secret, rnd)
+            )
         raw = np.array(raw)
         # the simulator clips as the Flower client does
         ours = clip_rows(torch.from_numpy(raw), CLIP).numpy()
         assert np.allclose(ours, np.array([clip(u, CLIP) for u in raw]), rtol=0, atol=1e-15)
         assert (np.linalg.norm(raw, axis=1) > CLIP).any()  # clipping mattered
         d = raw.shape[1]
-        mixer.prepare(MixContext(value_sensitivity=2 * CLIP, mu_round=None, delta=1e-5, participants=NODES,
-                                 dimension=d, seed=0))
+        mixer.prepare(
+            MixContext(
+                value_sensitivity=2 * CLIP, mu_round=None, delta=1e-5, participants=NODES, dimension=d, seed=0
+            )
+        )
         # the simulator's cost of that execution: the same certificate, the same threat draws
         mu = mixer.certify(record.trace, rnd, seed=strategy.seed)
         assert mu == pytest.approx(record.mu, rel=1e-12)

@@ -130,14 +130,26 @@ def privacy_plan(
     if accountant not in ("prv", "rdp", "gdp"):
         raise ValueError(f"accountant must be 'prv', 'rdp' or 'gdp', got {accountant!r}")
     if accountant == "gdp" and q < 1:
-        raise ValueError("the 'gdp' accountant cannot account Poisson-subsampled rounds (sample rate "
-                         f"{q:.4g} < 1); use 'prv' or 'rdp'")
+        raise ValueError(
+            "the 'gdp' accountant cannot account Poisson-subsampled rounds (sample rate "
+            f"{q:.4g} < 1); use 'prv' or 'rdp'"
+        )
     mu_round = epsilon_round = None
     if epsilon is not None:
         mu_round = _mu_round(float(epsilon), delta, q, rounds, accountant)
         epsilon_round = epsilon_for_delta(mu_round, delta)
-    return PrivacyPlan(unit, None if epsilon is None else float(epsilon), delta, rounds, q, mu_round,
-                       epsilon_round, sensitivity, party_clip, accountant)
+    return PrivacyPlan(
+        unit,
+        None if epsilon is None else float(epsilon),
+        delta,
+        rounds,
+        q,
+        mu_round,
+        epsilon_round,
+        sensitivity,
+        party_clip,
+        accountant,
+    )
 
 
 def _mu_round(epsilon: float, delta: float, q: float, rounds: int, accountant: str) -> float:
@@ -148,6 +160,12 @@ def _mu_round(epsilon: float, delta: float, q: float, rounds: int, accountant: s
     with warnings.catch_warnings():  # Opacus's RDP-order notice while it brackets the search
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", RuntimeWarning)  # log(1 - q) at q = 1 is harmless
-        z = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=q, steps=rounds,
-                                 accountant=accountant, epsilon_tolerance=0.01)
+        z = get_noise_multiplier(
+            target_epsilon=epsilon,
+            target_delta=delta,
+            sample_rate=q,
+            steps=rounds,
+            accountant=accountant,
+            epsilon_tolerance=0.01,
+        )
     return 1.0 / z

@@ -87,19 +87,22 @@ class AvailabilityTable(Availability):
     def __init__(self, table: np.ndarray) -> None:
         arr = np.asarray(table)
         if arr.ndim != 2 or arr.dtype != bool:
-            raise ValueError(f"availability table must be a bool array (rounds, clients), got "
-                             f"{arr.dtype} {arr.shape}")
+            raise ValueError(
+                f"availability table must be a bool array (rounds, clients), got {arr.dtype} {arr.shape}"
+            )
         self.table = arr.copy()
 
     def reset(self, clients: int, rng: np.random.Generator) -> None:
         if self.table.shape[1] != clients:
-            raise ValueError(f"availability table has {self.table.shape[1]} clients, the partitions "
-                             f"{clients}")
+            raise ValueError(
+                f"availability table has {self.table.shape[1]} clients, the partitions {clients}"
+            )
 
     def available(self, round: int, clients: int, rng: np.random.Generator) -> np.ndarray:
         if round > self.table.shape[0]:
-            raise ValueError(f"availability table covers {self.table.shape[0]} rounds, round {round} "
-                             "was asked for")
+            raise ValueError(
+                f"availability table covers {self.table.shape[0]} rounds, round {round} was asked for"
+            )
         return self.table[round - 1].copy()
 
     def __repr__(self) -> str:

@@ -32,8 +32,18 @@ class WorkPlanner:
     or ``local_steps`` minibatches of ``batch_size`` taken from successive permutations.
     """
 
-    def __init__(self, partitions: Partitions, cohorts: list[np.ndarray], *, unit: str, sample_rate: float,
-                 batch_size: int, local_steps: int | None, local_epochs: int | None, seed: int) -> None:
+    def __init__(
+        self,
+        partitions: Partitions,
+        cohorts: list[np.ndarray],
+        *,
+        unit: str,
+        sample_rate: float,
+        batch_size: int,
+        local_steps: int | None,
+        local_epochs: int | None,
+        seed: int,
+    ) -> None:
         self.partitions, self.unit, self.q = partitions, unit, float(sample_rate)
         self.batch_size, self.seed = int(batch_size), int(seed)
         self.local_steps = local_steps
@@ -58,11 +68,11 @@ class WorkPlanner:
             batches = []
             for _ in range(self.local_epochs):
                 perm = rng.permutation(n)
-                batches.extend(perm[i:i + B] for i in range(0, n, B))
+                batches.extend(perm[i : i + B] for i in range(0, n, B))
             return batches
         needed = self.local_steps * B
         stream = np.concatenate([rng.permutation(n) for _ in range(math.ceil(needed / n))])
-        return [stream[s * B:(s + 1) * B] for s in range(self.local_steps)]
+        return [stream[s * B : (s + 1) * B] for s in range(self.local_steps)]
 
     def plan(self, round: int, participants: np.ndarray) -> list[LocalWork]:
         """One :class:`LocalWork` per cohort (clients in ascending order; empty cohorts included)."""
@@ -79,12 +89,12 @@ class WorkPlanner:
                 mat = np.full((members.size, width), -1, dtype=np.int64)
                 for j, c in enumerate(members):
                     r = rows[int(c)][0]
-                    mat[j, :r.size] = r + self.offset_of[c]
+                    mat[j, : r.size] = r + self.offset_of[c]
             else:
                 mat = np.full((members.size, steps, width), -1, dtype=np.int64)
                 for j, c in enumerate(members):
                     for s, r in enumerate(rows[int(c)]):
-                        mat[j, s, :r.size] = r + self.offset_of[c]
+                        mat[j, s, : r.size] = r + self.offset_of[c]
             out.append(LocalWork(members, mat))
         return out
 
@@ -115,7 +125,9 @@ class InlineBackend:
         self.trainer = CohortTrainer(model_fn, x, y, **trainer_kwargs)
         self.actors = 0
 
-    def submit(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> Callable[[], np.ndarray]:
+    def submit(
+        self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]
+    ) -> Callable[[], np.ndarray]:
         """Training as a deferred call (run when collected: this backend has no other process)."""
         return lambda: self.train(params, participants, works)
 
@@ -133,8 +145,9 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise ValueError("backend='ray' needs Ray: pip install 'flwr-inca[simulation]', or use "
-                         "backend='inline'") from None
+        raise ValueError(
+            "backend='ray' needs Ray: pip install 'flwr-inca[simulation]', or use backend='inline'"
+        ) from None
     return ray
 
 
@@ -149,8 +162,10 @@ def _check_reachable(address: str) -> None:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
             pass
     except OSError as exc:
-        raise ConnectionError(f"ray_address={address!r}: no Ray cluster answers there ({exc}); start one "
-                              "with `ray start --head` or leave ray_address=None for a local Ray") from None
+        raise ConnectionError(
+            f"ray_address={address!r}: no Ray cluster answers there ({exc}); start one "
+            "with `ray start --head` or leave ray_address=None for a local Ray"
+        ) from None
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None):
@@ -163,8 +178,12 @@ def connect_ray(address: str | None, num_cpus: int | None = None):
         _check_reachable(address)
     if ray.is_initialized():
         return ray
-    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": "WARNING",
-                              "configure_logging": True, "log_to_driver": True}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": "WARNING",
+        "configure_logging": True,
+        "log_to_driver": True,
+    }
     if address is None:
         kwargs["num_cpus"] = num_cpus or os.cpu_count() or 1
     else:
@@ -182,8 +201,15 @@ class RayBackend:
 
     name = "ray"
 
-    def __init__(self, model_fn: Callable, partitions: Partitions, trainer_kwargs: dict[str, Any], *,
-                 num_actors: int | None, address: str | None) -> None:
+    def __init__(
+        self,
+        model_fn: Callable,
+        partitions: Partitions,
+        trainer_kwargs: dict[str, Any],
+        *,
+        num_actors: int | None,
+        address: str | None,
+    ) -> None:
         ray = connect_ray(address, num_actors)
         self.ray = ray
         cpus = float(ray.cluster_resources().get("CPU", 1.0))
@@ -199,7 +225,9 @@ class RayBackend:
         self.address = ray.get_runtime_context().gcs_address
         ray.get([a.__ray_ready__.remote() for a in self._actors])  # surface construction errors now
 
-    def submit(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> Callable[[], np.ndarray]:
+    def submit(
+        self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]
+    ) -> Callable[[], np.ndarray]:
         """Start training on the actors now; the returned call waits for and assembles the updates."""
         ref = self.ray.put(params)
         futures = [actor.train.remote(ref, work) for actor, work in zip(self._actors, works)]
@@ -217,8 +245,15 @@ class RayBackend:
         return f"ray ({self.actors} actor(s), cluster {self.address})"
 
 
-def create_backend(kind: str, model_fn: Callable, partitions: Partitions, trainer_kwargs: dict[str, Any], *,
-                   num_actors: int | None = None, address: str | None = None):
+def create_backend(
+    kind: str,
+    model_fn: Callable,
+    partitions: Partitions,
+    trainer_kwargs: dict[str, Any],
+    *,
+    num_actors: int | None = None,
+    address: str | None = None,
+):
     if kind == "inline":
         return InlineBackend(model_fn, partitions, trainer_kwargs)
     return RayBackend(model_fn, partitions, trainer_kwargs, num_actors=num_actors, address=address)

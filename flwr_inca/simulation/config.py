@@ -25,8 +25,12 @@ def _int(name: str, v: Any, minimum: int) -> None:
 
 
 def _positive(name: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
-            or not math.isfinite(float(v)) or float(v) <= 0:
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float, np.floating, np.integer))
+        or not math.isfinite(float(v))
+        or float(v) <= 0
+    ):
         raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
 
@@ -132,9 +136,14 @@ class SimulationConfig:
         _int("rounds", self.rounds, 1)
         if not isinstance(self.mode, str) or self.mode not in MIXERS:
             raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {self.mode!r}")
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
-                or not (0.0 < float(self.fraction) <= 1.0):
-            raise ValueError(f"fraction (of available clients per round) must be in (0, 1], got {self.fraction!r}")
+        if (
+            isinstance(self.fraction, bool)
+            or not isinstance(self.fraction, (int, float))
+            or not (0.0 < float(self.fraction) <= 1.0)
+        ):
+            raise ValueError(
+                f"fraction (of available clients per round) must be in (0, 1], got {self.fraction!r}"
+            )
         _int("min_clients", self.min_clients, 2)
         if self.availability is not None and not isinstance(self.availability, Availability):
             raise ValueError(f"availability must be an Availability model or None, got {self.availability!r}")
@@ -150,14 +159,21 @@ class SimulationConfig:
             _int("local_epochs", self.local_epochs, 1)
         if self.local_steps is not None and self.local_epochs is not None:
             raise ValueError("give local_steps or local_epochs, not both")
-        if self.privacy_unit == "record" and (self.local_epochs is not None or self.local_steps not in (None, 1)):
+        if self.privacy_unit == "record" and (
+            self.local_epochs is not None or self.local_steps not in (None, 1)
+        ):
             raise ValueError(
                 "privacy_unit='record' takes exactly one local step per round (local_steps=1): after "
                 "several noiseless local steps one example's influence on the update has no bound; use "
-                "more rounds, or privacy_unit='party'")
+                "more rounds, or privacy_unit='party'"
+            )
         if self.epsilon is not None:
             _positive("epsilon", self.epsilon)
-        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not (0 < self.delta < 1):
+        if (
+            isinstance(self.delta, bool)
+            or not isinstance(self.delta, (int, float))
+            or not (0 < self.delta < 1)
+        ):
             raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
         if self.budget_rounds is not None:
             _int("budget_rounds", self.budget_rounds, 1)
@@ -181,8 +197,9 @@ class SimulationConfig:
         _int("eval_every", self.eval_every, 1)
         mixer_private = MIXERS[self.mode].private
         if not mixer_private and self.epsilon is not None:
-            raise ValueError(f"mode {self.mode!r} adds no noise (its epsilon is infinite): run it with "
-                             "epsilon=None")
+            raise ValueError(
+                f"mode {self.mode!r} adds no noise (its epsilon is infinite): run it with epsilon=None"
+            )
         if self.mode == "inca":  # the mixer validates its own parameters with clear errors
             MIXERS["inca"].from_config(self)
 

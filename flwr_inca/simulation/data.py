@@ -26,8 +26,12 @@ import numpy as np
 __all__ = ["Dataset", "MNIST_ENV", "load_mnist", "read_idx"]
 
 MNIST_ENV = "FLWR_INCA_MNIST_DIR"
-_IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-              "t10k-labels-idx1-ubyte")
+_IDX_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,13 @@ def _from_idx(directory: Path) -> Dataset:
     missing = [str(p) for p in files.values() if not p.exists()]
     if missing:
         raise FileNotFoundError(f"MNIST IDX files missing: {', '.join(missing)}")
-    return Dataset(_standardize(read_idx(files["train-images-idx3-ubyte"])),
-                   read_idx(files["train-labels-idx1-ubyte"]),
-                   _standardize(read_idx(files["t10k-images-idx3-ubyte"])),
-                   read_idx(files["t10k-labels-idx1-ubyte"]), f"MNIST ({directory})")
+    return Dataset(
+        _standardize(read_idx(files["train-images-idx3-ubyte"])),
+        read_idx(files["train-labels-idx1-ubyte"]),
+        _standardize(read_idx(files["t10k-images-idx3-ubyte"])),
+        read_idx(files["t10k-labels-idx1-ubyte"]),
+        f"MNIST ({directory})",
+    )
 
 
 def _from_hub() -> Dataset:
@@ -116,7 +123,10 @@ def load_mnist(data_dir: str = "", *, who: str = "flwr-inca") -> Dataset:
     try:
         return _from_hub()
     except Exception as exc:  # offline, or flwr-datasets not installed
-        print(f"[{who}] no MNIST directory given (data-dir / {MNIST_ENV}) and the Hugging Face "
-              f"download failed ({type(exc).__name__}: {str(exc)[:120]}); falling back to "
-              "scikit-learn's 8x8 digits", file=sys.stderr)
+        print(
+            f"[{who}] no MNIST directory given (data-dir / {MNIST_ENV}) and the Hugging Face "
+            f"download failed ({type(exc).__name__}: {str(exc)[:120]}); falling back to "
+            "scikit-learn's 8x8 digits",
+            file=sys.stderr,
+        )
         return _from_sklearn()

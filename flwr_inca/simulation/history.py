@@ -103,10 +103,17 @@ class History:
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
-        return {"format": HISTORY_FORMAT, "dataset": self.dataset, "mixer": self.mixer, "backend": self.backend,
-                "stopped": self.stopped, "notes": list(self.notes), "config": self.config,
-                "plan": {k: _enc(v) for k, v in self.plan.items()},
-                "rounds": [r.to_dict() for r in self.records]}
+        return {
+            "format": HISTORY_FORMAT,
+            "dataset": self.dataset,
+            "mixer": self.mixer,
+            "backend": self.backend,
+            "stopped": self.stopped,
+            "notes": list(self.notes),
+            "config": self.config,
+            "plan": {k: _enc(v) for k, v in self.plan.items()},
+            "rounds": [r.to_dict() for r in self.records],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, default=str)
@@ -143,7 +150,9 @@ class History:
             return False
         evald = [r for r in self.records if r.accuracy is not None and math.isfinite(r.accuracy)]
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
-        ax.plot([r.round for r in evald], [r.accuracy for r in evald], marker="o", ms=3, label="test accuracy")
+        ax.plot(
+            [r.round for r in evald], [r.accuracy for r in evald], marker="o", ms=3, label="test accuracy"
+        )
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -153,8 +162,13 @@ class History:
         spent = [r for r in self.records if math.isfinite(r.epsilon)]
         if spent and any(r.epsilon > 0 for r in spent):
             ax2 = ax.twinx()
-            ax2.plot([r.round for r in spent], [r.epsilon for r in spent], color="tab:red", ls="--",
-                     label="epsilon spent")
+            ax2.plot(
+                [r.round for r in spent],
+                [r.epsilon for r in spent],
+                color="tab:red",
+                ls="--",
+                label="epsilon spent",
+            )
             ax2.set_ylabel("epsilon (composed)", color="tab:red")
             budget = self.config.get("epsilon")
             if isinstance(budget, (int, float)):
@@ -175,8 +189,17 @@ class History:
         for row in data["rounds"]:
             row = {k: _dec(v) for k, v in row.items()}
             records.append(RoundRecord(**row))
-        return cls(data["config"], data["plan"], data["mixer"], data["backend"], data.get("dataset", ""),
-                   records, data.get("stopped", ""), None, data.get("notes", []))
+        return cls(
+            data["config"],
+            data["plan"],
+            data["mixer"],
+            data["backend"],
+            data.get("dataset", ""),
+            records,
+            data.get("stopped", ""),
+            None,
+            data.get("notes", []),
+        )
 
 
 def _dec(v: Any) -> Any:

@@ -58,8 +58,17 @@ from .noise import NoiseAhead
 if TYPE_CHECKING:
     from .config import SimulationConfig
 
-__all__ = ["MixContext", "RoundPlan", "Mixer", "FedAvgMixer", "CentralDPMixer", "IncaMixer",
-           "MIXERS", "register_mixer", "create_mixer"]
+__all__ = [
+    "MixContext",
+    "RoundPlan",
+    "Mixer",
+    "FedAvgMixer",
+    "CentralDPMixer",
+    "IncaMixer",
+    "MIXERS",
+    "register_mixer",
+    "create_mixer",
+]
 
 
 @dataclass(frozen=True)
@@ -209,8 +218,13 @@ class CentralDPMixer(Mixer):
 
     def plan(self, round: int, participants: int) -> RoundPlan:
         z = float(self.noise_multiplier)
-        return RoundPlan(round, participants, 1.0 / z, True,
-                         info={"noise_multiplier": z, "noise_std": z * self.context.value_sensitivity / participants})
+        return RoundPlan(
+            round,
+            participants,
+            1.0 / z,
+            True,
+            info={"noise_multiplier": z, "noise_std": z * self.context.value_sensitivity / participants},
+        )
 
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
         n, d = updates.shape
@@ -228,7 +242,8 @@ class IncaMixer(Mixer):
     at the expected number of participants (``calibration_runs`` simulated executions). The target
     is lowered by ``calibration_margin`` (1%): calibration picks noise just above the floor, where a
     fresh execution's certified mu varies by a fraction of a percent around the target, and a round
-    certified above it would end training before the planned rounds. With ``n`` participants sigma_star is scaled by
+    certified above it would end training before the planned rounds. With ``n`` participants
+    sigma_star is scaled by
     ``sqrt(n_cal / n)`` (it protects through the sum of n values), sigma_delta is kept.
 
     Cost: every ``certify_every``-th round (1 = every round) the sampled trace is certified exactly
@@ -270,15 +285,25 @@ class IncaMixer(Mixer):
         if (sigma_star is None) != (sigma_delta is None):
             raise ValueError("give both sigma_star and sigma_delta, or neither (then they are calibrated)")
         # validates iterations, neighbors, sigmas, schedule, topology, dropout, dissemination
-        IncaConfig(sigma_star=sigma_star or 0.0, sigma_delta=sigma_delta or 0.0, iterations=iterations,
-                   neighbors=neighbors, schedule=schedule, topology=topology, dropout=dropout,
-                   dissemination=dissemination)
+        IncaConfig(
+            sigma_star=sigma_star or 0.0,
+            sigma_delta=sigma_delta or 0.0,
+            iterations=iterations,
+            neighbors=neighbors,
+            schedule=schedule,
+            topology=topology,
+            dropout=dropout,
+            dissemination=dissemination,
+        )
         if not (0.0 <= collusion < 1.0):
             raise ValueError(f"collusion must be a fraction in [0, 1), got {collusion!r}")
         if observed_fraction is not None and not (0.0 <= observed_fraction <= 1.0):
             raise ValueError(f"observed_fraction must be in [0, 1], got {observed_fraction!r}")
-        for name, v in (("threat_draws", threat_draws), ("calibration_runs", calibration_runs),
-                        ("certify_every", certify_every)):
+        for name, v in (
+            ("threat_draws", threat_draws),
+            ("calibration_runs", calibration_runs),
+            ("certify_every", certify_every),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not (0.0 <= calibration_margin < 1.0):
@@ -290,7 +315,11 @@ class IncaMixer(Mixer):
         self.iterations, self.neighbors = int(iterations), int(neighbors)
         self.schedule, self.topology, self.dropout = schedule, topology, dropout
         self.dissemination = dissemination
-        self.collusion, self.observed_fraction, self.threat_draws = float(collusion), observed_fraction, threat_draws
+        self.collusion, self.observed_fraction, self.threat_draws = (
+            float(collusion),
+            observed_fraction,
+            threat_draws,
+        )
         self.sigma_star, self.sigma_delta = sigma_star, sigma_delta
         self.calibration_runs, self.calibration_margin = calibration_runs, float(calibration_margin)
         self.certification, self.certify_every = certification, certify_every
@@ -301,13 +330,23 @@ class IncaMixer(Mixer):
 
     @classmethod
     def from_config(cls, config: SimulationConfig) -> Mixer:
-        return cls(iterations=config.iterations, neighbors=config.neighbors, schedule=config.schedule,
-                   topology=config.topology, dropout=config.dropout, dissemination=config.dissemination,
-                   collusion=config.collusion, observed_fraction=config.observed_fraction,
-                   threat_draws=config.threat_draws, sigma_star=config.sigma_star,
-                   sigma_delta=config.sigma_delta, calibration_runs=config.calibration_runs,
-                   certification=config.certification, certify_every=config.certify_every,
-                   **dict(config.mixer_options))
+        return cls(
+            iterations=config.iterations,
+            neighbors=config.neighbors,
+            schedule=config.schedule,
+            topology=config.topology,
+            dropout=config.dropout,
+            dissemination=config.dissemination,
+            collusion=config.collusion,
+            observed_fraction=config.observed_fraction,
+            threat_draws=config.threat_draws,
+            sigma_star=config.sigma_star,
+            sigma_delta=config.sigma_delta,
+            calibration_runs=config.calibration_runs,
+            certification=config.certification,
+            certify_every=config.certify_every,
+            **dict(config.mixer_options),
+        )
 
     @property
     def threat(self) -> str:
@@ -316,12 +355,17 @@ class IncaMixer(Mixer):
         return f"collusion of {self.collusion:.0%} of the participants"
 
     def describe(self) -> str:
-        cert = ("exact certificate every round" if self.certify_every == 1 else
-                f"exact certificate every {self.certify_every} rounds, a prediction in between")
+        cert = (
+            "exact certificate every round"
+            if self.certify_every == 1
+            else f"exact certificate every {self.certify_every} rounds, a prediction in between"
+        )
         if self.certification == "local-bound":
             cert = "no certificate: every round charged the local bound S / sigma_star"
-        return (f"inca (T = {self.iterations}, k = {self.neighbors}, {self.schedule}, {self.topology}, "
-                f"dropout {self.dropout!r}; threat: {self.threat}; {cert})")
+        return (
+            f"inca (T = {self.iterations}, k = {self.neighbors}, {self.schedule}, {self.topology}, "
+            f"dropout {self.dropout!r}; threat: {self.threat}; {cert})"
+        )
 
     # ------------------------------------------------------------------------ noise
     def prepare(self, context: MixContext) -> None:
@@ -333,12 +377,20 @@ class IncaMixer(Mixer):
         n = max(2, int(context.participants))
         target = context.mu_round * (1.0 - self.calibration_margin)
         self.calibration = calibrate(
-            epsilon_for_delta(target, context.delta), context.delta, n, iterations=self.iterations,
-            neighbors=min(self.neighbors, n - 1), collusion=self.collusion,
-            observed_fraction=self.observed_fraction, dropout=self.dropout, topology=self.topology,
-            schedule=self.schedule, runs=self.calibration_runs,
+            epsilon_for_delta(target, context.delta),
+            context.delta,
+            n,
+            iterations=self.iterations,
+            neighbors=min(self.neighbors, n - 1),
+            collusion=self.collusion,
+            observed_fraction=self.observed_fraction,
+            dropout=self.dropout,
+            topology=self.topology,
+            schedule=self.schedule,
+            runs=self.calibration_runs,
             seed=seeding.seed_of(context.seed, seeding.CALIBRATION),
-            value_sensitivity=context.value_sensitivity)
+            value_sensitivity=context.value_sensitivity,
+        )
         self._calibrated_n = n
 
     def sigmas(self, participants: int) -> tuple[float, float]:
@@ -350,9 +402,16 @@ class IncaMixer(Mixer):
 
     def inca_config(self, participants: int) -> IncaConfig:
         s_star, s_delta = self.sigmas(participants)
-        return IncaConfig(sigma_star=s_star, sigma_delta=s_delta, iterations=self.iterations,
-                          neighbors=min(self.neighbors, participants - 1), schedule=self.schedule,
-                          topology=self.topology, dropout=self.dropout, dissemination=self.dissemination)
+        return IncaConfig(
+            sigma_star=s_star,
+            sigma_delta=s_delta,
+            iterations=self.iterations,
+            neighbors=min(self.neighbors, participants - 1),
+            schedule=self.schedule,
+            topology=self.topology,
+            dropout=self.dropout,
+            dissemination=self.dissemination,
+        )
 
     # ------------------------------------------------------------------------ round
     @staticmethod
@@ -377,11 +436,19 @@ class IncaMixer(Mixer):
         config = self.inca_config(participants)
         start = time.perf_counter()
         trace = sample_trace(participants, config, seeding.seed_of(self.context.seed, seeding.TRACE, round))
-        info: dict[str, Any] = {"sigma_star": config.sigma_star, "sigma_delta": config.sigma_delta,
-                                "finalists": int(trace.steps[-1].online.size)}
+        info: dict[str, Any] = {
+            "sigma_star": config.sigma_star,
+            "sigma_delta": config.sigma_delta,
+            "finalists": int(trace.steps[-1].online.size),
+        }
         if self.noise_ahead_bytes > 0:  # the round's noise is drawn while it is certified and trained
-            info["noise_ahead"] = NoiseAhead(self._noise_seed(round), trace, self.context.dimension,
-                                             np.dtype(self.context.precision), self.noise_ahead_bytes)
+            info["noise_ahead"] = NoiseAhead(
+                self._noise_seed(round),
+                trace,
+                self.context.dimension,
+                np.dtype(self.context.precision),
+                self.noise_ahead_bytes,
+            )
         sampled = time.perf_counter()
         if self.certification == "local-bound":
             mu, certified = self.context.value_sensitivity / config.sigma_star, False
@@ -406,8 +473,13 @@ class IncaMixer(Mixer):
         noise (e.g. ``PartyNoise.explicit(...)`` to reproduce a Flower round)."""
         ahead = plan.info.pop("noise_ahead", None)
         try:
-            result = replay(plan.trace, updates, self._noise_seed(plan.round), dissemination=self.dissemination,
-                            noise=noise if noise is not None else ahead)
+            result = replay(
+                plan.trace,
+                updates,
+                self._noise_seed(plan.round),
+                dissemination=self.dissemination,
+                noise=noise if noise is not None else ahead,
+            )
         finally:
             if ahead is not None:
                 ahead.close()

@@ -30,9 +30,16 @@ class ModelFactory:
         return nn.Sequential(nn.Linear(self.features, 128), nn.ReLU(), nn.Linear(128, self.classes))
 
 
-def simulate_mnist(config: SimulationConfig, *, clients: int = 100, partition: str = "iid",
-                   model: str = "logreg", data_dir: str = "", split_seed: int = 12345,
-                   progress: bool = True) -> History:
+def simulate_mnist(
+    config: SimulationConfig,
+    *,
+    clients: int = 100,
+    partition: str = "iid",
+    model: str = "logreg",
+    data_dir: str = "",
+    split_seed: int = 12345,
+    progress: bool = True,
+) -> History:
     """Simulate ``config`` on MNIST split over ``clients`` clients.
 
     Args:

@@ -25,8 +25,9 @@ __all__ = ["NoiseAhead"]
 class NoiseAhead(NoiseSource):
     """``SeededNoise(seed)``'s draws for a run of ``trace`` on (n, d) values of ``dtype``, drawn ahead."""
 
-    def __init__(self, seed: int, trace: ExecutionTrace, d: int, dtype: np.dtype | type,
-                 max_bytes: int = 512 * 2**20) -> None:
+    def __init__(
+        self, seed: int, trace: ExecutionTrace, d: int, dtype: np.dtype | type, max_bytes: int = 512 * 2**20
+    ) -> None:
         self._base = SeededNoise(seed)
         self.n, self.d, self.dtype = trace.parties, int(d), np.dtype(dtype)
         self.incremental = trace.schedule.is_incremental_pattern
@@ -55,7 +56,9 @@ class NoiseAhead(NoiseSource):
 
     def _produce(self) -> None:
         item = self.dtype.itemsize * self.d
-        if not self._room(self.n * item) or not self._put("star", self._base.star(self.n, self.d, self.dtype)):
+        if not self._room(self.n * item) or not self._put(
+            "star", self._base.star(self.n, self.d, self.dtype)
+        ):
             return
         if not self.incremental:  # general schedules use term(), regenerated on demand
             return
@@ -89,8 +92,14 @@ class NoiseAhead(NoiseSource):
         return self._take("star")
 
     def fresh(self, parties, k, t, d, dtype, out=None):
-        usable = (self.incremental and not self._closed and d == self.d and np.dtype(dtype) == self.dtype
-                  and 0 <= t < len(self._counts) and len(parties) == self._counts[t])
+        usable = (
+            self.incremental
+            and not self._closed
+            and d == self.d
+            and np.dtype(dtype) == self.dtype
+            and 0 <= t < len(self._counts)
+            and len(parties) == self._counts[t]
+        )
         if not usable:
             return self._base.fresh(parties, k, t, d, dtype, out=out)
         draw = self._take(t)

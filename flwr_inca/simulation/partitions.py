@@ -71,8 +71,9 @@ def iid(x: np.ndarray, y: np.ndarray, num_clients: int, seed: int = 12345) -> Pa
     return Partitions(x, y, parts, f"iid ({num_clients} clients)")
 
 
-def dirichlet(x: np.ndarray, y: np.ndarray, num_clients: int, alpha: float, seed: int = 12345,
-              min_size: int = 1) -> Partitions:
+def dirichlet(
+    x: np.ndarray, y: np.ndarray, num_clients: int, alpha: float, seed: int = 12345, min_size: int = 1
+) -> Partitions:
     """Label skew: class k's examples go to the clients in proportions ~ Dirichlet(alpha).
 
     Small alpha gives each client few classes. Draws are repeated (at most 100 times) until every
@@ -95,8 +96,10 @@ def dirichlet(x: np.ndarray, y: np.ndarray, num_clients: int, alpha: float, seed
         out = tuple(np.sort(np.concatenate(p)).astype(np.int64) for p in parts)
         if min(p.size for p in out) >= min_size:
             return Partitions(x, y, out, f"dirichlet(alpha={alpha:g}, {num_clients} clients)")
-    raise ValueError(f"dirichlet: could not give every one of {num_clients} clients {min_size} example(s) "
-                     f"with alpha = {alpha:g}; use fewer clients or a larger alpha")
+    raise ValueError(
+        f"dirichlet: could not give every one of {num_clients} clients {min_size} example(s) "
+        f"with alpha = {alpha:g}; use fewer clients or a larger alpha"
+    )
 
 
 def from_indices(x: np.ndarray, y: np.ndarray, indices: Sequence[Sequence[int]]) -> Partitions:

@@ -38,7 +38,7 @@ from .availability import AlwaysAvailable, AvailabilityTable, MarkovAvailability
 from .backend import WorkPlanner, create_backend
 from .config import SimulationConfig
 from .history import History, RoundRecord
-from .mixers import Mixer, MixContext, RoundPlan, create_mixer
+from .mixers import MixContext, Mixer, RoundPlan, create_mixer
 from .partitions import Partitions
 from .training import LossFn, ParamSpec, evaluate
 
@@ -85,8 +85,11 @@ def _stderr_progress(record: RoundRecord, history: History) -> None:
     total = history.config["rounds"]
     if record.round == 0:
         acc = "n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
-        print(f"[flwr-inca simulate] {history.mixer}; {history.backend}; initial accuracy {acc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[flwr-inca simulate] {history.mixer}; {history.backend}; initial accuracy {acc}",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     if record.failed:
         print(f"round {record.round:>4}/{total}  {record.failed}", file=sys.stderr, flush=True)
@@ -97,10 +100,14 @@ def _stderr_progress(record: RoundRecord, history: History) -> None:
     mu = "-" if not math.isfinite(record.mu) else f"{record.mu:.4g}{mark}"
     bar_len = 20
     done = int(bar_len * record.round / total)
-    print(f"[{'#' * done}{'.' * (bar_len - done)}] round {record.round:>4}/{total}  acc {acc}  eps {eps}  "
-          f"mu {mu}  {record.participants} clients  {record.seconds:.2f} s/round (certify {record.seconds_plan:.2f} "
-          f"| train {record.seconds_train:.2f}, ledger {record.seconds_charge:.2f}, mix {record.seconds_mix:.2f})",
-          file=sys.stderr, flush=True)
+    print(
+        f"[{'#' * done}{'.' * (bar_len - done)}] round {record.round:>4}/{total}  acc {acc}  eps {eps}  "
+        f"mu {mu}  {record.participants} clients  {record.seconds:.2f} s/round "
+        f"(certify {record.seconds_plan:.2f} | train {record.seconds_train:.2f}, "
+        f"ledger {record.seconds_charge:.2f}, mix {record.seconds_mix:.2f})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def simulate(
@@ -139,8 +146,10 @@ def simulate(
     if not isinstance(config, SimulationConfig):
         raise ValueError(f"config must be a SimulationConfig, got {type(config).__name__}")
     if not isinstance(partitions, Partitions):
-        raise ValueError("partitions must be a Partitions (see flwr_inca.simulation.iid / dirichlet / "
-                         f"from_indices), got {type(partitions).__name__}")
+        raise ValueError(
+            "partitions must be a Partitions (see flwr_inca.simulation.iid / dirichlet / "
+            f"from_indices), got {type(partitions).__name__}"
+        )
     if not callable(model_fn):
         raise ValueError("model_fn must be a callable returning a torch nn.Module")
     if test_set is not None and (len(test_set) != 2 or len(test_set[0]) != len(test_set[1])):
@@ -153,15 +162,24 @@ def simulate(
     spec = ParamSpec.of(model)
     params = spec.vector(model)
 
-    plan = privacy_plan(config.privacy_unit, epsilon=config.epsilon, delta=config.delta,
-                        rounds=config.budget_rounds or config.rounds,
-                        clip_norm=config.clip_norm, lr=config.learning_rate, batch_size=config.batch_size,
-                        local_size=float(partitions.sizes().mean()), accountant=config.accountant)
+    plan = privacy_plan(
+        config.privacy_unit,
+        epsilon=config.epsilon,
+        delta=config.delta,
+        rounds=config.budget_rounds or config.rounds,
+        clip_norm=config.clip_norm,
+        lr=config.learning_rate,
+        batch_size=config.batch_size,
+        local_size=float(partitions.sizes().mean()),
+        accountant=config.accountant,
+    )
     mixer = mixer if mixer is not None else create_mixer(config)
     if not isinstance(mixer, Mixer):
         raise ValueError(f"mixer must be a Mixer, got {type(mixer).__name__}")
     if not mixer.private and config.epsilon is not None:
-        raise ValueError(f"mode {mixer.name!r} adds no noise (its epsilon is infinite): run it with epsilon=None")
+        raise ValueError(
+            f"mode {mixer.name!r} adds no noise (its epsilon is infinite): run it with epsilon=None"
+        )
     out_dir = Path(config.output_dir) if config.output_dir else None
     ledger = _open_ledger(config, plan, out_dir) if mixer.private else None
 
@@ -170,22 +188,51 @@ def simulate(
     availability.reset(clients, seeding.stream(config.seed, seeding.AVAILABILITY, 0))
     # the ledger charges mu rounded up to the resolution: calibrate so that the rounded charge fits
     target = None if plan.mu_round is None else plan.mu_round / (1.0 + config.mu_resolution)
-    mixer.prepare(MixContext(plan.value_sensitivity, target, plan.delta,
-                             _expected_participants(config, clients), spec.dimension, config.seed,
-                             config.precision))
-    trainer_kwargs: dict[str, Any] = dict(unit=config.privacy_unit, lr=config.learning_rate,
-                                          clip_norm=config.clip_norm, batch_size=config.batch_size,
-                                          party_clip=plan.party_clip, loss_fn=loss_fn)
-    backend = create_backend(config.backend, model_fn, partitions, trainer_kwargs,
-                             num_actors=config.num_actors, address=config.ray_address)
-    planner = WorkPlanner(partitions, backend.cohorts, unit=config.privacy_unit, sample_rate=plan.sample_rate,
-                          batch_size=config.batch_size, local_steps=config.local_steps,
-                          local_epochs=config.local_epochs, seed=config.seed)
-    history = History(config.to_dict(), plan.to_dict(), mixer.describe(), backend.describe(),
-                      dataset or partitions.name)
+    mixer.prepare(
+        MixContext(
+            plan.value_sensitivity,
+            target,
+            plan.delta,
+            _expected_participants(config, clients),
+            spec.dimension,
+            config.seed,
+            config.precision,
+        )
+    )
+    trainer_kwargs: dict[str, Any] = dict(
+        unit=config.privacy_unit,
+        lr=config.learning_rate,
+        clip_norm=config.clip_norm,
+        batch_size=config.batch_size,
+        party_clip=plan.party_clip,
+        loss_fn=loss_fn,
+    )
+    backend = create_backend(
+        config.backend,
+        model_fn,
+        partitions,
+        trainer_kwargs,
+        num_actors=config.num_actors,
+        address=config.ray_address,
+    )
+    planner = WorkPlanner(
+        partitions,
+        backend.cohorts,
+        unit=config.privacy_unit,
+        sample_rate=plan.sample_rate,
+        batch_size=config.batch_size,
+        local_steps=config.local_steps,
+        local_epochs=config.local_epochs,
+        seed=config.seed,
+    )
+    history = History(
+        config.to_dict(), plan.to_dict(), mixer.describe(), backend.describe(), dataset or partitions.name
+    )
     if ledger is not None and ledger.rounds:
-        history.notes.append(f"resumed ledger {ledger.path}: {ledger.rounds} round(s) already spent, "
-                             f"epsilon = {ledger.epsilon():.4g}")
+        history.notes.append(
+            f"resumed ledger {ledger.path}: {ledger.rounds} round(s) already spent, "
+            f"epsilon = {ledger.epsilon():.4g}"
+        )
     report = _stderr_progress if progress is True else (progress or None)
     dtype = np.float64 if config.precision == "float64" else np.float32
 
@@ -213,12 +260,15 @@ def simulate(
         for rnd in range(1, config.rounds + 1):
             start = time.perf_counter()
             record = RoundRecord(rnd)
-            available = np.flatnonzero(availability.available(
-                rnd, clients, seeding.stream(config.seed, seeding.AVAILABILITY, rnd)))
+            available = np.flatnonzero(
+                availability.available(rnd, clients, seeding.stream(config.seed, seeding.AVAILABILITY, rnd))
+            )
             record.available = int(available.size)
             if available.size < config.min_clients:
-                record.failed = (f"skipped: {available.size} client(s) available (min_clients = "
-                                 f"{config.min_clients}); the model is unchanged, nothing was spent")
+                record.failed = (
+                    f"skipped: {available.size} client(s) available (min_clients = "
+                    f"{config.min_clients}); the model is unchanged, nothing was spent"
+                )
                 record.epsilon = history.records[-1].epsilon
                 record.seconds = time.perf_counter() - start
                 history.records.append(record)
@@ -226,8 +276,11 @@ def simulate(
                     report(record, history)
                 continue
             count = min(available.size, max(config.min_clients, int(config.fraction * available.size)))
-            participants = np.sort(seeding.stream(config.seed, seeding.SAMPLING, rnd).choice(
-                available, size=count, replace=False))
+            participants = np.sort(
+                seeding.stream(config.seed, seeding.SAMPLING, rnd).choice(
+                    available, size=count, replace=False
+                )
+            )
             record.participants = int(count)
 
             # local training starts now on the actors: it releases nothing, so it may run while the
@@ -240,16 +293,20 @@ def simulate(
             record.mu, record.certified = float(round_plan.mu), bool(round_plan.certified)
             record.cost = str(round_plan.info.get("cost", "certified" if round_plan.certified else ""))
             record.finalists = round_plan.info.get("finalists")
-            record.noise = {k: float(v) for k, v in round_plan.info.items()
-                            if k in ("sigma_star", "sigma_delta", "noise_multiplier", "noise_std")}
+            record.noise = {
+                k: float(v)
+                for k, v in round_plan.info.items()
+                if k in ("sigma_star", "sigma_delta", "noise_multiplier", "noise_std")
+            }
 
             # the charge runs beside the wait for training and the mix: the mix's output is released
             # (applied to the model) only once the charge has succeeded; a refused charge discards it
             charge = None
             if ledger is not None:
                 record.charged_mu = charge_resolution(record.mu, config.mu_resolution)
-                charge = charger.submit(_charge, ledger, record.charged_mu, plan.sample_rate,
-                                        f"round {rnd}: {record.cost}")
+                charge = charger.submit(
+                    _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}"
+                )
             else:
                 record.charged_mu, record.epsilon = math.inf, math.inf
             if out_dir is not None and config.save_traces and round_plan.trace is not None:
@@ -272,14 +329,18 @@ def simulate(
                     record.epsilon, record.seconds_charge = charge.result()
                 except BudgetExceededError as exc:
                     mixer.abandon(round_plan)
-                    history.stopped = (f"stopped before round {rnd}: its cost would exceed the budget "
-                                       f"(nothing of it was released or spent). {exc}")
+                    history.stopped = (
+                        f"stopped before round {rnd}: its cost would exceed the budget "
+                        f"(nothing of it was released or spent). {exc}"
+                    )
                     break
             if failure is not None:
                 raise failure
             before = params
             if update.shape != params.shape or not np.all(np.isfinite(update)):
-                record.failed = "the mixer produced no finite update (e.g. every party dropped out); model unchanged"
+                record.failed = (
+                    "the mixer produced no finite update (e.g. every party dropped out); model unchanged"
+                )
             else:
                 params = (params + update).astype(np.float32)
                 record.update_norm = float(np.linalg.norm(update))
@@ -315,7 +376,9 @@ def _open_ledger(config: SimulationConfig, plan: PrivacyPlan, out_dir: Path | No
     ledger = PrivacyLedger(path, delta=plan.delta, max_epsilon=config.epsilon, accountant=plan.accountant)
     ledger.accountant.check_sample_rate(plan.sample_rate)
     if ledger.rounds and config.epsilon is not None and ledger.epsilon() >= config.epsilon:
-        raise ValueError(f"epsilon: the budget is already spent: the ledger {path} records epsilon = "
-                         f"{ledger.epsilon():.4g} >= epsilon = {config.epsilon:g} over {ledger.rounds} round(s); "
-                         "choose another output_dir / ledger_path for a new run")
+        raise ValueError(
+            f"epsilon: the budget is already spent: the ledger {path} records epsilon = "
+            f"{ledger.epsilon():.4g} >= epsilon = {config.epsilon:g} over {ledger.rounds} round(s); "
+            "choose another output_dir / ledger_path for a new run"
+        )
     return ledger

@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["AVAILABILITY", "SAMPLING", "TRAINING", "TRACE", "NOISE", "THREAT", "CALIBRATION", "MODEL",
-           "stream", "seed_of"]
+__all__ = [
+    "AVAILABILITY",
+    "SAMPLING",
+    "TRAINING",
+    "TRACE",
+    "NOISE",
+    "THREAT",
+    "CALIBRATION",
+    "MODEL",
+    "stream",
+    "seed_of",
+]
 
 # purposes (never reorder: they key the streams of recorded simulations)
 AVAILABILITY, SAMPLING, TRAINING, TRACE, NOISE, THREAT, CALIBRATION, MODEL = range(1, 9)

@@ -46,8 +46,10 @@ class ParamSpec:
         names, shapes = [], []
         for name, p in model.named_parameters():
             if not p.is_floating_point():
-                raise ValueError(f"model_fn: parameter {name!r} has dtype {p.dtype}; the simulator trains and "
-                                 "averages floating-point parameters only")
+                raise ValueError(
+                    f"model_fn: parameter {name!r} has dtype {p.dtype}; the simulator trains and "
+                    "averages floating-point parameters only"
+                )
             if p.requires_grad:
                 names.append(name)
                 shapes.append(tuple(p.shape))
@@ -55,8 +57,10 @@ class ParamSpec:
             raise ValueError("model_fn: the model has no trainable parameter")
         for name, b in model.named_buffers():
             if b.is_floating_point() or isinstance(_owner(model, name), nn.modules.batchnorm._BatchNorm):
-                raise ValueError(f"model_fn: buffer {name!r} changes in training (e.g. BatchNorm statistics); "
-                                 "use GroupNorm or LayerNorm (as DP-SGD requires anyway)")
+                raise ValueError(
+                    f"model_fn: buffer {name!r} changes in training (e.g. BatchNorm statistics); "
+                    "use GroupNorm or LayerNorm (as DP-SGD requires anyway)"
+                )
         return cls(tuple(names), tuple(shapes))
 
     @property
@@ -69,14 +73,16 @@ class ParamSpec:
 
     def vector(self, model: nn.Module) -> np.ndarray:
         params = dict(model.named_parameters())
-        return torch.cat([params[n].detach().reshape(-1) for n in self.names]).to(torch.float32).numpy().copy()
+        return (
+            torch.cat([params[n].detach().reshape(-1) for n in self.names]).to(torch.float32).numpy().copy()
+        )
 
     def unflatten(self, vec: torch.Tensor) -> dict[str, torch.Tensor]:
         """``vec`` (..., d) -> {name: (..., *shape)} views."""
         out, offset = {}, 0
         lead = vec.shape[:-1]
         for name, shape, size in zip(self.names, self.shapes, self.sizes):
-            out[name] = vec[..., offset:offset + size].reshape(*lead, *shape)
+            out[name] = vec[..., offset : offset + size].reshape(*lead, *shape)
             offset += size
         return out
 
@@ -117,9 +123,20 @@ class CohortTrainer:
         threads: torch threads (1 in a Ray actor that owns one CPU).
     """
 
-    def __init__(self, model_fn: Callable[[], nn.Module], x: np.ndarray, y: np.ndarray, *, unit: str,
-                 lr: float, clip_norm: float, batch_size: int, party_clip: float,
-                 loss_fn: LossFn | None = None, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        model_fn: Callable[[], nn.Module],
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        unit: str,
+        lr: float,
+        clip_norm: float,
+        batch_size: int,
+        party_clip: float,
+        loss_fn: LossFn | None = None,
+        threads: int | None = None,
+    ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
         self.model = model_fn()
@@ -135,8 +152,13 @@ class CohortTrainer:
 
     def _warm_up(self) -> None:
         """One tiny step, so that torch.func's first-call set-up is not timed as a round."""
-        start = torch.cat([p.detach().reshape(-1) for n, p in self.model.named_parameters()
-                           if n in self.spec.names]).to(torch.float32).numpy()
+        start = (
+            torch.cat(
+                [p.detach().reshape(-1) for n, p in self.model.named_parameters() if n in self.spec.names]
+            )
+            .to(torch.float32)
+            .numpy()
+        )
         if self.unit == "record":
             self.train(start, LocalWork(np.zeros(1, np.int64), np.zeros((1, 1), np.int64)))
         else:
@@ -155,7 +177,9 @@ class CohortTrainer:
 
     def _tensors(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         safe = np.where(rows >= 0, rows, 0)
-        return torch.from_numpy(np.ascontiguousarray(self.x[safe])), torch.from_numpy(np.ascontiguousarray(self.y[safe]))
+        return torch.from_numpy(np.ascontiguousarray(self.x[safe])), torch.from_numpy(
+            np.ascontiguousarray(self.y[safe])
+        )
 
     # ------------------------------------------------------------------ training
     def train(self, global_params: np.ndarray, work: LocalWork) -> np.ndarray:
@@ -183,7 +207,7 @@ class CohortTrainer:
         per_chunk = max(1, CHUNK_BYTES // (4 * d * max(width, 1)))  # clients per chunk
         offsets = np.concatenate([[0], np.cumsum(self.spec.sizes)])
         for lo in range(0, c, per_chunk):
-            block = rows[lo:lo + per_chunk]
+            block = rows[lo : lo + per_chunk]
             valid = block >= 0
             counts = valid.sum(axis=1)
             if counts.sum() == 0:
@@ -191,7 +215,9 @@ class CohortTrainer:
             x, y = self._tensors(block[valid])  # row-major: each client's examples are contiguous
             g = per_example(params, x, y)
             flat = [g[name].reshape(int(counts.sum()), -1) for name in self.spec.names]
-            norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0)
+            norms = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0
+            )
             factor = (self.clip_norm / (norms + 1e-12)).clamp(max=1.0)
             # each client's clipped sum on its own rows: the same arithmetic in any cohort
             ends = np.cumsum(counts)
@@ -210,7 +236,7 @@ class CohortTrainer:
         out = torch.empty(c, d)
         per_chunk = max(1, CHUNK_BYTES // (4 * d * 4))
         for lo in range(0, c, per_chunk):
-            block = rows[lo:lo + per_chunk]
+            block = rows[lo : lo + per_chunk]
             theta = start.expand(block.shape[0], d).clone()
             for s in range(steps):
                 step_rows = block[:, s]
@@ -221,7 +247,7 @@ class CohortTrainer:
                 with torch.enable_grad():
                     g = per_client(self.spec.unflatten(theta), x, y, weight)
                 theta.sub_(self.lr * self.spec.flatten(g, lead=1))
-            out[lo:lo + block.shape[0]] = theta - start
+            out[lo : lo + block.shape[0]] = theta - start
         return out
 
 
@@ -232,8 +258,15 @@ def clip_rows(updates: torch.Tensor, bound: float) -> torch.Tensor:
     return torch.where(norms > bound, updates * (bound / norms), updates)
 
 
-def evaluate(model: nn.Module, spec: ParamSpec, params: np.ndarray, x: np.ndarray, y: np.ndarray,
-             loss_fn: LossFn | None = None, batch: int = 10_000) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module,
+    spec: ParamSpec,
+    params: np.ndarray,
+    x: np.ndarray,
+    y: np.ndarray,
+    loss_fn: LossFn | None = None,
+    batch: int = 10_000,
+) -> tuple[float, float]:
     """(mean loss, accuracy) of the model with flat ``params`` on (x, y); accuracy is NaN for
     non-integer targets."""
     loss_fn = loss_fn or cross_entropy
@@ -244,8 +277,8 @@ def evaluate(model: nn.Module, spec: ParamSpec, params: np.ndarray, x: np.ndarra
     classify = np.issubdtype(np.asarray(y).dtype, np.integer)
     with torch.no_grad():
         for lo in range(0, len(y), batch):
-            xb = torch.from_numpy(np.ascontiguousarray(x[lo:lo + batch]))
-            yb = torch.from_numpy(np.ascontiguousarray(y[lo:lo + batch]))
+            xb = torch.from_numpy(np.ascontiguousarray(x[lo : lo + batch]))
+            yb = torch.from_numpy(np.ascontiguousarray(y[lo : lo + batch]))
             out = functional_call(model, ({**tensors, **others}, buffers), (xb,))
             total_loss += float(loss_fn(out, yb).sum())
             if classify:
