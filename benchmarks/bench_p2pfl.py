@@ -83,6 +83,7 @@ def main() -> None:
     p.add_argument("--data-dir", default=os.environ.get("FLWR_INCA_MNIST_DIR", ""))
     p.add_argument("--ray", action="store_true", help="let p2pfl train in its Ray actor pool")
     p.add_argument("--timeout", type=float, default=420)
+    p.add_argument("--converge-wait", type=float, default=60, help="seconds for the full mesh to form")
     args = p.parse_args()
     _stand_in_torchvision()
     os.chdir(tempfile.mkdtemp(prefix="p2pfl-run-"))  # p2pfl and Lightning write logs to the cwd
@@ -150,7 +151,12 @@ def main() -> None:
     result: dict = {"nodes": args.nodes, "rounds": args.rounds, "ray": args.ray}
     try:
         TopologyFactory.connect_nodes(TopologyFactory.generate_matrix(TopologyType.FULL, len(nodes)), nodes)
-        wait_convergence(nodes, args.nodes - 1, only_direct=False, wait=60)
+        try:
+            wait_convergence(nodes, args.nodes - 1, only_direct=False, wait=args.converge_wait)
+        except AssertionError:
+            seen = [len(n.get_neighbors(only_direct=False)) for n in nodes]
+            raise AssertionError(f"the full mesh did not form in {args.converge_wait:g} s: nodes saw "
+                                 f"{min(seen)}-{max(seen)} of {args.nodes - 1} neighbours") from None
         result["setup_seconds"] = time.perf_counter() - start
         stamps: list[tuple[int, float]] = []
         done = threading.Event()

@@ -416,6 +416,8 @@ def part_p2pfl(args):
             args.data_dir or os.environ.get("FLWR_INCA_MNIST_DIR", ""),
             "--timeout",
             str(args.p2pfl_timeout),
+            "--converge-wait",
+            str(args.converge_wait),
         ] + (["--ray"] if args.p2pfl_ray else [])
         t = time.perf_counter()
         try:
@@ -620,7 +622,7 @@ def part_shard(args):
     x = np.random.default_rng(0).standard_normal((n, d)).astype(np.float32)
     task = ray.remote(num_cpus=1)(_replay_shard)
     trace_ref = ray.put(trace)
-    ray.get([task.remote(trace_ref, x[:4, :8], 0) for _ in range(2)])  # warm the workers
+    ray.get([task.remote(trace_ref, x[:, :8], 0) for _ in range(2)])  # warm the workers
     full_t, shard_t = [], []
     for r in range(args.repeats):
         t = time.perf_counter()
@@ -716,6 +718,7 @@ def main(argv=None):
     p.add_argument("--p2pfl-python", default="/work/venvs/p2pfl-w10/bin/python")
     p.add_argument("--p2pfl-timeout", type=int, default=420)
     p.add_argument("--p2pfl-ray", action="store_true", help="p2pfl trains in its Ray actor pool")
+    p.add_argument("--converge-wait", type=float, default=60, help="p2pfl: seconds for its mesh to form")
     p.add_argument("--fraction", type=float, default=1.0)
     p.add_argument("--local-bound", action="store_true")
     p.add_argument(
