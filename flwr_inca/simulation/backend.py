@@ -134,6 +134,10 @@ class InlineBackend:
     def train(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> np.ndarray:
         return _assemble(participants, works, [self.trainer.train(params, w) for w in works])
 
+    def peak_memory_mb(self) -> float:
+        """Peak memory of the trainers outside this process (none here)."""
+        return 0.0
+
     def close(self) -> None:
         pass
 
@@ -235,6 +239,10 @@ class RayBackend:
 
     def train(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> np.ndarray:
         return self.submit(params, participants, works)()
+
+    def peak_memory_mb(self) -> float:
+        """Sum over the actors of their peak resident memory (MB)."""
+        return float(sum(self.ray.get([a.peak_rss_mb.remote() for a in self._actors])))
 
     def close(self) -> None:
         for actor in self._actors:

@@ -79,6 +79,7 @@ class History:
     stopped: str = ""
     parameters: np.ndarray | None = None
     notes: list[str] = field(default_factory=list)
+    memory: dict[str, float] = field(default_factory=dict)  # peak MB: driver, actors
 
     # ------------------------------------------------------------------ views
     @property
@@ -110,6 +111,7 @@ class History:
             "backend": self.backend,
             "stopped": self.stopped,
             "notes": list(self.notes),
+            "memory": dict(self.memory),
             "config": self.config,
             "plan": {k: _enc(v) for k, v in self.plan.items()},
             "rounds": [r.to_dict() for r in self.records],
@@ -199,6 +201,7 @@ class History:
             data.get("stopped", ""),
             None,
             data.get("notes", []),
+            data.get("memory", {}),
         )
 
 

@@ -19,6 +19,7 @@ succeeded; a refused charge discards it.
 from __future__ import annotations
 
 import math
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -355,6 +356,11 @@ def simulate(
             save()
     finally:
         charger.shutdown(wait=True)
+        try:
+            history.memory = {"driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                              "actors_peak_mb": backend.peak_memory_mb()}
+        except Exception:  # noqa: BLE001  (memory figures are informative only)
+            pass
         backend.close()
         history.parameters = params
         if out_dir is not None:

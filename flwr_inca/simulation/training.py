@@ -15,6 +15,7 @@ with any number of actors.
 from __future__ import annotations
 
 import math
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -163,6 +164,11 @@ class CohortTrainer:
             self.train(start, LocalWork(np.zeros(1, np.int64), np.zeros((1, 1), np.int64)))
         else:
             self.train(start, LocalWork(np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)))
+
+    @staticmethod
+    def peak_rss_mb() -> float:
+        """Peak resident memory of this process (MB), for the history."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     # ------------------------------------------------------------------ functional model
     def _call(self, params: dict[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
