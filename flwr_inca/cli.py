@@ -1,10 +1,9 @@
-"""``flwr-inca`` command line: ``mean`` (demo), ``calibrate``, ``audit`` and ``simulate``. Thin: parse, call,
+"""``flwr-inca`` command line: ``mean`` (demo), ``calibrate``, ``audit``, ``simulate`` and ``reproduce``. Thin: parse, call,
 print."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -13,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import check_int, check_real
+from ._json import dumps
 from .protocol import (
     IncaConfig,
     MarkovDropout,
@@ -63,10 +64,10 @@ def _progress(label: str):
 
 
 def _positive_int(v: str) -> int:
-    i = int(v)
-    if i < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
-    return i
+    try:
+        return check_int("value", int(v))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}") from None
 
 
 def _table(rows: list[list[Any]], header: list[str]) -> str:
@@ -115,7 +116,7 @@ def cmd_mean(args: argparse.Namespace) -> int:
         "certified_epsilon": cert.epsilon, "threat": view.describe(),
     }
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(dumps(out, indent=1))
         return 0
     print(f"IncA mean of {n} parties, {d}-dim values clipped to L2 norm {C}, {args.iterations} iterations, "
           f"k = {args.neighbors}, dropout: {args.dropout!r}")
@@ -147,8 +148,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ))
     central = (args.value_sensitivity / (args.parties * results[-1].mu_target)) ** 2 if results else math.nan
     if args.json:
-        print(json.dumps({"calibrations": [r.to_dict() for r in results],
-                          "mse_central_dp": central}, indent=1))
+        print(dumps({"calibrations": [r.to_dict() for r in results], "mse_central_dp": central}, indent=1))
         return 0
     print(f"target ({args.epsilon:g}, {args.delta:g})-DP, n = {args.parties}, T = {args.iterations}, "
           f"k = {args.neighbors}, {results[0].threat if results else ''}, dropout: {args.dropout!r}, "
@@ -198,10 +198,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         cert = certify(trace, random_collusion(trace, args.collusion, args.seed), **kw)
     if args.json:
-        print(json.dumps({
-            "mu": {str(i): (m if math.isfinite(m) else "inf") for i, m in sorted(cert.mu.items())},
-            "max_mu": cert.max_mu if math.isfinite(cert.max_mu) else "inf",
-            "epsilon": cert.epsilon if math.isfinite(cert.epsilon) else "inf",
+        print(dumps({
+            "mu": {str(i): m for i, m in sorted(cert.mu.items())},
+            "max_mu": cert.max_mu,
+            "epsilon": cert.epsilon,
             "delta": args.delta,
             "threat": cert.view.threat,
             "corrupted": [int(c) for c in cert.view.corrupted],
@@ -285,6 +285,40 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"results in {out}/ (history.json, history.csv, ledger.json, accuracy_epsilon.png"
           f"{', traces/' if args.save_traces else ''})")
     return 0
+
+
+# ---------------------------------------------------------------------------------------- reproduce
+def _non_negative_int(v: str) -> int:
+    i = int(v)
+    if i < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
+    return i
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from .reproduce import reproduce
+
+    try:
+        reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress)
+    except OSError as exc:  # e.g. the disk filled up while writing a figure
+        print(f"error: --out {args.out}: cannot write the results: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
+    from .reproduce import DEFAULT_RUNS
+
+    r = sub.add_parser("reproduce", help="re-measure the paper's figures: CSV, PNG and a table per figure")
+    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"], help="which figure (all: every one, in order)")
+    r.add_argument("--runs", type=_positive_int, default=None,
+                   help="simulated runs per point (default per figure: "
+                        + ", ".join(f"{k} {v}" for k, v in DEFAULT_RUNS.items())
+                        + "; the paper: 1000, Fig. 2 1e5, Fig. 5 100)")
+    r.add_argument("--out", default="outputs/reproduce", help="directory for the CSV, PNG and text files")
+    r.add_argument("--seed", type=_non_negative_int, default=0)
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.set_defaults(func=cmd_reproduce)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -385,20 +419,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--save-traces", action="store_true", help="also write each round's execution trace")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
     s.set_defaults(func=cmd_simulate)
+    add_reproduce_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    eps = getattr(args, "epsilon", None)
-    if eps is not None and not (math.isfinite(eps) and eps > 0):
-        print(f"error: --epsilon must be a finite number > 0, got {eps}", file=sys.stderr)
-        return 2
-    delta = getattr(args, "delta", None)
-    if delta is not None and not (0 < delta < 1):
-        print(f"error: --delta must be in (0, 1), got {delta}", file=sys.stderr)
-        return 2
     try:
+        if getattr(args, "epsilon", None) is not None:
+            check_real("--epsilon", args.epsilon, 0.0, low_open=True)
+        if getattr(args, "delta", None) is not None:
+            check_real("--delta", args.delta, 0.0, 1.0, low_open=True, high_open=True)
         return int(args.func(args))
     except (ValueError, ConnectionError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

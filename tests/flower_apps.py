@@ -1,19 +1,19 @@
-"""ClientApp and helpers for the end-to-end tests (importable by Ray workers)."""
+"""ClientApps and helpers for the end-to-end tests (importable by Ray workers)."""
 
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from flwr_inca.flower import IncaClient
+from flwr_inca.flower.shared import INCA_KEY, MIX_ACTION
 from flwr_inca.flower.wire import FIELD, peek_request
 
 FIXED_SEED = 11
-SLEEP = 4.0  # seconds a "timed out" node stays silent (> the strategy's exchange_timeout)
+FAULTS_ENV = "INCA_TEST_FAULTS"  # "party:round:commit;..." mixing exchanges at which a node raises
 
 
 def local_update(arrays: list[np.ndarray], pid: int, rnd: int) -> list[np.ndarray]:
@@ -23,20 +23,23 @@ def local_update(arrays: list[np.ndarray], pid: int, rnd: int) -> list[np.ndarra
 
 
 def faults(msg: Message, context: Context, call_next):
-    """Client mod injecting failures listed in INCA_TEST_FAULTS="pid:round:commit:kind;...".
-
-    kind = error (raise) or timeout (sleep past the exchange timeout) during a mixing exchange.
-    """
-    if msg.metadata.message_type == "train.inca_mix":
-        rnd, commit, _ = peek_request(msg.content.config_records["inca"][FIELD])
-        key = (int(context.node_config["partition-id"]), rnd, commit)
-        for item in filter(None, os.environ.get("INCA_TEST_FAULTS", "").split(";")):
-            pid, rnd, commit, kind = item.split(":")
-            if (int(pid), int(rnd), int(commit)) == key:
-                if kind == "error":
-                    raise RuntimeError(f"injected failure at {key}")
-                time.sleep(SLEEP)
+    """App-level mod: the node raises in the mixing exchanges listed in ``INCA_TEST_FAULTS``, by the
+    party index the request is addressed to (the node's position in the round's roster)."""
+    if msg.metadata.message_type == f"train.{MIX_ACTION}":
+        key = peek_request(msg.content.config_records[INCA_KEY][FIELD])
+        for item in filter(None, os.environ.get(FAULTS_ENV, "").split(";")):
+            party, rnd, commit = (int(v) for v in item.split(":"))
+            if (rnd, commit, party) == key:
+                raise RuntimeError(f"injected failure at party {party}, round {rnd}, commit {commit}")
     return call_next(msg, context)
+
+
+def tag(msg: Message, context: Context, call_next):
+    """Function-level mod of the train function: marks its reply (forwarded metrics show it ran)."""
+    reply = call_next(msg, context)
+    for rec in reply.content.metric_records.values():
+        rec["tagged"] = 1
+    return reply
 
 
 client = ClientApp(mods=[faults])
@@ -48,7 +51,7 @@ secure_inca = IncaClient(secure_client)
 
 
 @secure_inca.train()
-@inca.train()
+@inca.train(mods=[tag])
 def train(msg: Message, context: Context) -> Message:
     pid = int(context.node_config["partition-id"])
     rnd = int(msg.content["config"]["server-round"])

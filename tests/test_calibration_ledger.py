@@ -138,8 +138,8 @@ def test_impossible_target_is_reported_and_local_dp_level_is_flagged():
 
 
 # ------------------------------------------------------------------------------ accountants
-def test_gdp_composition_is_root_sum_of_squares():
-    acc = create_accountant("gdp")
+def test_exact_composition_is_root_sum_of_squares():
+    acc = create_accountant("exact")
     mus = [0.3, 0.4, 1.2]
     assert acc.epsilon([RoundCost(m) for m in mus], 1e-5) == pytest.approx(
         epsilon_for_delta(math.sqrt(sum(m * m for m in mus)), 1e-5))
@@ -149,9 +149,9 @@ def test_gdp_composition_is_root_sum_of_squares():
 
 def test_opacus_accountants_bound_the_exact_value_without_subsampling():
     rounds = [RoundCost(0.5)] * 4 + [RoundCost(0.25)] * 2
-    exact = create_accountant("gdp").epsilon(rounds, 1e-5)
-    rdp = create_accountant("rdp").epsilon(rounds, 1e-5)
-    prv = create_accountant("prv").epsilon(rounds, 1e-5)
+    exact = create_accountant("exact").epsilon(rounds, 1e-5)
+    rdp = create_accountant("opacus-rdp").epsilon(rounds, 1e-5)
+    prv = create_accountant("opacus-prv").epsilon(rounds, 1e-5)
     assert exact <= prv <= exact + 0.011
     assert exact <= rdp <= 1.2 * exact
 
@@ -160,20 +160,20 @@ def test_opacus_accountants_with_subsampling_match_opacus_directly():
     from opacus.accountants import RDPAccountant
 
     rounds = [RoundCost(2.0, 0.05)] * 30
-    ours = create_accountant("rdp").epsilon(rounds, 1e-5)
+    ours = create_accountant("opacus-rdp").epsilon(rounds, 1e-5)
     theirs = RDPAccountant()
     theirs.history = [(0.5, 0.05, 30)]
     assert ours <= theirs.get_epsilon(1e-5) + 1e-9  # more orders can only tighten the bound
     assert ours == pytest.approx(theirs.get_epsilon(1e-5), rel=0.05)
-    prv = create_accountant("prv").epsilon(rounds, 1e-5)
+    prv = create_accountant("opacus-prv").epsilon(rounds, 1e-5)
     assert prv < ours  # PRV is tighter than RDP
     # subsampling amplifies privacy
-    assert prv < create_accountant("gdp").epsilon([RoundCost(2.0)] * 30, 1e-5)
+    assert prv < create_accountant("exact").epsilon([RoundCost(2.0)] * 30, 1e-5)
 
 
 def test_rdp_extended_orders_avoid_the_opacus_floor():
     tiny = [RoundCost(0.001)]
-    assert create_accountant("rdp").epsilon(tiny, 1e-5) < 0.02  # Opacus's default orders floor at ~0.1
+    assert create_accountant("opacus-rdp").epsilon(tiny, 1e-5) < 0.02  # Opacus's default orders floor at ~0.1
 
 
 # ------------------------------------------------------------------------------ ledger
@@ -223,7 +223,7 @@ def test_ledger_rejects_mismatched_or_broken_files(tmp_path):
     with pytest.raises(ValueError, match="delta"):
         PrivacyLedger(path, delta=1e-6)
     with pytest.raises(ValueError, match="accountant"):
-        PrivacyLedger(path, delta=1e-5, accountant="rdp")
+        PrivacyLedger(path, delta=1e-5, accountant="opacus-rdp")
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         PrivacyLedger(path, delta=1e-5)
@@ -238,11 +238,12 @@ def test_ledger_rejects_mismatched_or_broken_files(tmp_path):
 
 
 def test_ledger_with_subsampled_rounds(tmp_path):
-    led = PrivacyLedger(tmp_path / "l.json", delta=1e-5, accountant="prv", max_epsilon=5.0)
+    led = PrivacyLedger(tmp_path / "l.json", delta=1e-5, accountant="opacus-prv", max_epsilon=5.0)
     for _ in range(5):
         led.spend(1.0, sample_rate=0.02)
     assert 0 < led.epsilon() < epsilon_for_delta(math.sqrt(5), 1e-5)
-    assert PrivacyLedger(tmp_path / "l.json", delta=1e-5, accountant="prv").epsilon() == pytest.approx(led.epsilon())
+    again = PrivacyLedger(tmp_path / "l.json", delta=1e-5, accountant="opacus-prv")
+    assert again.epsilon() == pytest.approx(led.epsilon())
 
 
 def test_min_alpha_above_the_grid_is_used():

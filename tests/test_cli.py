@@ -1,3 +1,4 @@
+import argparse
 import json
 import math
 
@@ -83,6 +84,31 @@ def test_mean_demo(capsys):
 def test_parse_dropout():
     assert parse_dropout("permanent:0.2").gamma == 0.2
     assert parse_dropout("markov:0.1,0.4").correlation == 0.4
-    for bad in ["sometimes", "permanent:2", "temporary"]:
-        with pytest.raises(Exception):
+    assert parse_dropout("temporary:0.3").p == 0.3 and type(parse_dropout("none")).__name__ == "NoDropout"
+    for bad, match in [("sometimes", "dropout must be none, permanent"),
+                       ("temporary", "dropout must be none, permanent"),
+                       ("permanent:x", "bad dropout spec 'permanent:x'"),
+                       ("permanent:2", r"must be in \[0, 1\), got 2.0")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=match):
             parse_dropout(bad)
+
+
+def test_bad_numbers_are_named_on_the_command_line(capsys):
+    assert main(["mean", "-n", "20", "--epsilon", "-1"]) == 2
+    assert "--epsilon must be a finite number > 0, got -1.0" in capsys.readouterr().err
+    assert main(["calibrate", "--delta", "1"]) == 2
+    assert "--delta must be in (0, 1), got 1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["mean", "-n", "0"])
+    assert "must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_audit_json_writes_an_unbounded_party_as_inf(tmp_path, capsys):
+    # a party whose every message the adversary sees has no guarantee: mu = inf, written "inf"
+    result = run_inca(np.random.default_rng(0).random((4, 1)),
+                      IncaConfig(iterations=2, sigma_star=0.0, sigma_delta=1.0), seed=0)
+    path = tmp_path / "t.json"
+    result.trace.save(path)
+    assert main(["audit", str(path), "--corrupted", "0,1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # standard JSON: no Infinity
+    assert out["max_mu"] == "inf" and out["epsilon"] == "inf" and "inf" in out["mu"].values()

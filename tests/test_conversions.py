@@ -89,3 +89,76 @@ def test_bad_mu_and_epsilon_rejected():
         mu_for_epsilon(0.0, 1e-5)
     assert epsilon_for_delta(0.0, 1e-5) == 0.0
     assert epsilon_for_delta(math.inf, 1e-5) == math.inf
+
+
+# ------------------------------------------------------------------------------ bisection on the safe side
+def _hockey_stick_delta(mu, eps, points=400_001):
+    """delta(eps) of N(mu, 1) vs N(0, 1) by brute force: the hockey-stick divergence
+    integral of max(0, p(x) - e^eps q(x)) dx on a fine grid (trapezoid rule)."""
+    x = np.linspace(-12.0, mu + 12.0, points)
+    integrand = np.maximum(0.0, norm.pdf(x, loc=mu) - math.exp(eps) * norm.pdf(x))
+    return float(np.sum(integrand[1:] + integrand[:-1]) * (x[1] - x[0]) / 2)
+
+
+@pytest.mark.parametrize("mu, delta", [(0.3, 1e-3), (1.0, 1e-5), (2.0, 1e-4), (4.0, 1e-6)])
+def test_epsilon_for_delta_against_the_hockey_stick_integral(mu, delta):
+    eps = epsilon_for_delta(mu, delta)
+    # valid and tight, up to the integral's own accuracy (about 1e-9 relative here)
+    assert _hockey_stick_delta(mu, eps) <= delta * (1 + 1e-6)
+    assert _hockey_stick_delta(mu, eps * (1 - 1e-4)) > delta
+    assert mu_for_epsilon(eps, delta) == pytest.approx(mu, rel=1e-9)
+
+
+@pytest.mark.parametrize("mu", [1e-6, 1e-4, 0.01, 0.5, 3.0, 50.0, 1000.0])
+@pytest.mark.parametrize("delta", [0.5, 1e-5, 1e-12, 1e-100])
+def test_the_returned_float_itself_is_on_the_safe_side(mu, delta):
+    from flwr_inca.privacy.conversions import log_delta_for_epsilon
+
+    eps = epsilon_for_delta(mu, delta)
+    assert log_delta_for_epsilon(mu, eps) <= math.log(delta)
+    if eps > 0:  # and tight: a relative 1e-9 less is not valid any more (delta(eps) is only computed
+        # to about 1e-11 relative where it is flat, so no method can promise more)
+        assert log_delta_for_epsilon(mu, eps * (1 - 1e-9)) > math.log(delta)
+        mu_back = mu_for_epsilon(eps, delta)
+        assert log_delta_for_epsilon(mu_back, eps) <= math.log(delta)
+        assert log_delta_for_epsilon(mu_back * (1 + 1e-9), eps) > math.log(delta)
+
+
+def test_conversions_are_monotone():
+    mus = np.geomspace(1e-5, 200.0, 60)
+    for delta in (1e-3, 1e-7):
+        eps = [epsilon_for_delta(m, delta) for m in mus]
+        assert all(a < b or a == b == 0.0 for a, b in zip(eps, eps[1:]))  # 0 while delta(0) <= delta
+        assert eps[-1] > 0
+    deltas = np.geomspace(1e-14, 0.2, 40)
+    eps = [epsilon_for_delta(1.0, d) for d in deltas]
+    assert all(a > b for a, b in zip(eps, eps[1:]))
+    epsilons = np.geomspace(1e-3, 100.0, 50)
+    mus_back = [mu_for_epsilon(e, 1e-5) for e in epsilons]
+    assert all(a < b for a, b in zip(mus_back, mus_back[1:]))
+    assert mu_for_epsilon(1.0, 1e-3) > mu_for_epsilon(1.0, 1e-6)
+
+
+@pytest.mark.parametrize("mu, delta", [(1e-4, 1e-5), (1e-6, 1e-12), (500.0, 1e-10)])
+def test_conversions_need_few_evaluations_whatever_the_case(mu, delta, monkeypatch):
+    # the speed of a bisection, independent of the machine: at most about a hundred evaluations of
+    # delta(epsilon), where stepping one float at a time to the safe side once took 1.33 million
+    from flwr_inca.privacy import conversions
+
+    calls = []
+    original = conversions._log_delta
+    monkeypatch.setattr(conversions, "_log_delta", lambda m, e: (calls.append(1), original(m, e))[1])
+    eps = conversions.epsilon_for_delta(mu, delta)
+    assert len(calls) <= 120, len(calls)
+    calls.clear()
+    conversions.mu_for_epsilon(eps, delta)
+    assert len(calls) <= 120, len(calls)
+
+
+@pytest.mark.slow
+def test_conversions_agree_with_dp_accounting_on_a_dense_grid():
+    dpa = pytest.importorskip("dp_accounting")
+    for mu in np.geomspace(0.02, 30.0, 80):
+        for delta in (1e-3, 1e-6, 1e-9):
+            theirs = dpa.get_epsilon_gaussian(1 / mu, delta)
+            assert epsilon_for_delta(mu, delta) == pytest.approx(theirs, rel=1e-7)

@@ -20,8 +20,7 @@ from flwr_inca import (
     run_inca,
 )
 from flwr_inca.protocol import ExplicitNoise, PushSumGossip, sample_trace
-from flwr_inca.protocol.engine import _as_values, _execute
-from flwr_inca.protocol.dissemination import ExactDissemination
+from flwr_inca.protocol.topology import RandomNeighbors, Topology
 
 CUSTOM = InjectionSchedule.custom(
     [0.1, 0.2, 0.3, 0.4],
@@ -173,6 +172,32 @@ def _random_case(rng, schedule):
     return n, T, d, k, dropout
 
 
+class RecordingTopology(Topology):
+    """Random k-out neighbours that keep a copy of every iteration's attempted messages."""
+
+    def __init__(self, k):
+        self.inner, self.attempted = RandomNeighbors(k), []
+
+    def check(self, n, iterations=None):
+        self.inner.check(n, iterations)
+
+    def iterate(self, n, iterations, rng):
+        for messages in self.inner.iterate(n, iterations, rng):
+            self.attempted.append(messages)
+            yield messages
+
+
+def _attempted_matrices(topology, n):
+    """The dense attempted W_t (before dropouts) of the messages a run's topology produced."""
+    mats = []
+    for msgs in topology.attempted:
+        W = np.zeros((n, n))
+        W[msgs.receivers, msgs.senders] = msgs.weights
+        W[np.arange(n), np.arange(n)] = 1 - W.sum(axis=0)
+        mats.append(W)
+    return mats
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=["inc", "early", "custom"])
 def test_engine_agrees_with_loop_over_parties_reference(schedule, rng):
     for trial in range(25):
@@ -180,15 +205,15 @@ def test_engine_agrees_with_loop_over_parties_reference(schedule, rng):
         x = rng.random((n, d))
         eta_star = rng.standard_normal((n, d))
         eta = rng.standard_normal((n, T, d))
+        topology = RecordingTopology(k)
         config = IncaConfig(iterations=T, neighbors=k, sigma_star=0.7, sigma_delta=3.0, schedule=schedule,
-                            dropout=dropout)
+                            topology=topology, dropout=dropout)
         result = run_inca(x, config, seed=trial, noise=ExplicitNoise(eta_star, eta))
         trace = result.trace
         sched = trace.schedule
         # the reference applies Algorithm 2 to the *attempted* W_t and the online sets itself
-        attempted = _attempted_matrices(n, T, k, trial)
-        y_ref, omega_ref = algorithm2(x, sched.c, sched.Z, attempted, trace.online_mask(), 0.7, 3.0,
-                                      eta_star, eta)
+        y_ref, omega_ref = algorithm2(x, sched.c, sched.Z, _attempted_matrices(topology, n),
+                                      trace.online_mask(), 0.7, 3.0, eta_star, eta)
         assert np.allclose(result.final_messages, y_ref, atol=1e-10, rtol=1e-10), f"trial {trial}"
         assert np.allclose(result.weights, omega_ref, atol=1e-12)
         finals = trace.steps[-1].online
@@ -197,32 +222,36 @@ def test_engine_agrees_with_loop_over_parties_reference(schedule, rng):
             assert np.allclose(result.estimate, est, atol=1e-10)
 
 
-def _attempted_matrices(n, T, k, seed):
-    """Re-derive the attempted W_t of run_inca's random topology from the same topology stream."""
-    from flwr_inca.protocol.noise import _TAG_TOPOLOGY, stream
-    from flwr_inca.protocol.topology import RandomNeighbors
+@pytest.mark.parametrize("kernel", ["scipy-private", "public-fallback"])
+def test_fast_incremental_path_agrees_with_the_reference(kernel, rng, monkeypatch):
+    # D_Inc with everybody online takes the fast path at every iteration; it adds W y into the next
+    # messages with SciPy's private kernel when available, else with the public W @ y
+    from flwr_inca.protocol import engine
 
-    rng = stream(seed, _TAG_TOPOLOGY)
-    rng.integers(2**63)  # the engine draws a seed for named static graphs first
-    mats = []
-    for msgs in RandomNeighbors(k).iterate(n, T, rng):
-        W = np.zeros((n, n))
-        W[msgs.receivers, msgs.senders] = msgs.weights
-        W[np.arange(n), np.arange(n)] = 1 - W.sum(axis=0)
-        mats.append(W)
-    return mats
-
-
-def test_fast_path_agrees_with_general_path(rng):
-    n, T, d = 12, 5, 3
+    if kernel == "public-fallback":
+        monkeypatch.setattr(engine, "_csr_matvecs", None)
+    else:
+        assert engine._csr_matvecs is not None  # this SciPy has the kernel (and it passed its self-check)
+    fast_steps = []
+    original = engine._Mixing._fast_incremental_step
+    monkeypatch.setattr(engine._Mixing, "_fast_incremental_step",
+                        lambda self, t, W: (fast_steps.append(t), original(self, t, W)))
+    n, T, d, k = 12, 5, 3, 2
     x = rng.random((n, d))
-    noise = ExplicitNoise(rng.standard_normal((n, d)), rng.standard_normal((n, T, d)))
-    for dropout in [None, TemporaryDropout(0.3), PermanentDropout(0.3)]:
-        trace = sample_trace(n, IncaConfig(iterations=T, sigma_star=0.4, sigma_delta=2.0, dropout=dropout), seed=2)
-        values, _ = _as_values(x)
-        fast = _execute(values, False, trace, noise, 0, ExactDissemination(), None)
-        general = _execute(values, False, trace, noise, 0, ExactDissemination(), None, force_general=True)
-        assert np.allclose(fast.final_messages, general.final_messages, atol=1e-12)
+    eta_star, eta = rng.standard_normal((n, d)), rng.standard_normal((n, T, d))
+    for dtype in (np.float64, np.float32):
+        fast_steps.clear()
+        topology = RecordingTopology(k)
+        config = IncaConfig(iterations=T, neighbors=k, sigma_star=0.4, sigma_delta=2.0, topology=topology)
+        result = run_inca(x.astype(dtype), config, seed=2, noise=ExplicitNoise(eta_star, eta))
+        assert fast_steps == list(range(1, T + 1))
+        sched = result.trace.schedule
+        y_ref, omega_ref = algorithm2(x, sched.c, sched.Z, _attempted_matrices(topology, n),
+                                      result.trace.online_mask(), 0.4, 2.0, eta_star, eta)
+        tol = 1e-10 if dtype == np.float64 else 1e-4
+        assert result.final_messages.dtype == dtype
+        assert np.allclose(result.final_messages, y_ref, atol=tol, rtol=tol)
+        assert np.allclose(result.weights, omega_ref, atol=1e-12)
 
 
 def test_explicit_edge_schedule_and_static_topology(rng):

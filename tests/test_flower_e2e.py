@@ -1,5 +1,13 @@
-"""End-to-end: IncaStrategy and IncaClient through Flower's simulation engine (Ray backend)."""
+"""End-to-end: IncaStrategy and IncaClient through Flower's simulation engine (Ray backend).
 
+Two simulations, each a module fixture: ``faulty_run`` (3 rounds with injected errors, lost replies,
+a lost final and a tampered payload) and ``scenarios`` (one ServerApp running several strategies in a
+row: a restart, a round with too few finals, budget exhaustion and a resumed ledger, FedAvg's
+``fraction_train = 0``). Every fault is injected at a fixed (party, round, exchange), so the
+outcome does not depend on timing: a node that "times out" is one whose request the grid drops.
+"""
+
+import logging
 import os
 
 import numpy as np
@@ -8,28 +16,40 @@ import pytest
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
+import flower_apps  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
+from flwr.serverapp.exception import PrivacyBudgetExhausted  # noqa: E402
+from noise_reference import brute_noise_std  # noqa: E402
 
-import flower_apps  # noqa: E402
 from flwr_inca import replay  # noqa: E402
-from flwr_inca.flower import IncaStrategy  # noqa: E402
-from flwr_inca.flower.client import clip, flatten_arrays  # noqa: E402
+from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy  # noqa: E402
 from flwr_inca.flower.node import RoundSecrets  # noqa: E402
+from flwr_inca.flower.shared import INCA_KEY, clip, flatten_arrays  # noqa: E402
+from flwr_inca.flower.wire import FIELD, peek_request  # noqa: E402
+from flwr_inca.privacy import RoundCost  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise  # noqa: E402
 
 pytestmark = pytest.mark.flower
 
 NODES, ROUNDS, T = 10, 3, 5
 INITIAL = [np.zeros((3, 4), dtype=np.float32), np.zeros(5, dtype=np.float32)]
+# (party, round, commit) of the mixing exchanges in which a node raises (an error reply) ...
+ERRORS = [(1, 1, 2), (6, 1, 4), (3, 3, 3)]
+LOST_FINAL = (8, 3)  # ... in every final exchange (T + 1 and both retries) of a round: its final is lost
+# ... or whose request the grid drops (the node never answers: a timeout, without waiting for one)
+DROPS = [(2, 1, 3), (4, 3, 5)]
+TAMPER = (2, 2)  # round, iteration: one bit of the first payload of that iteration is flipped
 
 
 class RecordingGrid:
-    """Passes everything through and keeps a copy of all the ServerApp sees and sends."""
+    """Passes everything through, keeps a copy of all the ServerApp sees and sends, and drops the
+    mixing requests ``drop(round, commit, party)`` selects."""
 
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
+    def __init__(self, grid: Grid, drop=None) -> None:
+        self.grid, self.drop = grid, drop
         self.seen: list[bytes] = []
+        self.pushed = 0
 
     def __getattr__(self, name):
         return getattr(self.grid, name)
@@ -45,10 +65,29 @@ class RecordingGrid:
                 for arr in rec.values():
                     self.seen.append(arr.numpy().tobytes())
 
+    def _dropped(self, msg) -> bool:
+        record = msg.content.config_records.get(INCA_KEY)
+        return (self.drop is not None and record is not None and FIELD in record
+                and self.drop(*peek_request(record[FIELD])))
+
+    def push_messages(self, messages):
+        messages = [m for m in messages if not self._dropped(m)]
+        for m in messages:
+            self._keep(m)
+        self.pushed += len(messages)
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        replies = list(self.grid.pull_messages(message_ids))
+        for r in replies:
+            self._keep(r)
+        return replies
+
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
         for m in messages:
             self._keep(m)
+        self.pushed += len(messages)
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         for r in replies:
             self._keep(r)
@@ -56,48 +95,53 @@ class RecordingGrid:
 
 
 class TamperingStrategy(IncaStrategy):
-    """Flips one bit in the first payload of the exchange that commits to iteration 3 of round 2."""
+    """Flips one bit of the first payload the relay forwards for iteration ``TAMPER[1]`` of round
+    ``TAMPER[0]`` (to its receiver, in the exchange that computes that iteration)."""
 
-    tampered = 0
+    tampered: list[tuple[int, int]] = []
 
-    def relay_payload(self, sender, receiver, iteration, payload):
-        if self._current_round == 2 and iteration == 2 and not self.tampered:
-            TamperingStrategy.tampered += 1
+    def relay_payload(self, server_round, sender, receiver, iteration, payload):
+        if (server_round, iteration) == TAMPER and not self.tampered:
+            self.tampered.append((sender, receiver))
             return payload[:-1] + bytes([payload[-1] ^ 1])
         return payload
 
-    def _train_round(self, server_round, *args, **kwargs):
-        self._current_round = server_round
-        return super()._train_round(server_round, *args, **kwargs)
+
+class LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
-def _simulate(server_app, nodes=NODES, client_app=None):
+def _simulate(server_app, client_app, nodes=NODES):
     from flwr.simulation import run_simulation
 
-    run_simulation(server_app=server_app, client_app=client_app or flower_apps.client, num_supernodes=nodes,
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
                    backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
 
 
 @pytest.fixture(scope="module")
 def faulty_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    rng = np.random.default_rng(5)
-    faults = []
-    for kind in ["error"] * 4 + ["timeout"] * 2:  # failures at random nodes, rounds and iterations
-        faults.append(f"{rng.integers(NODES)}:{rng.integers(1, ROUNDS + 1)}:{rng.integers(1, T + 2)}:{kind}")
-    os.environ["INCA_TEST_FAULTS"] = ";".join(faults)
+    client_faults = ERRORS + [(LOST_FINAL[0], LOST_FINAL[1], T + 1)]
+    os.environ[flower_apps.FAULTS_ENV] = ";".join(f"{p}:{r}:{c}" for p, r, c in client_faults)
     out: dict = {}
     app = ServerApp()
+    log = LogLines()
+    logging.getLogger("flwr").addHandler(log)
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        recording = RecordingGrid(grid)
-        strategy = TamperingStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, clip_norm=1.0, precision="float64",
-                                     exchange_timeout=2.5, ledger_path=tmp / "ledger.json",
+        recording = RecordingGrid(grid, drop=lambda rnd, commit, party: (party, rnd, commit) in DROPS)
+        strategy = TamperingStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, clip_norm=1.0,
+                                     precision="float64", exchange_timeout=120,
+                                     ledger_path=tmp / "ledger.json",
                                      max_noise_inflation=float("inf"),  # keep rounds with lost finals
                                      trace_dir=tmp / "traces", forward_client_metrics=True, seed=3,
-                                     fraction_evaluate=0.5, min_available_nodes=NODES,
-                                     min_train_nodes=NODES)
+                                     fraction_evaluate=0.5, min_available_nodes=NODES, min_train_nodes=NODES)
         globals_ = {}
 
         def evaluate_fn(rnd, arrays):
@@ -109,49 +153,85 @@ def faulty_run(tmp_path_factory):
         out.update(strategy=strategy, result=result, globals=globals_, seen=recording.seen)
 
     try:
-        _simulate(app)
+        _simulate(app, flower_apps.client)
     finally:
-        os.environ.pop("INCA_TEST_FAULTS", None)
-    out["faults"] = faults
-    out["tmp"] = tmp
+        os.environ.pop(flower_apps.FAULTS_ENV, None)
+        logging.getLogger("flwr").removeHandler(log)
+    assert "strategy" in out, "the ServerApp failed: see the log above"
+    out.update(tmp=tmp, log=log.lines)
     return out
 
 
 def test_training_completes_with_failures(faulty_run):
     result, strategy = faulty_run["result"], faulty_run["strategy"]
-    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
-    for rnd, metrics in result.train_metrics_clientapp.items():
-        assert metrics["inca-round-failed"] == 0
-        assert metrics["inca-parties"] == NODES and metrics["inca-finalists"] >= 8
-        assert metrics["inca-epsilon"] > 0
-    errors = sum(m["inca-errors"] for m in result.train_metrics_clientapp.values())
-    timeouts = sum(m["inca-timeouts"] for m in result.train_metrics_clientapp.values())
-    assert errors >= 1 and timeouts >= 1, faulty_run["faults"]
-    eps = [result.train_metrics_clientapp[r]["inca-epsilon"] for r in (1, 2, 3)]
+    server = strategy.train_metrics_serverapp
+    assert sorted(server) == sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    for rnd, metrics in server.items():
+        assert metrics["inca-round-failed"] == 0 and metrics["inca-parties"] == NODES
+        online_T = set(strategy.rounds[rnd].trace.steps[-1].online.tolist())
+        lost = {LOST_FINAL[0]} if rnd == LOST_FINAL[1] else set()
+        assert strategy.rounds[rnd].finalists == sorted(online_T - lost)
+        assert metrics["inca-finalists"] == len(online_T - lost) >= NODES - 2
+        assert metrics["inca-epsilon"] > 0 and metrics["inca-malformed-replies"] == 0
+        assert metrics["inca-invalid-replies"] == 0
+        # every injected fault was counted, and nothing else failed
+        errors = sum(r == rnd for _, r, _ in ERRORS) + (3 if rnd == LOST_FINAL[1] else 0)
+        assert metrics["inca-errors"] == errors
+        assert metrics["inca-timeouts"] == sum(r == rnd for _, r, _ in DROPS)
+        # the noise of the update, against a brute-force replay of the round's trace
+        record = strategy.rounds[rnd]
+        brute = brute_noise_std(record.trace, record.finalists)
+        assert metrics["inca-noise-std"] == pytest.approx(brute, rel=1e-9)
+        assert record.client_metrics and all(m["tagged"] == 1 for m in record.client_metrics.values())
+    eps = [server[r]["inca-epsilon"] for r in (1, 2, 3)]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(strategy.ledger.epsilon())
+    spent = strategy.privacy_spent()
+    assert spent.epsilon == pytest.approx(eps[-1]) and spent.num_releases == 3
     assert sorted(p.name for p in (faulty_run["tmp"] / "traces").iterdir()) == [
         "round-0001.json", "round-0002.json", "round-0003.json"]
-    assert len(result.evaluate_metrics_clientapp) == ROUNDS  # FedAvg-style evaluation still runs
-    # a node failed its final report (and the retries): with the default guard that round would fail,
-    # since the lost final takes its share of the cancelling noise with it
-    default = IncaStrategy(sigma_star=0.2, sigma_delta=3.0, ledger_path=None)
-    lost = 0
-    for rnd, record in strategy.rounds.items():
-        online_T = record.trace.steps[-1].online.tolist()
-        noise, why = default._noise_check(record.trace, record.finalists, record.roster)
-        assert result.train_metrics_clientapp[rnd]["inca-noise-std"] == pytest.approx(noise)
-        if record.finalists != online_T:
-            lost += 1
-            assert "were lost" in why
-        else:
-            assert why == ""
-    assert lost >= 1, faulty_run["faults"]
+    assert len(result.evaluate_metrics_clientapp) == ROUNDS  # FedAvg's evaluation still runs
+    assert "Global evaluation" in faulty_run["log"] and "Final results:" in faulty_run["log"]  # Flower's
+    # the server's metrics still reach the Result through train_metrics_clientapp, with a warning
+    with pytest.warns(FutureWarning, match="train_metrics_serverapp"):
+        assert result.train_metrics_clientapp[1]["inca-epsilon"] == server[1]["inca-epsilon"]
+
+
+def test_faults_make_exactly_the_expected_parties_offline(faulty_run):
+    strategy = faulty_run["strategy"]
+    for rnd in (1, 3):
+        online = strategy.rounds[rnd].trace.online_mask()
+        # a party that fails (or never answers) the exchange committing to u is offline at u
+        for party, r, commit in ERRORS + DROPS:
+            if r == rnd:
+                assert not online[commit, party]
+        assert online[1:].sum() < NODES * T
+    record = strategy.rounds[LOST_FINAL[1]]
+    assert record.trace.online_mask()[T, LOST_FINAL[0]] and LOST_FINAL[0] not in record.finalists
 
 
 def test_tampered_payload_rejected_and_round_still_consistent(faulty_run):
-    metrics = faulty_run["result"].train_metrics_clientapp
-    assert TamperingStrategy.tampered == 1
-    assert metrics[2]["inca-rejected-payloads"] >= 1
+    strategy, metrics = faulty_run["strategy"], faulty_run["strategy"].train_metrics_serverapp
+    rnd, iteration = TAMPER
+    assert len(TamperingStrategy.tampered) == 1
+    sender, receiver = TamperingStrategy.tampered[0]
+    assert metrics[rnd]["inca-rejected-payloads"] == 1
+    assert sum(m["inca-rejected-payloads"] for m in metrics.values()) == 1
+    record = strategy.rounds[rnd]
+    # the receiver rejects in the exchange committing to iteration + 1, the sender re-seals in the next,
+    # the receiver computes in the one after: it cannot commit to iteration + 1 and + 2 meanwhile;
+    # nothing else failed in this round, so everybody else is online throughout and it recovers
+    expected = np.ones((T + 1, NODES), dtype=bool)
+    expected[iteration + 1, receiver] = expected[iteration + 2, receiver] = False
+    assert np.array_equal(record.trace.online_mask(), expected)
+    assert record.finalists == list(range(NODES)) and metrics[rnd]["inca-errors"] == 0
+    # and the relay's record is what the nodes computed: the trace replays to the applied update
+    values, noises = _round_inputs(record, faulty_run["globals"][rnd - 1], rnd)
+    res = replay(record.trace, values, seed=0, noise=PartyNoise.explicit(noises, values.shape[1], T),
+                 finalists=record.finalists)
+    assert np.allclose(res.estimate, record.update, atol=1e-12, rtol=1e-12)
+    # with every final delivered the noise cancels: the update is the injected-weight mean of the values
+    # plus eta*; the receiver injected 4 of T + 1 shares (D_Inc)
+    assert res.injected[receiver] == pytest.approx((T + 1 - 2) / (T + 1))
 
 
 def test_replay_in_core_engine_reproduces_the_global_model(faulty_run):
@@ -201,96 +281,152 @@ def test_relay_view_contains_no_plaintext(faulty_run):
     assert checked > NODES * ROUNDS * T
 
 
-@pytest.mark.parametrize("resume", [False, True])
-def test_budget_exhaustion_stops_cleanly_and_restart_resumes(tmp_path_factory, resume):
-    tmp = tmp_path_factory.getbasetemp() / "budget"
-    tmp.mkdir(exist_ok=True)
-    out: dict = {}
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        strategy = IncaStrategy(iterations=4, sigma_star=1.0, sigma_delta=5.0, max_epsilon=9.0,
-                                ledger_path=tmp / "ledger.json", exchange_timeout=10, seed=1,
-                                fraction_evaluate=0.0, min_available_nodes=10, min_train_nodes=10)
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=10,
-                                train_config=ConfigRecord({"lr": 0.1}))
-        out.update(strategy=strategy, result=result)
-
-    _simulate(app, nodes=10)
-    strategy, result = out["strategy"], out["result"]
-    ledger = strategy.ledger
-    if not resume:
-        done = sorted(result.train_metrics_clientapp)
-        assert 1 <= len(done) < 10  # stopped before the budget ran out
-        # every round started only when predicted affordable; the certified cost of the last one may
-        # exceed the prediction (random topology): then it is recorded exactly and training stops
-        assert all(e.epsilon <= 9.0 for e in ledger.entries[:-1])
-        assert ledger.epsilon() <= 9.0 or ledger.rounds == len(done)
-        if ledger.epsilon() <= 9.0:
-            assert ledger.epsilon_after(strategy.predicted_mu(10)) > 9.0
-        assert [e.round for e in ledger.entries] == done
-    else:  # the restarted ServerApp found the spent budget and ran no further round
-        assert result.train_metrics_clientapp == {}
-        assert ledger.rounds >= 1
-        assert ledger.epsilon_after(strategy.predicted_mu(10)) > 9.0
+# ------------------------------------------------------------------------------ one ServerApp, several runs
+BUDGET = 9.0
 
 
-def test_round_with_too_few_finals_fails_and_keeps_the_model(tmp_path):
-    # six of ten nodes stop answering after committing to iteration 2: too few finals
-    faults = [f"{pid}:1:{commit}:error" for pid in range(6) for commit in range(3, T + 4)]
-    os.environ["INCA_TEST_FAULTS"] = ";".join(faults)
-    out: dict = {}
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        strategy = IncaStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, min_finalists=6,
-                                ledger_path=tmp_path / "ledger.json", exchange_timeout=10, seed=2,
-                                fraction_evaluate=0.0, min_available_nodes=NODES, min_train_nodes=NODES)
-        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=1)
-        out.update(strategy=strategy, result=result)
-
+def _run(out: dict, name: str, fn) -> None:
+    """Run one scenario; keep its outcome (or its exception) for its own test."""
     try:
-        _simulate(app)
-    finally:
-        os.environ.pop("INCA_TEST_FAULTS", None)
-    strategy, result = out["strategy"], out["result"]
-    metrics = result.train_metrics_clientapp[1]
-    assert metrics["inca-round-failed"] == 1 and metrics["inca-finalists"] < 6
-    assert "final message" in strategy.rounds[1].failed
-    assert len(result.arrays) == 0  # the model was never replaced
-    assert strategy.ledger.rounds == 1 and metrics["inca-epsilon"] > 0  # the messages were exchanged
+        out[name] = fn()
+    except Exception as exc:  # noqa: BLE001 - reported by the scenario's test
+        out[name] = exc
 
 
-def test_strategy_started_twice_in_one_run_starts_each_round_afresh(tmp_path):
-    # the second start numbers its rounds from 1 again; the nodes' secrets are fresh (CSPRNG) and
-    # nothing of the first instance's round 1 (roster, public keys, cached values) may be used
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scenarios")
     out: dict = {}
     app = ServerApp()
+    common = {"fraction_evaluate": 0.0, "min_available_nodes": NODES, "min_train_nodes": NODES,
+              "exchange_timeout": 120}
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        arrays, strategies = ArrayRecord(INITIAL), []
-        for _ in range(2):
-            strategy = IncaStrategy(iterations=3, sigma_star=0.0, sigma_delta=3.0, clip_norm=100.0,
-                                    precision="float64", ledger_path=None, exchange_timeout=10,
-                                    forward_client_metrics=True, fraction_evaluate=0.0,
-                                    min_available_nodes=NODES, min_train_nodes=NODES)
-            arrays = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1).arrays
-            strategies.append((strategy, arrays))
-        out["runs"] = strategies
+        def started_twice():
+            # the second start numbers its rounds from 1 again; the nodes' secrets are fresh (CSPRNG) and
+            # nothing of the first instance's round 1 (roster, public keys, cached values) may be used
+            arrays, runs = ArrayRecord(INITIAL), []
+            for _ in range(2):
+                strategy = IncaStrategy(iterations=3, sigma_star=0.0, sigma_delta=3.0, clip_norm=100.0,
+                                        precision="float64", ledger_path=None, forward_client_metrics=True,
+                                        **common)
+                new = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1).arrays
+                runs.append((strategy, arrays, new))
+                arrays = new
+            return runs
 
-    _simulate(app, client_app=flower_apps.secure_client)
-    old = INITIAL
-    for strategy, arrays in out["runs"]:
+        def too_few_finals():
+            # six of ten nodes stop answering after committing to iteration 2
+            dropping = RecordingGrid(grid, drop=lambda rnd, commit, party: party < 6 and commit >= 3)
+            strategy = IncaStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, min_finalists=6, seed=2,
+                                    ledger_path=tmp / "few.json", **common)
+            return strategy, strategy.start(grid=dropping, initial_arrays=ArrayRecord(INITIAL), num_rounds=1)
+
+        def budget(name):
+            recording = RecordingGrid(grid)
+            strategy = IncaStrategy(iterations=4, sigma_star=1.0, sigma_delta=5.0, max_epsilon=BUDGET, seed=1,
+                                    ledger_path=tmp / "budget.json", **common)
+            models = {}
+
+            def keep(rnd, arrays):
+                models[rnd] = arrays
+                return None
+
+            try:
+                strategy.start(grid=recording, initial_arrays=ArrayRecord(INITIAL), num_rounds=10,
+                               train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=keep)
+            except PrivacyBudgetExhausted as stop:  # Flower's exception, as its DP strategies raise
+                return strategy, stop, models, recording.pushed
+            raise AssertionError(f"{name}: training did not stop at the budget")
+
+        def no_training():
+            recording = RecordingGrid(grid)
+            strategy = IncaStrategy(sigma_star=1.0, sigma_delta=5.0, ledger_path=None, fraction_train=0.0,
+                                    **common)
+            result = strategy.start(grid=recording, initial_arrays=ArrayRecord(INITIAL), num_rounds=2)
+            return strategy, result, recording
+
+        _run(out, "started_twice", started_twice)
+        _run(out, "too_few_finals", too_few_finals)
+        _run(out, "budget", lambda: budget("first run"))
+        _run(out, "restart", lambda: budget("restart"))  # a new ServerApp on the same ledger file
+        _run(out, "no_training", no_training)
+
+    _simulate(app, flower_apps.secure_client)
+    return out
+
+
+def _outcome(scenarios, name):
+    outcome = scenarios.get(name)
+    if isinstance(outcome, Exception):
+        raise outcome
+    assert outcome is not None, f"scenario {name} did not run: see the ServerApp's log"
+    return outcome
+
+
+def test_strategy_started_twice_in_one_run_starts_each_round_afresh(scenarios):
+    for strategy, old, new in _outcome(scenarios, "started_twice"):
         record = strategy.rounds[1]
         assert not record.failed and len(record.finalists) == NODES
         # sigma_star = 0, no dropouts: the round's update is exactly the mean of the local updates
         updates = []
         for node in record.roster:
             pid = int(record.client_metrics[node]["partition-id"])
-            new = flower_apps.local_update(old, pid, 1)
-            updates.append(flatten_arrays(ArrayRecord(new))[0] - flatten_arrays(ArrayRecord(old))[0])
+            local = flower_apps.local_update(old.to_numpy_ndarrays(), pid, 1)
+            updates.append(flatten_arrays(ArrayRecord(local))[0] - flatten_arrays(old)[0])
         assert np.allclose(record.update, np.mean(updates, axis=0), atol=1e-9)
-        old = arrays.to_numpy_ndarrays()
+        expected = (flatten_arrays(old)[0] + record.update).astype(np.float32)
+        assert np.allclose(flatten_arrays(new)[0], expected)
+
+
+def test_round_with_too_few_finals_fails_and_keeps_the_model(scenarios):
+    strategy, result = _outcome(scenarios, "too_few_finals")
+    metrics = strategy.train_metrics_serverapp[1]
+    assert metrics["inca-round-failed"] == 1 and metrics["inca-finalists"] == NODES - 6
+    assert metrics["inca-timeouts"] == 6 * (T - 2)  # commits 3..T; offline at T, they get no final request
+    assert "final message" in strategy.rounds[1].failed
+    assert len(result.arrays) == 0  # the model was never replaced
+    assert strategy.ledger.rounds == 1 and metrics["inca-epsilon"] > 0  # the messages were exchanged
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_budget_exhaustion_stops_cleanly_and_restart_resumes(scenarios, resume):
+    strategy, stop, models, pushed = _outcome(scenarios, "budget")
+    ledger, predicted = strategy.ledger, strategy.predicted_mu(NODES)
+    costs = ledger.costs()
+    assert isinstance(stop, IncaBudgetExhausted)
+    if not resume:
+        done = sorted(strategy.rounds)
+        assert 1 <= len(done) < 10 and done == list(range(1, len(done) + 1))
+        assert stop.server_round == len(done) + 1
+        assert [e.round for e in ledger.entries] == done
+        # every round started only when predicted affordable, then was charged its certified cost
+        for r in done:
+            assert ledger.accountant.epsilon(costs[:r - 1] + [RoundCost(predicted)], ledger.delta) <= BUDGET
+            composed = ledger.accountant.epsilon(costs[:r], ledger.delta)
+            assert ledger.entries[r - 1].epsilon == pytest.approx(composed)
+            assert ledger.entries[r - 1].mu == strategy.rounds[r].mu
+        # and it stopped for a reason: the next round did not fit (or the last one overran the budget)
+        after = ledger.accountant.epsilon(costs + [RoundCost(predicted)], ledger.delta)
+        if ledger.epsilon() > BUDGET:
+            assert stop.predicted_epsilon == float("inf")
+        else:
+            assert stop.predicted_epsilon == pytest.approx(after) and after > BUDGET
+        assert stop.epsilon == pytest.approx(ledger.epsilon())
+        assert stop.epsilon == pytest.approx(strategy.privacy_spent().epsilon)
+        # the exception hands over the global model of the last round
+        last = flatten_arrays(models[len(done)])[0]
+        assert np.array_equal(flatten_arrays(stop.arrays)[0], last) and np.any(last != 0)
+    else:  # the restarted ServerApp found the spent budget and contacted no node
+        again, restart_stop, _, restart_pushed = _outcome(scenarios, "restart")
+        assert isinstance(restart_stop, IncaBudgetExhausted) and restart_stop.server_round == 1
+        assert restart_pushed == 0 and again.rounds == {}
+        assert again.ledger.rounds == ledger.rounds
+        assert again.ledger.epsilon() == pytest.approx(ledger.epsilon())
+        assert restart_stop.epsilon == pytest.approx(ledger.epsilon())
+
+
+def test_fraction_train_zero_skips_training_as_fedavg_does(scenarios):
+    strategy, result, recording = _outcome(scenarios, "no_training")
+    assert result.train_metrics_clientapp == {} and strategy.rounds == {} and recording.pushed == 0

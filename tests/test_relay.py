@@ -414,3 +414,33 @@ def test_crypto_binds_sender_receiver_round_iteration():
         open_sealed(pair_key(a, c.public, 1), payload, associated_data(1, 2, 1, 5))
     with pytest.raises(PayloadRejected):
         open_sealed(k_ab, payload[:-1] + b"\x00", associated_data(1, 2, 1, 5))
+
+
+def test_roster_encoding_and_a_request_without_roster():
+    from flwr_inca.flower.relay import Request
+    from flwr_inca.flower.wire import (
+        ROSTER_ENTRY_BYTES,
+        MissingRoster,
+        decode_request,
+        encode_request,
+        pack_roster,
+        unpack_roster,
+    )
+
+    keys = [KeyPair().public for _ in range(3)]
+    ids = [7, 2**64 - 1, 12]
+    blob = pack_roster(ids, keys)
+    assert len(blob) == 3 * ROSTER_ENTRY_BYTES and unpack_roster(blob) == (ids, keys)
+    for bad in (b"", blob[:-1], blob + b"x"):
+        with pytest.raises(ValueError, match="bytes per node"):
+            unpack_roster(bad)
+    with pytest.raises(ValueError, match="32-byte public key"):
+        pack_roster(ids, keys[:2])
+    params = RoundParams(1, 2, 1, 0.5, 2.0, InjectionSchedule.incremental(2), ids, keys)
+    data = encode_request(Request(1, 1, -1), params, with_roster=False)
+    with pytest.raises(MissingRoster):  # the node asks the relay for the roster again
+        decode_request(data)
+    req, again = decode_request(data, (ids, keys))
+    assert (again.roster, again.public_keys, again.round, req.party) == (ids, keys, 1, 1)
+    full = decode_request(encode_request(Request(1, 1, -1), params))[1]
+    assert (full.roster, full.public_keys) == (ids, keys)

@@ -1,9 +1,11 @@
 """Flower integration: ``IncaStrategy`` (ServerApp side) and ``IncaClient`` (ClientApp side).
 
-Requires the ``flower`` extra (``pip install flwr-inca[flower]``).
+Requires the ``flower`` extra (``pip install "flwr-inca[flower]"``).
 """
 
 from .client import IncaClient
-from .strategy import IncaStrategy, RoundRecord
+from .config import MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig
+from .strategy import IncaBudgetExhausted, IncaStrategy, RoundRecord
 
-__all__ = ["IncaStrategy", "IncaClient", "RoundRecord"]
+__all__ = ["IncaStrategy", "IncaClient", "IncaBudgetExhausted", "RoundRecord", "PrivacyTarget",
+           "MixingConfig", "RelayConfig", "PersistenceConfig"]

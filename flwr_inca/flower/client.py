@@ -6,10 +6,21 @@
     @inca.train()                   # instead of @app.train(): your function is unchanged
     def train(msg, context): ...    # returns {"arrays": new model, "metrics": {...}} as for FedAvg
 
-The wrapper runs your train function, turns its model into an update (new - global), clips it to
-the L2 norm set by the strategy, and keeps it on the node, with the round's unit noise drawn ahead.
-The update never leaves the node in the clear: the reply carries only a fresh public key. The node
-then takes part in the relayed mixing.
+``@inca.train(action, mods=...)`` takes the arguments of ``@app.train`` and registers your function
+with them, behind :meth:`IncaClient.join_mod`: a Flower mod, which you may also list yourself
+(``@app.train(mods=[inca.join_mod])``). For a message of an IncA round the mod runs your train function,
+turns its model into an update (new - global), clips it to the L2 norm set by the strategy, and keeps it
+on the node, with the round's unit noise drawn ahead. The update never leaves the node in the clear: the
+reply carries only a fresh public key. The node then takes part in the relayed mixing. A message of a
+plain FedAvg round passes through unchanged.
+
+Flower's ``fixedclipping_mod`` and ``LocalDpMod`` cannot be combined with IncA: both rewrite the model
+in the reply to a train message (clip it, and for ``LocalDpMod`` add local-DP noise), and an IncA reply
+carries no model, only a public key; both also read the legacy ``fit`` layout of a message, not the
+Message API's ``"arrays"`` record (``fixedclipping_mod`` moreover needs the clipping norm that Flower's
+``DifferentialPrivacyClientSideFixedClipping`` sends). IncA needs neither: the node clips its update to
+the strategy's ``clip_norm`` itself, and the noise IncA adds and cancels gives central-DP accuracy,
+certified per round, where ``LocalDpMod`` would add n times the variance, unaccounted by the strategy.
 
 Round data (the update, the roster, the states computed during mixing) lives in node-local storage,
 by default a private directory under the system's temp dir (``state_dir`` to choose another); the
@@ -21,65 +32,25 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable, Mod
 
-from .node import DirectoryStore, RoundSecrets, draw_noise_ahead, handle_exchange
-from .wire import FIELD, decode_request, encode_reply
+from .._checks import check_int
+from .node import RoundSecrets, draw_noise_ahead, handle_exchange
+from .shared import INCA_KEY, MIX_ACTION, clip, flatten_arrays, unflatten_arrays
+from .storage import DirectoryStore
+from .wire import FIELD, MissingRoster, decode_request, encode_reply, pack_roster, unpack_roster
 
-__all__ = ["IncaClient", "MIX_ACTION", "INCA_KEY", "flatten_arrays", "unflatten_arrays", "clip"]
+__all__ = ["IncaClient",
+           # moved to .shared; still importable from here
+           "MIX_ACTION", "INCA_KEY", "flatten_arrays", "unflatten_arrays", "clip"]
 
-MIX_ACTION = "inca_mix"
-INCA_KEY = "inca"
 _STATE_SECRETS = "inca-secrets"
+_DEFAULT_ACTION = "default"  # Flower's action of a plain ``@app.train()``
 
 TrainFn = Callable[[Message, Context], Message]
-
-
-def flatten_arrays(record: ArrayRecord) -> tuple[np.ndarray, list[tuple[str, tuple[int, ...], str]]]:
-    """The floating-point arrays of ``record`` as one float64 vector, with what is needed to undo it.
-
-    Other arrays (integer counters such as BatchNorm's ``num_batches_tracked``) are left out: they
-    are neither clipped nor averaged, and keep the global model's value (see :func:`unflatten_arrays`).
-    """
-    spec, parts = [], []
-    for key, arr in record.items():
-        a = arr.numpy()
-        spec.append((key, tuple(a.shape), str(a.dtype)))
-        if _averaged(a.dtype):
-            parts.append(np.asarray(a, dtype=np.float64).reshape(-1))
-    return (np.concatenate(parts) if parts else np.zeros(0)), spec
-
-
-def unflatten_arrays(vector: np.ndarray, spec: list[tuple[str, tuple[int, ...], str]],
-                     keep: ArrayRecord | None = None) -> ArrayRecord:
-    """Inverse of :func:`flatten_arrays`; arrays it left out are copied from ``keep``."""
-    out, offset = {}, 0
-    for key, shape, dtype in spec:
-        if not _averaged(np.dtype(dtype)):
-            if keep is None or key not in keep:
-                raise ValueError(f"array {key!r} ({dtype}) is not averaged: give the record to keep it from")
-            out[key] = Array(np.array(keep[key].numpy()))
-            continue
-        size = int(np.prod(shape)) if shape else 1
-        out[key] = Array(np.asarray(vector[offset:offset + size].reshape(shape), dtype=np.dtype(dtype)))
-        offset += size
-    if offset != vector.size:
-        raise ValueError("vector size does not match the array spec")
-    return ArrayRecord(out)
-
-
-def _averaged(dtype: np.dtype) -> bool:
-    return bool(np.issubdtype(dtype, np.floating))
-
-
-def clip(update: np.ndarray, norm: float) -> np.ndarray:
-    """``update`` scaled down to L2 norm at most ``norm`` (party-level sensitivity 2 * norm)."""
-    size = float(np.linalg.norm(update))
-    return update if size <= norm else update * (norm / size)
 
 
 class IncaClient:
@@ -98,43 +69,41 @@ class IncaClient:
 
     def __init__(self, app: ClientApp, *, state_dir: str | os.PathLike[str] | None = None,
                  insecure_fixed_seed: int | None = None, noise_ahead_bytes: int = 64 * 2**20) -> None:
-        if isinstance(noise_ahead_bytes, bool) or not isinstance(noise_ahead_bytes, int) \
-                or noise_ahead_bytes < 0:
-            raise ValueError(f"noise_ahead_bytes must be an integer >= 0, got {noise_ahead_bytes!r}")
-        self.noise_ahead_bytes = noise_ahead_bytes
+        self.noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
         self.app = app
         self.fixed_seed = insecure_fixed_seed
-        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.state_dir = os.fspath(state_dir) if state_dir is not None else None
         app.train(MIX_ACTION)(self._mix)
 
     def store(self, context: Context) -> DirectoryStore:
         """This node's storage for the current run."""
-        root = (os.fspath(self.state_dir) if self.state_dir
-                else os.path.join(tempfile.gettempdir(), f"flwr-inca-{os.getuid()}"))
+        root = self.state_dir or os.path.join(tempfile.gettempdir(), f"flwr-inca-{os.getuid()}")
         node = f"node-{int(context.node_id) % 2**64}"
         return DirectoryStore(os.path.join(root, f"run-{context.run_id}", node))
 
-    def train(self) -> Callable[[TrainFn], TrainFn]:
-        """Decorator replacing ``@app.train()`` for your train function."""
+    def train(self, action: str = _DEFAULT_ACTION, *, mods: list[Mod] | None = None
+              ) -> Callable[[TrainFn], TrainFn]:
+        """Decorator replacing ``@app.train(action, mods=mods)`` for your train function.
 
-        def decorate(fn: TrainFn) -> TrainFn:
-            def wrapped(msg: Message, context: Context) -> Message:
-                reply = fn(msg, context)
-                if INCA_KEY not in msg.content.config_records:
-                    return reply  # a plain FedAvg round: behave exactly as before
-                return self._join_round(msg, context, reply)
+        Registers the function unchanged, with :meth:`join_mod` outside your ``mods``: they see the
+        train function's own reply (the new model), as with ``@app.train``.
+        """
+        return self.app.train(action, mods=[self.join_mod, *(mods or [])])
 
-            wrapped.__name__ = getattr(fn, "__name__", "train")
-            wrapped.__doc__ = fn.__doc__
-            self.app.train()(wrapped)
-            return fn
-
-        return decorate
+    def join_mod(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        """Flower mod: run the train function, then, for a message of an IncA round, keep the clipped
+        update on the node and answer with a public key only (see the module docstring)."""
+        reply = call_next(msg, context)
+        if not msg.metadata.message_type.startswith(MessageType.TRAIN) \
+                or msg.metadata.message_type.endswith(f".{MIX_ACTION}") \
+                or INCA_KEY not in msg.content.config_records:
+            return reply  # not a join: a plain FedAvg round behaves exactly as before
+        if reply.has_error():
+            return reply
+        return self._join_round(msg, context, reply)
 
     # ------------------------------------------------------------------------------ handlers
     def _join_round(self, msg: Message, context: Context, reply: Message) -> Message:
-        if reply.has_error():
-            return reply
         cfg = msg.content.config_records[INCA_KEY]
         round_ = int(cfg["round"])
         arrays = reply.content.array_records
@@ -154,7 +123,8 @@ class IncaClient:
         context.state[_STATE_SECRETS] = ConfigRecord({
             "round": round_, "noise-secret": secrets.noise_secret, "private-key": secrets.private_key,
         })
-        content = RecordDict({INCA_KEY: ConfigRecord({"public-key": secrets.public_key, "dim": int(value.size)})})
+        joined = ConfigRecord({"public-key": secrets.public_key, "dim": int(value.size)})
+        content = RecordDict({INCA_KEY: joined})
         if bool(cfg.get("forward-metrics", False)):
             for key, rec in reply.content.metric_records.items():
                 content[key] = MetricRecord(dict(rec))
@@ -166,19 +136,15 @@ class IncaClient:
             raise RuntimeError("this node did not join the IncA round")
         round_ = int(stored["round"])
         store = self.store(context)
-        blob = store.load_blob(round_, "roster")
-        kept = _unpack_roster(blob) if blob is not None and len(blob) % 40 == 0 else None
+        kept = _kept_roster(store.load_blob(round_, "roster"))
         try:
             req, params = decode_request(msg.content.config_records[INCA_KEY][FIELD], kept)
-        except ValueError as exc:
-            if "without roster" in str(exc):  # lost (should not happen): ask the relay to send it again
-                return Message(RecordDict({INCA_KEY: ConfigRecord({"need-roster": True})}), reply_to=msg)
-            raise
+        except MissingRoster:  # lost (should not happen): ask the relay to send it again
+            return Message(RecordDict({INCA_KEY: ConfigRecord({"need-roster": True})}), reply_to=msg)
         if params.round != round_:
             raise RuntimeError(f"this node joined round {round_}, the request is for round {params.round}")
         if kept != (params.roster, params.public_keys):  # write-once for the round
-            store.save_blob(round_, "roster", np.asarray(params.roster, dtype="<u8").tobytes()
-                            + b"".join(params.public_keys))
+            store.save_blob(round_, "roster", pack_roster(params.roster, params.public_keys))
         secrets = RoundSecrets(round_, stored["noise-secret"], stored["private-key"])
         if params.roster[req.party] != int(context.node_id) % 2**64:
             raise RuntimeError("request addressed to another party")
@@ -187,7 +153,11 @@ class IncaClient:
                        reply_to=msg)
 
 
-def _unpack_roster(blob: bytes) -> tuple[list[int], list[bytes]]:
-    n = len(blob) // 40
-    ids = np.frombuffer(blob[: 8 * n], dtype="<u8").tolist()
-    return [int(v) for v in ids], [blob[8 * n + 32 * j: 8 * n + 32 * (j + 1)] for j in range(n)]
+def _kept_roster(blob: bytes | None) -> tuple[list[int], list[bytes]] | None:
+    """The roster this node stored for the round, if it has a readable one."""
+    if blob is None:
+        return None
+    try:
+        return unpack_roster(blob)
+    except ValueError:  # damaged: as good as lost, the relay sends it again
+        return None

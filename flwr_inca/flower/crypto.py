@@ -1,13 +1,16 @@
-"""End-to-end encryption of peer messages relayed by the ServerApp.
+"""End-to-end encryption of the peer messages the ServerApp relays.
 
-Each party makes a fresh X25519 key pair per round. Two parties derive a pairwise key with HKDF-SHA256
-over their shared secret (salted with the round and both public keys, so the key is the same in both
-directions and different in every round). Payloads are sealed with ChaCha20-Poly1305; the associated
-data binds ``(sender, receiver, round, iteration)``, so a payload that is replayed, re-routed to another
-party or iteration, or tampered with fails authentication at the receiver.
+Each party makes a fresh X25519 key pair per round (:class:`KeyPair`). Two parties derive a pairwise
+key with HKDF-SHA256 over their shared secret, salted with the round and both public keys, so the key
+is the same in both directions and different in every round (:func:`pair_key`, :func:`hkdf_sha256`).
+Payloads are sealed with ChaCha20-Poly1305 (:func:`seal`, :func:`open_sealed`); the associated data
+binds ``(sender, receiver, round, iteration)`` (:func:`associated_data`), so a payload that is
+replayed, re-routed to another party or iteration, or tampered with fails authentication at the
+receiver (:class:`PayloadRejected`).
 
-A party's own mutable state travels through the relay as well, sealed under a key only it knows
-(``seal_state`` / ``open_state``): the relay stores opaque bytes and can neither read nor forge them.
+A party never hands the relay its state to keep: its states live in node-local storage
+(:mod:`.storage`). If that storage is lost, the relay sends back one of the party's own committed
+payloads, which the party can open because pairwise keys are symmetric.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ decrypt what it sent). The recorded ``inca-trace/1`` is exactly Algorithm 2 with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +35,8 @@ from ..protocol.topology import Messages, check_column_stochastic
 from ..protocol.trace import ExecutionTrace, TraceStep
 from .crypto import NONCE
 
-__all__ = ["Outgoing", "Request", "Reply", "RoundRelay", "payload_size", "drive"]
+__all__ = ["Outgoing", "Request", "Reply", "RoundRelay", "payload_size", "drive", "run_iterations",
+           "collect_finals"]
 
 
 def payload_size(d: int, precision: np.dtype | type = np.float64) -> int:
@@ -117,7 +119,8 @@ class RoundRelay:
         final_round = commit > self.T
         routed: dict[int, tuple[dict[int, list[Outgoing]], dict[int, float]]] = {}
         for i in range(self.n):
-            if final_round and (i not in self.online[self.T] or i in self.finals) and not self.retransmit_due[i]:
+            done = i not in self.online[self.T] or i in self.finals
+            if final_round and done and not self.retransmit_due[i]:
                 continue  # nothing left to do for this party
             req = Request(i, commit, self.version[i], final=final_round and i in self.online[self.T])
             t = self.pending[i]
@@ -166,9 +169,10 @@ class RoundRelay:
         # retransmissions first: they only replace payloads known to be bad
         for m in rep.retransmissions:
             key = (m.iteration, i, m.receiver)
-            if key in self.bad and (i, m.receiver) in self.outbox[m.iteration] and len(m.payload) == self.payload_bytes:
-                old = self.outbox[m.iteration][(i, m.receiver)]
-                self.outbox[m.iteration][(i, m.receiver)] = Outgoing(i, m.receiver, old.weight, m.payload, m.iteration)
+            outbox = self.outbox[m.iteration]
+            if key in self.bad and (i, m.receiver) in outbox and len(m.payload) == self.payload_bytes:
+                old = outbox[(i, m.receiver)]
+                outbox[(i, m.receiver)] = Outgoing(i, m.receiver, old.weight, m.payload, m.iteration)
                 self.bad.discard(key)
                 self.retransmit_due[i] = [x for x in self.retransmit_due[i] if x != (m.iteration, m.receiver)]
         if rep.need_restore:
@@ -259,20 +263,31 @@ class RoundRelay:
         return ys.sum(axis=0) / omegas.sum()
 
 
+Exchange = Callable[[int, list[Request]], dict[int, Reply]]
+Progress = Callable[[int, int], None]
 
 
+def run_iterations(relay: RoundRelay, exchange: Exchange, progress: Progress | None = None) -> None:
+    """The exchanges committing to iterations 1..T. ``exchange(commit, requests)`` delivers the requests
+    and returns the parsed replies that arrived (by party index); ``progress(done, T + 1)`` is optional.
 
-def drive(relay: RoundRelay, exchange, final_retries: int = 2, progress=None) -> None:
-    """Run a round: exchanges committing to 1..T, the final report, then up to ``final_retries`` more
-    exchanges for finals still missing. ``exchange(commit, requests)`` delivers the requests and
-    returns the parsed replies that arrived (by party index); ``progress(done, total)`` is optional.
+    Afterwards the online sets, hence the trace's steps, are final: only the final messages are missing.
     """
-    total = relay.T + 1
-    for u in range(1, relay.T + 2):
+    for u in range(1, relay.T + 1):
         requests = relay.requests(u)
         relay.ingest(u, exchange(u, requests), requests)
         if progress is not None:
-            progress(u, total)
+            progress(u, relay.T + 1)
+
+
+def collect_finals(relay: RoundRelay, exchange: Exchange, final_retries: int = 2,
+                   progress: Progress | None = None) -> None:
+    """The final report (the exchange "committing" to T + 1, which also computes iteration T), then up
+    to ``final_retries`` more exchanges for final messages still missing."""
+    requests = relay.requests(relay.T + 1)
+    relay.ingest(relay.T + 1, exchange(relay.T + 1, requests), requests)
+    if progress is not None:
+        progress(relay.T + 1, relay.T + 1)
     for _ in range(final_retries):
         if not relay.missing_finals():
             break
@@ -280,3 +295,10 @@ def drive(relay: RoundRelay, exchange, final_retries: int = 2, progress=None) ->
         if not requests:
             break
         relay.ingest(relay.T + 1, exchange(relay.T + 1, requests), requests)
+
+
+def drive(relay: RoundRelay, exchange: Exchange, final_retries: int = 2,
+          progress: Progress | None = None) -> None:
+    """Run a round: :func:`run_iterations`, then :func:`collect_finals`."""
+    run_iterations(relay, exchange, progress)
+    collect_finals(relay, exchange, final_retries, progress)

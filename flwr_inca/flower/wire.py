@@ -15,17 +15,43 @@ from typing import Any
 import numpy as np
 
 from ..protocol.schedules import InjectionSchedule
-from .node import RoundParams
 from .relay import Outgoing, Reply, Request
+from .shared import RoundParams
 
-__all__ = ["encode_request", "decode_request", "encode_reply", "decode_reply", "peek_request", "FIELD"]
+__all__ = ["encode_request", "decode_request", "encode_reply", "decode_reply", "peek_request", "FIELD",
+           "MissingRoster", "ROSTER_ENTRY_BYTES", "pack_roster", "unpack_roster"]
 
 FIELD = "m"  # the ConfigRecord key holding the encoded message
 _REQ, _REP = b"INQ1", b"INP1"
 _SCHEDULES = {"incremental": 0, "early": 1, "custom": 2}
 _PRECISIONS = {"float32": 4, "float64": 8}
 _REQ_HEAD = "<4sqqqddBBqqBqqdIIBB"  # magic .. has_restore, has_roster
-_REP_HEAD = "<4sqBBIqIIB"  # magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final
+# magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final
+_REP_HEAD = "<4sqBBIqIIB"
+
+
+ROSTER_ENTRY_BYTES = 8 + 32  # per party: node id (u64) and X25519 public key
+
+
+class MissingRoster(ValueError):
+    """A request that leaves out the roster (the node said it keeps it) reached a node without one."""
+
+
+def pack_roster(ids: list[int], public_keys: list[bytes]) -> bytes:
+    """The roster as bytes: the node ids (u64), then the public keys (32 bytes each)."""
+    if len(ids) != len(public_keys) or any(len(k) != 32 for k in public_keys):
+        raise ValueError("a roster needs one 32-byte public key per node id")
+    return np.asarray(ids, dtype="<u8").tobytes() + b"".join(public_keys)
+
+
+def unpack_roster(blob: bytes) -> tuple[list[int], list[bytes]]:
+    """Inverse of :func:`pack_roster`; ``ValueError`` if ``blob`` cannot be a roster."""
+    n, rest = divmod(len(blob), ROSTER_ENTRY_BYTES)
+    if rest or n == 0:
+        raise ValueError(f"a roster has {ROSTER_ENTRY_BYTES} bytes per node, got {len(blob)} bytes")
+    ids = np.frombuffer(blob[: 8 * n], dtype="<u8").tolist()
+    keys = blob[8 * n:]
+    return [int(v) for v in ids], [keys[32 * j: 32 * (j + 1)] for j in range(n)]
 
 
 class _Reader:
@@ -80,14 +106,14 @@ def encode_request(req: Request, params: RoundParams, with_roster: bool = True) 
         parts.append(np.ascontiguousarray(params.schedule.Z, dtype="<f8").tobytes())
     if with_roster:
         parts.append(struct.pack("<I", len(params.roster)))
-        parts.append(np.asarray(params.roster, dtype="<u8").tobytes())
-        parts.append(b"".join(params.public_keys))
+        parts.append(pack_roster(params.roster, params.public_keys))
     for m in req.incoming:
         parts.append(struct.pack("<qd", m.sender, m.weight) + _blob(m.payload))
     for u, r, v in req.retransmit:
         parts.append(struct.pack("<qqq", u, r, v))
     if req.restore is not None:
-        parts.append(struct.pack("<qq", req.restore.receiver, req.restore.iteration) + _blob(req.restore.payload))
+        own = req.restore
+        parts.append(struct.pack("<qq", own.receiver, own.iteration) + _blob(own.payload))
     return b"".join(parts)
 
 
@@ -117,11 +143,9 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
         schedule = _named_schedule(kind, T)
     if has_roster:
         (n,) = rd.take("<I")
-        ids = np.frombuffer(rd.raw(8 * n), dtype="<u8").tolist()
-        keys = rd.raw(32 * n)
-        roster = ([int(v) for v in ids], [keys[32 * j:32 * (j + 1)] for j in range(n)])
+        roster = unpack_roster(rd.raw(ROSTER_ENTRY_BYTES * n))
     elif roster is None:
-        raise ValueError("request without roster, and none given")
+        raise MissingRoster("request without roster, and none given")
     incoming = []
     for _ in range(n_in):
         sender, weight = rd.take("<qd")
@@ -134,7 +158,8 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
     rd.done()
     params = RoundParams(round_, T, k, s_star, s_delta, schedule, list(roster[0]), list(roster[1]),
                          "float32" if prec == 4 else "float64")
-    req = Request(party, commit, version, task, incoming, dw, [tuple(x) for x in retransmit], bool(final), restore)
+    req = Request(party, commit, version, task, incoming, dw, [tuple(x) for x in retransmit], bool(final),
+                  restore)
     return req, params
 
 
@@ -170,7 +195,8 @@ def decode_reply(data: bytes, party: int) -> tuple[Reply, bool]:
     if magic != _REP:
         raise ValueError("not an IncA reply")
     rejected = np.frombuffer(rd.raw(8 * n_rej), dtype="<i8").tolist()
-    rep = Reply(party, computed=computed, rejected=[int(v) for v in rejected], need_restore=bool(need_restore))
+    rep = Reply(party, computed=computed, rejected=[int(v) for v in rejected],
+                need_restore=bool(need_restore))
     for _ in range(n_out):
         receiver, weight = rd.take("<qd")
         rep.outgoing.append(Outgoing(party, receiver, weight, rd.blob(), out_iter))

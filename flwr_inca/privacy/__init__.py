@@ -7,7 +7,16 @@ Typical use::
     cert.max_mu, cert.epsilon, cert.weakest[:3]
 """
 
-from .accountants import GdpAccountant, PrvAccountant, RdpAccountant, RoundCost, create_accountant
+from . import accountants as _accountants
+from .accountants import (
+    ACCOUNTANTS,
+    ExactAccountant,
+    OpacusPrvAccountant,
+    OpacusRdpAccountant,
+    RoundAccountant,
+    RoundCost,
+    create_accountant,
+)
 from .adversary import AdversarialResult, adversarial_collusion
 from .calibration import Calibration, calibrate
 from .certificate import Certificate, SensitivityProfile, certify, profile
@@ -30,5 +39,10 @@ __all__ = [
     "Calibration", "calibrate",
     "epsilon_for_delta", "delta_for_epsilon", "mu_for_epsilon", "classic_mu", "classic_epsilon",
     "PrivacyLedger", "BudgetExceededError",
-    "RoundCost", "GdpAccountant", "RdpAccountant", "PrvAccountant", "create_accountant",
+    "RoundCost", "RoundAccountant", "ExactAccountant", "OpacusRdpAccountant", "OpacusPrvAccountant",
+    "ACCOUNTANTS", "create_accountant",
 ]
+
+
+def __getattr__(name: str):  # the accountants' class names before 0.2, with a DeprecationWarning
+    return _accountants._old_class(__name__, name)

@@ -1,8 +1,8 @@
 """Conversions between mu-GDP and (epsilon, delta)-DP.
 
 The adversary's view of an honest party in IncA is exactly a Gaussian mechanism with sensitivity
-``mu`` in units of the noise (SPEC §4), so the tight (epsilon, delta) curve is the analytic Gaussian
-mechanism of Balle & Wang (2018):
+``mu`` in units of the noise (paper Sec. 4.1-4.2; the projected Gaussian mechanism of Koskela &
+Kulkarni), so the tight (epsilon, delta) curve is the analytic Gaussian mechanism of Balle & Wang (2018):
 
     delta(epsilon) = Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2).
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-from scipy.optimize import brentq
 from scipy.special import log_ndtr
+
+from .._checks import check_real
 
 __all__ = [
     "log_delta_for_epsilon",
@@ -30,24 +30,15 @@ __all__ = [
 
 
 def _check_mu(mu: float) -> float:
-    m = float(mu)
-    if not (m >= 0) or math.isnan(m):
-        raise ValueError(f"mu must be >= 0, got {mu!r}")
-    return m
+    return check_real("mu", mu, 0.0, finite=False)
 
 
 def _check_delta(delta: float) -> float:
-    d = float(delta)
-    if not (0.0 < d < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    return d
+    return check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
 
 
 def _check_epsilon(epsilon: float) -> float:
-    e = float(epsilon)
-    if not (e > 0) or not math.isfinite(e):
-        raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
-    return e
+    return check_real("epsilon", epsilon, 0.0, low_open=True)
 
 
 def _log1mexp(x: float) -> float:
@@ -60,10 +51,10 @@ def _log1mexp(x: float) -> float:
 def log_delta_for_epsilon(mu: float, epsilon: float) -> float:
     """``log delta(epsilon)`` of a mu-GDP mechanism, in log space so that neither ``e^epsilon`` nor
     ``Phi`` under/overflows: ``log Phi(a) + log(1 - e^(eps + log Phi(b) - log Phi(a)))``."""
-    mu = _check_mu(mu)
-    eps = float(epsilon)
-    if eps < 0 or math.isnan(eps):
-        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    return _log_delta(_check_mu(mu), check_real("epsilon", epsilon, 0.0, finite=False))
+
+
+def _log_delta(mu: float, eps: float) -> float:
     if mu == 0:
         return -math.inf
     if math.isinf(mu):
@@ -78,46 +69,60 @@ def delta_for_epsilon(mu: float, epsilon: float) -> float:
     return math.exp(log_delta_for_epsilon(mu, epsilon))
 
 
+# Bisection stops when the bracket is this narrow relative to its safe end: the answer is then within
+# about one part in 10^13 of the exact one, and never on the unsafe side of it.
+_RTOL = 1e-13
+
+
 def epsilon_for_delta(mu: float, delta: float) -> float:
-    """Smallest epsilon >= 0 such that a mu-GDP mechanism is (epsilon, delta)-DP (exact)."""
+    """Smallest epsilon >= 0 such that a mu-GDP mechanism is (epsilon, delta)-DP (exact).
+
+    Safe side: ``delta_for_epsilon(mu, result) <= delta`` holds for the returned float itself (it is
+    the upper end of a bisection bracket, where the condition was evaluated).
+    """
     mu = _check_mu(mu)
     log_target = math.log(_check_delta(delta))
     if mu == 0:
         return 0.0
     if math.isinf(mu):
         return math.inf
-
-    def f(e: float) -> float:  # decreasing in e
-        return log_delta_for_epsilon(mu, e) - log_target
-
-    if f(0.0) <= 0:
+    if _log_delta(mu, 0.0) <= log_target:
         return 0.0
-    hi = max(1.0, mu * mu / 2 + 10 * mu)
-    while f(hi) > 0:
-        hi *= 2
-    eps = float(brentq(f, 0.0, hi, xtol=1e-13, rtol=1e-13))
-    while f(eps) > 0:  # make sure the returned epsilon really holds
-        eps = float(np.nextafter(eps, math.inf))
-    return eps
+    lo, hi = 0.0, max(1.0, mu * mu / 2 + 10 * mu)  # log delta(eps) decreases in eps
+    while _log_delta(mu, hi) > log_target:
+        lo, hi = hi, 2 * hi
+    while hi - lo > _RTOL * hi:
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:  # adjacent floats
+            break
+        if _log_delta(mu, mid) <= log_target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def mu_for_epsilon(epsilon: float, delta: float) -> float:
-    """Largest mu such that mu-GDP implies (epsilon, delta)-DP (exact; inverse of the above)."""
+    """Largest mu such that mu-GDP implies (epsilon, delta)-DP (exact; inverse of the above).
+
+    Safe side: ``delta_for_epsilon(result, epsilon) <= delta`` holds for the returned float itself.
+    """
     epsilon = _check_epsilon(epsilon)
     log_target = math.log(_check_delta(delta))
-
-    def g(log_mu: float) -> float:  # increasing in mu
-        return log_delta_for_epsilon(math.exp(log_mu), epsilon) - log_target
-
-    lo, hi = math.log(1e-3), 0.0
-    while g(lo) > 0:
-        lo -= 2.0
-    while g(hi) < 0:
-        hi += 1.0
-    mu = math.exp(float(brentq(g, lo, hi, xtol=1e-14, rtol=1e-14)))
-    while log_delta_for_epsilon(mu, epsilon) > log_target:  # step to the safe side of the root
-        mu = float(np.nextafter(mu, 0.0))
-    return mu
+    lo, hi = 1e-3, 1.0  # log delta(mu) increases in mu
+    while _log_delta(lo, epsilon) > log_target:
+        lo, hi = lo / 8, lo
+    while _log_delta(hi, epsilon) <= log_target:
+        lo, hi = hi, 2 * hi
+    while hi - lo > _RTOL * lo:
+        mid = math.sqrt(lo * hi)  # mu spans orders of magnitude: bisect its logarithm
+        if not lo < mid < hi:
+            break
+        if _log_delta(mid, epsilon) <= log_target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def classic_c(delta: float) -> float:

@@ -9,15 +9,15 @@ spent budget; a restarted process resumes from the file.
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._checks import check_real
 from .._io import atomic_write_text
-from .accountants import RoundAccountant, RoundCost, create_accountant
+from .._json import dumps, float_from_json
+from .accountants import RoundAccountant, RoundCost, create_accountant, resolve_accountant_name
 
 __all__ = ["LEDGER_FORMAT", "BudgetExceededError", "LedgerEntry", "PrivacyLedger"]
 
@@ -37,20 +37,8 @@ class LedgerEntry:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"round": self.round, "mu": _enc(self.mu), "sample_rate": self.sample_rate,
-                "epsilon": _enc(self.epsilon), "note": self.note}
-
-
-def _enc(v: float) -> float | str:
-    return v if math.isfinite(v) else "inf"
-
-
-def _dec(v: Any, name: str) -> float:
-    if v == "inf":
-        return math.inf
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"ledger: {name} must be a number, got {v!r}")
-    return float(v)
+        return {"round": self.round, "mu": self.mu, "sample_rate": self.sample_rate,
+                "epsilon": self.epsilon, "note": self.note}
 
 
 class PrivacyLedger:
@@ -61,7 +49,9 @@ class PrivacyLedger:
             the first spend. None keeps the ledger in memory.
         delta: the delta at which epsilon is reported, in (0, 1).
         max_epsilon: budget; :meth:`spend` refuses a round that would exceed it. None = unlimited.
-        accountant: ``"gdp"`` (exact, no subsampling), ``"rdp"`` or ``"prv"`` (Opacus), or an instance.
+        accountant: ``"exact"`` (no subsampling), ``"opacus-prv"`` or ``"opacus-rdp"`` (Poisson
+            subsampling), or a :class:`RoundAccountant`. A file kept under a name before 0.2
+            (``"gdp"``, ``"prv"``, ``"rdp"``) loads as the accountant now called so.
     """
 
     def __init__(
@@ -70,15 +60,12 @@ class PrivacyLedger:
         *,
         delta: float,
         max_epsilon: float | None = None,
-        accountant: str | RoundAccountant = "gdp",
+        accountant: str | RoundAccountant = "exact",
     ) -> None:
-        if not (0.0 < float(delta) < 1.0):
-            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-        if max_epsilon is not None and not (float(max_epsilon) > 0):
-            raise ValueError(f"max_epsilon must be > 0 or None, got {max_epsilon!r}")
         self.path = Path(path) if path is not None else None
-        self.delta = float(delta)
-        self.max_epsilon = None if max_epsilon is None else float(max_epsilon)
+        self.delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        self.max_epsilon = None if max_epsilon is None else check_real(
+            "max_epsilon (or None)", max_epsilon, 0.0, low_open=True, finite=False)
         self.accountant = create_accountant(accountant) if isinstance(accountant, str) else accountant
         self._entries: list[LedgerEntry] = []
         if self.path is not None and self.path.exists():
@@ -146,7 +133,7 @@ class PrivacyLedger:
 
     def _save(self) -> None:
         if self.path is not None:
-            atomic_write_text(self.path, json.dumps(self.to_dict(), indent=1))
+            atomic_write_text(self.path, dumps(self.to_dict(), indent=1))
 
     def _load(self) -> None:
         assert self.path is not None
@@ -161,7 +148,12 @@ class PrivacyLedger:
                 f"ledger {self.path} was kept at delta = {data.get('delta')}, not {self.delta}; "
                 "refusing to mix guarantees"
             )
-        if data.get("accountant") != self.accountant.name:
+        kept = data.get("accountant")
+        try:  # a file of an earlier release names its accountant as it was called then
+            kept = resolve_accountant_name(kept, warn=False) if isinstance(kept, str) else kept
+        except ValueError:
+            pass
+        if kept != self.accountant.name:
             raise ValueError(
                 f"ledger {self.path} was kept with the {data.get('accountant')!r} accountant, not "
                 f"{self.accountant.name!r}"
@@ -173,9 +165,11 @@ class PrivacyLedger:
         for k, r in enumerate(rounds, start=1):
             if not isinstance(r, dict) or r.get("round") != k:
                 raise ValueError(f"ledger {self.path}: round {k} is missing or out of order")
-            entries.append(LedgerEntry(k, _check_mu(_dec(r.get("mu"), "mu")),
-                                       _check_rate(_dec(r.get("sample_rate", 1.0), "sample_rate")),
-                                       _dec(r.get("epsilon"), "epsilon"), str(r.get("note", ""))))
+            where = f"ledger {self.path}: round {k}:"
+            mu = _check_mu(float_from_json(r.get("mu"), f"{where} mu"))
+            rate = _check_rate(float_from_json(r.get("sample_rate", 1.0), f"{where} sample_rate"))
+            eps = float_from_json(r.get("epsilon"), f"{where} epsilon")
+            entries.append(LedgerEntry(k, mu, rate, eps, str(r.get("note", ""))))
         self._entries = entries
 
     def __repr__(self) -> str:
@@ -185,19 +179,8 @@ class PrivacyLedger:
 
 
 def _check_mu(mu: float) -> float:
-    m = float(mu)
-    if math.isnan(m) or m < 0:
-        raise ValueError(f"mu must be >= 0, got {mu!r}")
-    return m
+    return check_real("mu", mu, 0.0, finite=False)
 
 
 def _check_rate(q: float) -> float:
-    v = float(q)
-    if not (0.0 < v <= 1.0):
-        raise ValueError(f"sample_rate must be in (0, 1], got {q!r}")
-    return v
-
-
-def epsilon_of(costs: Sequence[RoundCost], delta: float, accountant: str = "gdp") -> float:
-    """Convenience: composed epsilon of ``costs`` without a ledger."""
-    return create_accountant(accountant).epsilon(list(costs), delta)
+    return check_real("sample_rate", q, 0.0, 1.0, low_open=True)

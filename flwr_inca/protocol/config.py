@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numpy as np
-
+from .._checks import check_int, check_real
 from .dissemination import Dissemination, resolve_dissemination
 from .dropout import DropoutModel, resolve_dropout
 from .schedules import InjectionSchedule
@@ -47,14 +45,9 @@ class IncaConfig:
 
     def __post_init__(self) -> None:
         for name in ("iterations", "neighbors"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            check_int(name, getattr(self, name))
         for name in ("sigma_star", "sigma_delta"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
-                    or not math.isfinite(float(v)) or float(v) < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+            check_real(name, getattr(self, name), 0.0)
         InjectionSchedule.resolve(self.schedule, self.iterations)  # raises on a bad schedule
         resolve_dropout(self.dropout)
         resolve_dissemination(self.dissemination)
@@ -71,8 +64,7 @@ class IncaConfig:
 
     def check(self, n: int) -> None:
         """Raise ``ValueError`` if the config cannot run with ``n`` parties."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
-            raise ValueError(f"number of parties n must be >= 2, got {n!r}")
+        check_int("number of parties n", n, 2)
         if self.topology in ("random", "random-fresh") or isinstance(self.topology, RandomNeighbors):
             k = self.topology.k if isinstance(self.topology, RandomNeighbors) else self.neighbors
             if k >= n:

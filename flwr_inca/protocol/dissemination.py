@@ -1,7 +1,8 @@
 """Dissemination phase: turning the final messages into everyone's estimate.
 
-Each final message travels with its injected weight ``omega`` (SPEC §2), and the estimate is
-``sum(y) / sum(omega)`` over the parties online at T. Final messages are public in the threat
+Each final message travels with its injected weight ``omega``, and the estimate is
+``sum(y) / sum(omega)`` over the parties online at T: dividing by the weight actually injected, not by
+n, as the paper's Sec. 3.2 recommends when parties drop out. Final messages are public in the threat
 model (they are DP already), so dissemination needs no privacy of its own.
 """
 
@@ -11,6 +12,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 import scipy.sparse as sp
+
+from .._checks import check_int
 
 __all__ = ["Dissemination", "ExactDissemination", "PushSumGossip", "resolve_dissemination"]
 
@@ -49,9 +52,7 @@ class PushSumGossip(Dissemination):
     """
 
     def __init__(self, iterations: int = 20) -> None:
-        if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
-            raise ValueError(f"gossip iterations (T_D) must be an integer >= 1, got {iterations!r}")
-        self.iterations = int(iterations)
+        self.iterations = check_int("gossip iterations (T_D)", iterations)
 
     def disseminate(self, final, omega, rng):
         m = final.shape[0]

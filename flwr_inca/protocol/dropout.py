@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from .._checks import check_probability
+
 __all__ = [
     "DropoutModel",
     "NoDropout",
@@ -25,12 +27,7 @@ __all__ = [
 
 
 def _probability(name: str, value: float, upper_closed: bool = False) -> float:
-    v = float(value)
-    ok = np.isfinite(v) and v >= 0.0 and (v <= 1.0 if upper_closed else v < 1.0)
-    if not ok:
-        rng = "[0, 1]" if upper_closed else "[0, 1)"
-        raise ValueError(f"{name} must be a probability in {rng}, got {value!r}")
-    return v
+    return check_probability(f"{name} (a probability)", value, one=upper_closed)
 
 
 class DropoutModel(ABC):

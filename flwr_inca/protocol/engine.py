@@ -31,10 +31,24 @@ from .noise import (
 from .topology import Messages, check_column_stochastic
 from .trace import ExecutionTrace, TraceStep
 
-try:  # y += W @ x without a temporary; private SciPy kernel, with a public fallback
-    from scipy.sparse._sparsetools import csr_matvecs as _csr_matvecs
-except ImportError:  # pragma: no cover
-    _csr_matvecs = None
+
+def _private_csr_matvecs():
+    """SciPy's private ``csr_matvecs`` kernel (``y += A @ X`` in place, saving a temporary (n, d) array
+    per iteration), if this SciPy has it with the expected behaviour; None otherwise, and
+    :func:`_add_matvec` falls back to the public ``W @ y``."""
+    try:
+        from scipy.sparse import csr_matrix
+        from scipy.sparse._sparsetools import csr_matvecs
+
+        W = csr_matrix(np.array([[0.5, 0.0], [0.5, 1.0]]))
+        x, out = np.array([[1.0, 2.0], [3.0, 4.0]]), np.ones((2, 2))
+        csr_matvecs(2, 2, 2, W.indptr, W.indices, W.data, x.reshape(-1), out.reshape(-1))
+        return csr_matvecs if np.array_equal(out, 1.0 + W @ x) else None
+    except Exception:  # moved, renamed or changed: use the public API
+        return None
+
+
+_csr_matvecs = _private_csr_matvecs()
 
 __all__ = ["IncaResult", "run_inca", "replay", "sample_trace"]
 
@@ -165,124 +179,159 @@ def _execute(
     seed: int,
     dissemination: Dissemination,
     progress: Progress | None,
-    force_general: bool = False,
     finalists: np.ndarray | None = None,
 ) -> IncaResult:
-    n, d = values.shape
-    dtype = values.dtype
+    """Mix ``values`` along ``trace`` (Algorithm 2), then disseminate the finals."""
     T = trace.iterations
-    schedule = trace.schedule
-    s_star, s_delta = trace.sigma_star, trace.sigma_delta
-    if isinstance(noise, ExplicitNoise):
-        if noise.eta.shape[1] != T:
-            raise ValueError(f"ExplicitNoise: eta must have T = {T} terms per party, got {noise.eta.shape[1]}")
-
-    x_tilde = values.copy()  # x + eta*
-    if s_star > 0:
-        x_tilde += dtype.type(s_star) * noise.star(n, d, dtype)
-    incremental = schedule.is_incremental_pattern and not force_general
-    c_const = bool(np.all(schedule.c == schedule.c[0]))
-
-    y = np.zeros((n, d), dtype=dtype)
-    outstanding = np.zeros((n, d), dtype=dtype)  # S_i: injected, not yet cancelled noise
-    omega = np.zeros(n)
-    injected = np.zeros(n)
-    slot = np.zeros(n, dtype=np.int64)  # online steps used so far (row of (c, Z) to use next)
-
-    def inject(t: int, on: np.ndarray, target: np.ndarray) -> None:
-        """Add ``z_{i,t}`` of the online parties ``on`` to ``target`` (D^O, SPEC §2)."""
-        final = t == T
-        r = slot[on]
-        coef = schedule.c[r]
-        omega[on] += coef
-        injected[on] += coef
-        full = on.size == n
-        if full and c_const:
-            target += dtype.type(coef[0]) * x_tilde
-        else:
-            target[on] += coef.astype(dtype)[:, None] * x_tilde[on]
-        if final:  # cancel everything still outstanding
-            if full:
-                target -= outstanding
-                outstanding[...] = 0
-            else:
-                target[on] -= outstanding[on]
-                outstanding[on] = 0
-            return
-        if s_delta > 0:
-            if incremental:  # row r adds eta_{r+1} and cancels eta_r (= S_i)
-                new = noise.fresh(on, r + 1, t, d, dtype) * dtype.type(s_delta)
-                if full:
-                    target += new
-                    target -= outstanding
-                    outstanding[...] = new
-                else:
-                    target[on] += new - outstanding[on]
-                    outstanding[on] = new
-            else:
-                rows = schedule.Z[r]  # (len(on), T)
-                for k in np.flatnonzero(np.any(rows != 0, axis=0)) + 1:
-                    sel = rows[:, k - 1] != 0
-                    who = on[sel]
-                    term = noise.term(who, int(k), n, d, dtype) * dtype.type(s_delta)
-                    term *= rows[sel, k - 1].astype(dtype)[:, None]
-                    target[who] += term
-                    outstanding[who] += term
-        slot[on] += 1
-
-    inject(0, np.arange(n), y)
-    y_next = np.empty_like(y)
+    if isinstance(noise, ExplicitNoise) and noise.eta.shape[1] != T:
+        raise ValueError(f"ExplicitNoise: eta must have T = {T} terms per party, got {noise.eta.shape[1]}")
+    mixing = _Mixing(values, trace, noise)
     for t in range(1, T + 1):
-        step = trace.steps[t - 1]
-        W64 = step.matrix(n)
-        W = W64 if dtype == np.float64 else W64.astype(dtype)
-        omega = W64 @ omega
-        if step.online.size == n and incremental and c_const and s_delta > 0 and _csr_matvecs is not None:
-            c = schedule.c[0]
-            _fast_incremental_step(t, T, W, y, y_next, x_tilde, outstanding, noise, c, s_delta, slot + 1)
-            omega += c
-            injected += c
-            if t < T:
-                slot += 1
-            y, y_next = y_next, y
-        else:
-            y = W @ y
-            inject(t, step.online, y)
+        mixing.step(t)
         if progress is not None:
             progress(t, T)
-
     if finalists is None:
         finalists = trace.steps[-1].online
-    if finalists.size == 0:
-        warnings.warn("every party dropped out: IncA produced no output (estimate is NaN)", stacklevel=3)
-        estimate = np.full(d, np.nan)
-        party_estimates = None
-    else:
-        diss_rng = stream(seed, _TAG_DISSEMINATION)
-        estimate, party_estimates = dissemination.disseminate(y[finalists], omega[finalists], diss_rng)
-    estimate = np.asarray(estimate, dtype=dtype)
-    if party_estimates is not None:
-        party_estimates = np.asarray(party_estimates, dtype=dtype)
+    estimate, party_estimates = _disseminate(mixing, finalists, dissemination, seed)
     if scalar:
         estimate = estimate.reshape(())
-    return IncaResult(estimate, y, omega, injected, finalists.copy(), party_estimates, trace, seed)
+    return IncaResult(estimate, mixing.y, mixing.omega, mixing.injected, finalists.copy(), party_estimates,
+                      trace, seed)
 
 
-def _fast_incremental_step(t, T, W, y, y_next, x_tilde, outstanding, noise, c, s_delta, terms):
-    """One D_Inc iteration with everybody online, in 3 passes over (n, d) beside the draws:
-    ``y_next = c x~ - S; S = sigma_delta * fresh; y_next += S; y_next += W y``.
-    ``terms[i]`` is the index k of party i's new noise term."""
-    n, d = y.shape
-    dtype = y.dtype
-    np.multiply(x_tilde, dtype.type(c), out=y_next)
-    y_next -= outstanding
-    if t < T:
-        noise.fresh(np.arange(n), terms, t, d, dtype, out=outstanding)
-        outstanding *= dtype.type(s_delta)
-        y_next += outstanding
+class _Mixing:
+    """The state of every party during one run, advanced one iteration at a time.
+
+    ``y`` (n, d): the messages; ``outstanding`` (n, d): each party's ``S_i``, the noise it injected and has
+    not cancelled yet; ``omega`` (n,): the tracked weights; ``injected`` (n,): ``w_i``; ``slot`` (n,): the
+    online steps each party has used, i.e. the row of (c, Z) it uses next (the dropout-adapted schedule
+    D^O of the paper's Sec. 3.2, read 0-based).
+    """
+
+    def __init__(self, values: np.ndarray, trace: ExecutionTrace, noise: NoiseSource) -> None:
+        n, d = values.shape
+        self.n, self.d, self.dtype = n, d, values.dtype
+        self.trace, self.noise, self.schedule = trace, noise, trace.schedule
+        self.T = trace.iterations
+        self.s_delta = trace.sigma_delta
+        self.x_tilde = values.copy()  # x + eta*
+        if trace.sigma_star > 0:
+            self.x_tilde += self.dtype.type(trace.sigma_star) * noise.star(n, d, self.dtype)
+        self.incremental = self.schedule.is_incremental_pattern
+        self.c_const = bool(np.all(self.schedule.c == self.schedule.c[0]))
+        self.y = np.zeros((n, d), dtype=self.dtype)
+        self.outstanding = np.zeros((n, d), dtype=self.dtype)
+        self.omega = np.zeros(n)
+        self.injected = np.zeros(n)
+        self.slot = np.zeros(n, dtype=np.int64)
+        self._spare = np.empty_like(self.y)
+        self.inject(0, np.arange(n), self.y)  # y^(0) = z_0 (Algorithm 1, Initialization)
+
+    def step(self, t: int) -> None:
+        """Iteration t: ``y = W^O_t y + z_t`` over the parties online at t, ``omega = W^O_t omega + c``."""
+        step = self.trace.steps[t - 1]
+        W64 = step.matrix(self.n)
+        W = W64 if self.dtype == np.float64 else W64.astype(self.dtype)
+        self.omega = W64 @ self.omega
+        if step.online.size == self.n and self.incremental and self.c_const and self.s_delta > 0:
+            self._fast_incremental_step(t, W)
+        else:
+            self.y = W @ self.y
+            self.inject(t, step.online, self.y)
+
+    def inject(self, t: int, on: np.ndarray, target: np.ndarray) -> None:
+        """Add ``z_{i,t}`` of the online parties ``on`` to ``target`` (D^O, paper Sec. 3.2)."""
+        r = self.slot[on]
+        coef = self.schedule.c[r]
+        self.omega[on] += coef
+        self.injected[on] += coef
+        if on.size == self.n and self.c_const:
+            target += self.dtype.type(coef[0]) * self.x_tilde
+        else:
+            target[on] += coef.astype(self.dtype)[:, None] * self.x_tilde[on]
+        if t == self.T:
+            self._cancel_outstanding(on, target)
+            return
+        if self.s_delta > 0:
+            if self.incremental:
+                self._inject_next_term(t, on, r, target)
+            else:
+                self._inject_schedule_rows(on, r, target)
+        self.slot[on] += 1
+
+    def _cancel_outstanding(self, on: np.ndarray, target: np.ndarray) -> None:
+        """At t = T an online party cancels everything it still has outstanding."""
+        if on.size == self.n:
+            target -= self.outstanding
+            self.outstanding[...] = 0
+        else:
+            target[on] -= self.outstanding[on]
+            self.outstanding[on] = 0
+
+    def _inject_next_term(self, t: int, on: np.ndarray, r: np.ndarray, target: np.ndarray) -> None:
+        """D_Inc: row r adds ``eta_{r+1}`` and cancels ``eta_r`` (= S_i, the one term outstanding)."""
+        new = self.noise.fresh(on, r + 1, t, self.d, self.dtype) * self.dtype.type(self.s_delta)
+        if on.size == self.n:
+            target += new
+            target -= self.outstanding
+            self.outstanding[...] = new
+        else:
+            target[on] += new - self.outstanding[on]
+            self.outstanding[on] = new
+
+    def _inject_schedule_rows(self, on: np.ndarray, r: np.ndarray, target: np.ndarray) -> None:
+        """A general (c, Z) schedule: add ``sum_k Z[r, k] eta_k`` of each online party."""
+        rows = self.schedule.Z[r]  # (len(on), T)
+        for k in np.flatnonzero(np.any(rows != 0, axis=0)) + 1:
+            sel = rows[:, k - 1] != 0
+            who = on[sel]
+            term = self.noise.term(who, int(k), self.n, self.d, self.dtype) * self.dtype.type(self.s_delta)
+            term *= rows[sel, k - 1].astype(self.dtype)[:, None]
+            target[who] += term
+            self.outstanding[who] += term
+
+    def _fast_incremental_step(self, t: int, W) -> None:
+        """One D_Inc iteration with everybody online, in 3 passes over (n, d) beside the draws:
+        ``y' = c x~ - S; S = sigma_delta * fresh; y' += S; y' += W y`` (same numbers as :meth:`inject`)."""
+        c = self.dtype.type(self.schedule.c[0])
+        y_next = self._spare
+        np.multiply(self.x_tilde, c, out=y_next)
+        y_next -= self.outstanding
+        if t < self.T:
+            self.noise.fresh(np.arange(self.n), self.slot + 1, t, self.d, self.dtype, out=self.outstanding)
+            self.outstanding *= self.dtype.type(self.s_delta)
+            y_next += self.outstanding
+        else:
+            self.outstanding[...] = 0
+        _add_matvec(W, self.y, y_next)
+        self.omega += self.schedule.c[0]
+        self.injected += self.schedule.c[0]
+        if t < self.T:
+            self.slot += 1
+        self.y, self._spare = y_next, self.y
+
+
+def _disseminate(mixing: _Mixing, finalists: np.ndarray, dissemination: Dissemination,
+                 seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The estimate from the finalists' messages (NaN, with a warning, if there are none)."""
+    if finalists.size == 0:
+        warnings.warn("every party dropped out: IncA produced no output (estimate is NaN)", stacklevel=4)
+        return np.full(mixing.d, np.nan, dtype=mixing.dtype), None
+    estimate, party_estimates = dissemination.disseminate(
+        mixing.y[finalists], mixing.omega[finalists], stream(seed, _TAG_DISSEMINATION))
+    if party_estimates is not None:
+        party_estimates = np.asarray(party_estimates, dtype=mixing.dtype)
+    return np.asarray(estimate, dtype=mixing.dtype), party_estimates
+
+
+def _add_matvec(W, y: np.ndarray, out: np.ndarray) -> None:
+    """``out += W @ y`` for a CSR matrix ``W`` and (n, d) arrays; without a temporary (n, d) array when
+    SciPy's kernel is available (see :data:`_csr_matvecs`)."""
+    if _csr_matvecs is not None:
+        n, d = y.shape
+        _csr_matvecs(n, n, d, W.indptr, W.indices, W.data, y.reshape(-1), out.reshape(-1))
     else:
-        outstanding[...] = 0
-    _csr_matvecs(n, n, d, W.indptr, W.indices, W.data, y.reshape(-1), y_next.reshape(-1))
+        out += W @ y
 
 
 def _as_values(x: Any) -> tuple[np.ndarray, bool]:

@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .._checks import check_int
+
 __all__ = ["NoiseSource", "SeededNoise", "ExplicitNoise", "resolve_seed"]
 
 _TAG_STAR, _TAG_FRESH, _TAG_TERM, _TAG_TOPOLOGY, _TAG_DROPOUT, _TAG_DISSEMINATION = range(6)
@@ -26,9 +28,7 @@ def resolve_seed(seed: int | None) -> int:
     """The run's seed: ``seed`` itself, or fresh OS entropy when ``None``."""
     if seed is None:
         return int(np.random.SeedSequence().entropy)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
-    return int(seed)
+    return check_int("seed (or None)", seed, 0)
 
 
 def stream(seed: int, tag: int, *key: int) -> np.random.Generator:

@@ -177,7 +177,7 @@ class IncaParty:
         return PartyState(np.zeros(self.d), 0.0, -1, 0)
 
     def injection(self, slot: int, final: bool) -> tuple[np.ndarray, float]:
-        """``z`` and its share of ``x + eta*`` at the party's ``slot``-th online step (D^O, SPEC §2)."""
+        """``z`` and its share of ``x + eta*`` at the party's ``slot``-th online step (D^O, paper Sec. 3.2)."""
         c, Z = self.schedule.c, self.schedule.Z
         if final:  # cancel every term injected so far
             coef = -Z[:slot].sum(axis=0)

@@ -4,9 +4,10 @@ A schedule is a (c, Z)-Gaussian (paper Def. 3.3): with ``eta_k ~ N(0, sigma_delt
 the party injects at its t-th step ``v_t = c_t u + sum_k Z[t, k] eta_k`` where ``u = x_i + eta*_i``.
 Rows are 0-based: row 0 is the initialization step, row T the last mixing iteration.
 
-With dropouts every party follows the dropout-adapted schedule D^O (paper Sec. 3.2, SPEC §2, 0-based
-reading): at its r-th online step t < T it uses row r of (c, Z); at t = T, if online, it uses c_r and
-the negated sum of the Z-rows it has used, so that every noise term it injected is cancelled.
+With dropouts every party follows the dropout-adapted schedule D^O (paper Sec. 3.2, Algorithm 2,
+read 0-based: the printed indices are off by one): at its r-th online step t < T it uses row r of
+(c, Z); at t = T, if online, it uses c_r and the negated sum of the Z-rows it has used, so that every
+noise term it injected is cancelled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .._checks import check_int
 
 __all__ = ["InjectionSchedule", "adapted_rows"]
 
@@ -164,7 +167,7 @@ class InjectionSchedule:
 
 
 def adapted_rows(schedule: InjectionSchedule, online: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The dropout-adapted schedule D^O of every party (paper Sec. 3.2, SPEC §2, 0-based).
+    """The dropout-adapted schedule D^O of every party (paper Sec. 3.2, Algorithm 2, read 0-based).
 
     Args:
         schedule: the (c, Z) schedule for T iterations.
@@ -196,9 +199,7 @@ def adapted_rows(schedule: InjectionSchedule, online: np.ndarray) -> tuple[np.nd
 
 
 def _check_iterations(iterations: int) -> int:
-    if isinstance(iterations, bool) or not isinstance(iterations, (int, np.integer)) or iterations < 1:
-        raise ValueError(f"iterations must be an integer >= 1, got {iterations!r}")
-    return int(iterations)
+    return check_int("iterations", iterations)
 
 
 def _invertible(matrix: np.ndarray) -> bool:

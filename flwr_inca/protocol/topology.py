@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import check_int
+
 __all__ = [
     "Messages",
     "Topology",
@@ -65,9 +67,7 @@ class RandomNeighbors(Topology):
     """
 
     def __init__(self, k: int = 1, fresh: bool = False) -> None:
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"neighbors must be an integer >= 1, got {k!r}")
-        self.k = int(k)
+        self.k = check_int("neighbors", k)
         self.fresh = bool(fresh)
 
     def check(self, n: int, iterations: int | None = None) -> None:
@@ -295,5 +295,4 @@ def _edges_to_messages(edges: Iterable[Sequence[float]], n: int | None, where: s
 
 
 def _check_n(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 2:
-        raise ValueError(f"n (number of parties) must be an integer >= 2, got {n!r}")
+    check_int("n (number of parties)", n, 2)

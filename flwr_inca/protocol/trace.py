@@ -10,7 +10,6 @@ besides the messages it observes, so the privacy accountant and external auditor
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from .._checks import check_int, check_real
 from .._io import atomic_write_text
 from .schedules import InjectionSchedule
 from .topology import Messages, check_column_stochastic
@@ -183,18 +183,11 @@ class ExecutionTrace:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"trace: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return check_int(f"trace: {name}", value, minimum)
 
 
 def _check_sigma(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise ValueError(f"trace: {name} must be a number >= 0, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"trace: {name} must be finite and >= 0, got {value!r}")
-    return v
+    return check_real(f"trace: {name}", value, 0.0)
 
 
 def _int_array(values: Any, where: str) -> np.ndarray:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RoundCost", "RoundAccountant", "grouped"]
+__all__ = ["RoundCost", "RoundAccountant", "grouped", "require_opacus"]
 
 
 @dataclass(frozen=True)
@@ -43,3 +44,16 @@ def grouped(rounds: Sequence[RoundCost]) -> list[tuple[float, float, int]]:
     irrelevant for composition). Rounds with mu = 0 cost nothing and are dropped."""
     counts = Counter((r.mu, r.sample_rate) for r in rounds if r.mu > 0)
     return [(1.0 / mu, q, c) for (mu, q), c in sorted(counts.items())]
+
+
+def require_opacus(accountant: str) -> None:
+    """Raise ``ImportError`` naming the extra to install if Opacus is missing (cheap: no import)."""
+    try:
+        found = importlib.util.find_spec("opacus") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ImportError(
+            f"the {accountant!r} accountant needs Opacus, which is not installed: "
+            'pip install "flwr-inca[opacus]" (or use accountant="exact" for rounds without subsampling)'
+        )

@@ -6,19 +6,23 @@ import math
 import warnings
 from collections.abc import Sequence
 
-from .base import RoundAccountant, RoundCost, grouped
+from .base import RoundAccountant, RoundCost, grouped, require_opacus
 
-__all__ = ["PrvAccountant"]
+__all__ = ["OpacusPrvAccountant"]
 
 
-class PrvAccountant(RoundAccountant):
-    """Near-exact for Poisson-subsampled rounds; returns an upper bound within ``eps_error``."""
+class OpacusPrvAccountant(RoundAccountant):
+    """Near-exact for Poisson-subsampled rounds; returns an upper bound within ``eps_error``.
 
-    name = "prv"
+    Needs Opacus (``pip install "flwr-inca[opacus]"``); checked when the accountant is created.
+    """
+
+    name = "opacus-prv"
 
     def __init__(self, eps_error: float = 0.01) -> None:
         if not (eps_error > 0):
             raise ValueError(f"eps_error must be > 0, got {eps_error!r}")
+        require_opacus(self.name)
         self.eps_error = float(eps_error)
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:

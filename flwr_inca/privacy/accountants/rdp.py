@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .base import RoundAccountant, RoundCost, grouped
+from .base import RoundAccountant, RoundCost, grouped, require_opacus
 
-__all__ = ["RdpAccountant"]
+__all__ = ["OpacusRdpAccountant"]
 
 # Opacus's default orders stop at 63, which floors epsilon near log(1/delta)/62 for weak rounds;
 # larger orders make the bound useful for small mu.
@@ -18,12 +18,18 @@ ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [
 ]
 
 
-class RdpAccountant(RoundAccountant):
-    """A valid upper bound for Poisson-subsampled rounds (looser than PRV, always fast)."""
+class OpacusRdpAccountant(RoundAccountant):
+    """A valid upper bound for Poisson-subsampled rounds (looser than PRV, always fast).
 
-    name = "rdp"
+    Needs Opacus (``pip install "flwr-inca[opacus]"``); checked when the accountant is created.
+    Named after its backend so that it is not mistaken for ``flwr.serverapp.RdpAccountant``
+    (dp-accounting, Flower's client-level accounting of its own DP strategies).
+    """
+
+    name = "opacus-rdp"
 
     def __init__(self, orders: Sequence[float] | None = None) -> None:
+        require_opacus(self.name)
         self.orders = list(orders) if orders is not None else list(ORDERS)
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
