@@ -333,7 +333,7 @@ def flower_child(args):
             clip_norm=plan["party_clip"],
             value_sensitivity=plan["value_sensitivity"],
             sample_rate=plan["sample_rate"],
-            accountant="prv",
+            accountant="opacus-prv",
             collusion=MAIN["collusion"],
             threat_draws=MAIN["threat_draws"],
             calibration_runs=MAIN["calibration_runs"],
@@ -529,7 +529,7 @@ def scaling_child(args):
         # PRV is slow for such weak rounds
         scale = math.sqrt(1000 / (args.clients * args.fraction))
         extra = dict(epsilon=None, sigma_star=args.sigma_star * scale, sigma_delta=args.sigma_delta,
-                     certification="local-bound", accountant="rdp")
+                     certification="local-bound", accountant="opacus-rdp")
     config = SimulationConfig(rounds=args.rounds, backend="ray", fraction=args.fraction,
                               **{**MAIN, "calibration_runs": 3, **extra})
     hist = _simulate(data, args.clients, config)

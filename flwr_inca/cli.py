@@ -264,13 +264,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     trained = [r for r in rounds if not r.failed]
     summary = {
         "dataset": history.dataset, "rounds": len(rounds), "accuracy": history.accuracy,
-        "epsilon": history.epsilon if math.isfinite(history.epsilon) else "inf", "delta": args.delta,
+        "epsilon": history.epsilon, "delta": args.delta,
         "certified_rounds": sum(r.certified for r in rounds),
         "seconds_per_round": (sum(r.seconds for r in trained) / len(trained)) if trained else None,
         "stopped": history.stopped, "output_dir": out,
     }
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print(dumps(summary, indent=1))
         return 0
     eps = "not private" if not math.isfinite(history.epsilon) else f"{history.epsilon:.4g} at delta = {args.delta:g}"
     acc = "n/a" if history.accuracy is None else f"{history.accuracy:.4f}"
@@ -395,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local-epochs", type=int, default=None, help="party level: local epochs (default 1)")
     s.add_argument("--epsilon", type=_optional_epsilon, default=1.0, help="total budget, or 'none'")
     s.add_argument("--delta", type=float, default=1e-5)
-    s.add_argument("--accountant", choices=["prv", "rdp", "gdp"], default=None)
+    s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp", "prv", "rdp", "gdp"],
+                   default=None,
+                   help="default: opacus-prv (record level), exact (party level); prv, rdp, gdp: old names")
     s.add_argument("--iterations", "-T", type=_positive_int, default=10)
     s.add_argument("--neighbors", "-k", type=_positive_int, default=1)
     s.add_argument("--topology", default="random")

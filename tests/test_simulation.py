@@ -167,7 +167,7 @@ def test_record_level_accounting_is_opacus_accountant():
     from opacus.accountants import PRVAccountant, RDPAccountant
 
     z = 1.7
-    for accountant, ref in (("prv", PRVAccountant), ("rdp", RDPAccountant)):
+    for accountant, ref in (("opacus-prv", PRVAccountant), ("opacus-rdp", RDPAccountant)):
         hist = run(
             mode="central-dp",
             epsilon=None,
@@ -182,7 +182,7 @@ def test_record_level_accounting_is_opacus_accountant():
         for _ in range(4):
             opacus.step(noise_multiplier=z, sample_rate=q)
         theirs = opacus.get_epsilon(delta=1e-5)
-        assert hist.epsilon == pytest.approx(theirs, rel=1e-3 if accountant == "prv" else 0.05)
+        assert hist.epsilon == pytest.approx(theirs, rel=1e-3 if accountant == "opacus-prv" else 0.05)
         assert all(r.mu == pytest.approx(1 / z) and r.certified for r in hist.rounds)
 
 
@@ -215,12 +215,12 @@ def test_privacy_plan_is_shared_and_composes_to_the_budget():
     acc = PRVAccountant()
     acc.history = [(1 / plan.mu_round, plan.sample_rate, 25)]
     assert acc.get_epsilon(delta=1e-5) == pytest.approx(2.0, abs=0.02)
-    assert plan.value_sensitivity == pytest.approx(3.0 * 0.8 / 40) and plan.accountant == "prv"
+    assert plan.value_sensitivity == pytest.approx(3.0 * 0.8 / 40) and plan.accountant == "opacus-prv"
     party = privacy_plan("party", epsilon=4.0, delta=1e-5, rounds=16, clip_norm=1.0)
-    assert party.value_sensitivity == 2.0 and party.sample_rate == 1.0 and party.accountant == "gdp"
+    assert party.value_sensitivity == 2.0 and party.sample_rate == 1.0 and party.accountant == "exact"
     with pytest.raises(ValueError, match="privacy_unit"):
         privacy_plan("household", epsilon=1.0, delta=1e-5, rounds=1, clip_norm=1.0)
-    with pytest.raises(ValueError, match="gdp"):
+    with pytest.raises(ValueError, match="accountant: 'exact' cannot account Poisson-subsampled"):
         privacy_plan(
             "record",
             epsilon=1.0,
@@ -230,8 +230,24 @@ def test_privacy_plan_is_shared_and_composes_to_the_budget():
             lr=1.0,
             batch_size=5,
             local_size=100,
-            accountant="gdp",
+            accountant="exact",
         )
+
+
+def test_old_accountant_names_still_work_and_warn():
+    # the names before 0.2 map to the new ones with main's DeprecationWarning, in the plan and the config
+    for old, new in (("prv", "opacus-prv"), ("rdp", "opacus-rdp"), ("gdp", "exact")):
+        with pytest.warns(DeprecationWarning, match=f"'{old}' is now called '{new}'"):
+            config = SimulationConfig(accountant=old, privacy_unit="party", backend="inline")
+        assert config.accountant == new
+        with pytest.warns(DeprecationWarning, match=f"'{old}' is now called '{new}'"):
+            plan = privacy_plan("party", epsilon=1.0, delta=1e-5, rounds=4, clip_norm=1.0, accountant=old)
+        assert plan.accountant == new
+    for bad in ("gdpp", 3):
+        with pytest.raises(ValueError, match="accountant must be one of"):
+            SimulationConfig(accountant=bad)
+        with pytest.raises(ValueError, match="accountant must be one of"):
+            privacy_plan("party", epsilon=1.0, delta=1e-5, rounds=4, clip_norm=1.0, accountant=bad)
 
 
 def test_central_dp_noise_has_the_calibrated_variance():
@@ -288,7 +304,7 @@ def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
     # a ledger that has spent the whole budget is refused up front, naming the parameter
     from flwr_inca.privacy import PrivacyLedger
 
-    PrivacyLedger(ledger, delta=1e-5, accountant="gdp").spend(5.0, force=True)
+    PrivacyLedger(ledger, delta=1e-5, accountant="exact").spend(5.0, force=True)
     with pytest.raises(ValueError, match="epsilon: the budget is already spent"):
         simulate(MODEL, PARTS, (XT, YT), config, progress=False)
 
@@ -336,7 +352,9 @@ def test_certificate_bounds_what_the_round_reveals():
     for r in hist.rounds:
         trace = seen[r.round].trace
         assert r.finalists == trace.steps[-1].online.size < r.participants  # in-round dropouts happened
-        view = random_collusion(trace, 0.1, [IncaMixer.threat_seed(0), r.round, 0])
+        # one threat draw, derived as IncaStrategy derives its certification draws
+        (draw,) = np.random.SeedSequence(IncaMixer.threat_seed(0), spawn_key=(0, r.round)).spawn(1)
+        view = random_collusion(trace, 0.1, int(draw.generate_state(1, np.uint64)[0]))
         assert certify(trace, view, value_sensitivity=2.0).max_mu == pytest.approx(r.mu)
 
 
@@ -499,7 +517,7 @@ def test_results_are_identical_for_any_number_of_actors():
         ({"delta": 1.0}, r"delta must be in \(0, 1\)"),
         ({"num_actors": 0}, "num_actors must be an integer >= 1"),
         ({"backend": "dask"}, "backend must be one of"),
-        ({"collusion": 1.0}, "collusion must be a fraction"),
+        ({"collusion": 1.0}, r"collusion \(a fraction of the participants\) must be in \[0, 1\)"),
         ({"sigma_star": 1.0}, "give both sigma_star and sigma_delta"),
         ({"iterations": 0}, "iterations must be an integer >= 1"),
         ({"certify_every": 0}, "certify_every must be an integer >= 1"),

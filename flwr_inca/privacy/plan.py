@@ -7,12 +7,13 @@ Two protected units:
   removing one example changes a client's update by at most ``lr * C / B`` (the value sensitivity), so
   with Gaussian noise of std ``sigma`` on the average the round is a Poisson-subsampled Gaussian
   mechanism with noise multiplier ``z = sigma / (lr C / B)``, i.e. ``mu_round = 1 / z`` before
-  subsampling. The rounds compose with Opacus's PRV (or RDP) accountant; the plan's ``mu_round`` is
+  subsampling. The rounds compose with Opacus's PRV (or RDP) accountant (``"opacus-prv"``,
+  ``"opacus-rdp"``); the plan's ``mu_round`` is
   ``1 / z`` for the ``z`` Opacus finds for (epsilon, delta, q, rounds) (Abadi et al. 2016; Gopi et al.
   2021).
 * ``"party"`` (a client's whole data): each client's update is clipped to L2 norm ``C``; replacing a
-  client's data changes its update by at most ``2 C``. Rounds compose exactly as GDP
-  (``mu_total = sqrt(rounds) mu_round``, Dong et al. 2022).
+  client's data changes its update by at most ``2 C``. Rounds compose exactly as GDP (the ``"exact"``
+  accountant: ``mu_total = sqrt(rounds) mu_round``, Dong et al. 2022).
 
 IncA certifies each round's ``mu`` (in units of the value sensitivity) for the execution that
 happened; the ledger then composes the certified values with the same accountant, so the plan is the
@@ -26,6 +27,8 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .._checks import check_int, check_real
+from .accountants import ACCOUNTANTS, resolve_accountant_name
 from .conversions import epsilon_for_delta, mu_for_epsilon
 
 __all__ = ["PRIVACY_UNITS", "PrivacyPlan", "privacy_plan", "record_sample_rate"]
@@ -50,7 +53,8 @@ class PrivacyPlan:
         epsilon_round: ``mu_round`` as a per-round epsilon at ``delta`` (what ``calibrate`` takes).
         value_sensitivity: L2 change of one client's update when the protected unit changes.
         party_clip: L2 bound applied to each client's whole update.
-        accountant: the round accountant that composes the rounds (``"prv"``, ``"rdp"``, ``"gdp"``).
+        accountant: the round accountant that composes the rounds (``"exact"``, ``"opacus-prv"``,
+            ``"opacus-rdp"``).
     """
 
     unit: str
@@ -97,50 +101,47 @@ def privacy_plan(
         clip_norm: record level: per-example gradient clip C; party level: clip of a client's update.
         lr, batch_size, local_size: record level only: learning rate, expected Poisson batch B and
             the number of examples per client (q = B / local_size).
-        accountant: record level ``"prv"`` (default) or ``"rdp"``; party level ``"gdp"`` (default,
-            exact), ``"prv"`` or ``"rdp"``.
+        accountant: record level ``"opacus-prv"`` (default) or ``"opacus-rdp"``; party level
+            ``"exact"`` (default), ``"opacus-prv"`` or ``"opacus-rdp"``. The names before 0.2
+            (``"prv"``, ``"rdp"``, ``"gdp"``) still work and warn (``DeprecationWarning``).
     """
     if unit not in PRIVACY_UNITS:
         raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {unit!r}")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
-    if not (0.0 < float(delta) < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-    if epsilon is not None and not (math.isfinite(float(epsilon)) and float(epsilon) > 0):
-        raise ValueError(f"epsilon must be a finite number > 0 or None, got {epsilon!r}")
-    if not (math.isfinite(float(clip_norm)) and float(clip_norm) > 0):
-        raise ValueError(f"clip_norm must be a finite number > 0, got {clip_norm!r}")
-    delta, clip_norm = float(delta), float(clip_norm)
+    rounds = check_int("rounds", rounds)
+    delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if epsilon is not None:
+        epsilon = check_real("epsilon (or None)", epsilon, 0.0, low_open=True)
+    clip_norm = check_real("clip_norm", clip_norm, 0.0, low_open=True)
+    if accountant is not None:
+        if not isinstance(accountant, str):
+            raise ValueError(f"accountant must be one of {list(ACCOUNTANTS)} or None, got {accountant!r}")
+        accountant = resolve_accountant_name(accountant)
     if unit == "record":
-        if lr is None or not (math.isfinite(float(lr)) and float(lr) > 0):
-            raise ValueError(f"lr must be a finite number > 0 for record-level DP, got {lr!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        lr = check_real("lr (for record-level DP)", lr, 0.0, low_open=True)
+        batch_size = check_int("batch_size", batch_size)
         if local_size is None:
             raise ValueError("local_size (examples per client) is needed for record-level DP")
         q = record_sample_rate(batch_size, local_size)
-        accountant = accountant or "prv"
-        sensitivity = float(lr) * clip_norm / batch_size
+        accountant = accountant or "opacus-prv"
+        sensitivity = lr * clip_norm / batch_size
         party_clip = sensitivity * RECORD_PARTY_CLIP_FACTOR * batch_size
     else:
         q = 1.0
-        accountant = accountant or "gdp"
+        accountant = accountant or "exact"
         sensitivity = 2.0 * clip_norm  # replace-one on the L2 ball of radius C
         party_clip = clip_norm
-    if accountant not in ("prv", "rdp", "gdp"):
-        raise ValueError(f"accountant must be 'prv', 'rdp' or 'gdp', got {accountant!r}")
-    if accountant == "gdp" and q < 1:
+    if accountant == "exact" and q < 1:
         raise ValueError(
-            "the 'gdp' accountant cannot account Poisson-subsampled rounds (sample rate "
-            f"{q:.4g} < 1); use 'prv' or 'rdp'"
+            "accountant: 'exact' cannot account Poisson-subsampled rounds (sample rate "
+            f"{q:.4g} < 1); use 'opacus-prv' or 'opacus-rdp'"
         )
     mu_round = epsilon_round = None
     if epsilon is not None:
-        mu_round = _mu_round(float(epsilon), delta, q, rounds, accountant)
+        mu_round = _mu_round(epsilon, delta, q, rounds, accountant)
         epsilon_round = epsilon_for_delta(mu_round, delta)
     return PrivacyPlan(
         unit,
-        None if epsilon is None else float(epsilon),
+        epsilon,
         delta,
         rounds,
         q,
@@ -153,7 +154,7 @@ def privacy_plan(
 
 
 def _mu_round(epsilon: float, delta: float, q: float, rounds: int, accountant: str) -> float:
-    if accountant == "gdp":
+    if accountant == "exact":
         return mu_for_epsilon(epsilon, delta) / math.sqrt(rounds)
     from opacus.accountants.utils import get_noise_multiplier
 
@@ -165,7 +166,7 @@ def _mu_round(epsilon: float, delta: float, q: float, rounds: int, accountant: s
             target_delta=delta,
             sample_rate=q,
             steps=rounds,
-            accountant=accountant,
+            accountant=accountant.removeprefix("opacus-"),
             epsilon_tolerance=0.01,
         )
     return 1.0 / z

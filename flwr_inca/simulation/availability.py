@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .._checks import check_probability
+
 __all__ = ["Availability", "AlwaysAvailable", "MarkovAvailability", "AvailabilityTable"]
 
 
@@ -40,13 +42,6 @@ class AlwaysAvailable(Availability):
         return "AlwaysAvailable()"
 
 
-def _prob(name: str, v: float, allow_zero: bool = True) -> float:
-    v = float(v)
-    if not (np.isfinite(v) and (v >= 0 if allow_zero else v > 0) and v <= 1):
-        raise ValueError(f"{name} must be a probability in {'[0' if allow_zero else '(0'}, 1], got {v!r}")
-    return v
-
-
 class MarkovAvailability(Availability):
     """On/off availability per client, a Markov chain across rounds.
 
@@ -58,8 +53,8 @@ class MarkovAvailability(Availability):
     """
 
     def __init__(self, p_off: float, p_on: float) -> None:
-        self.p_off = _prob("p_off", p_off)
-        self.p_on = _prob("p_on", p_on, allow_zero=False)
+        self.p_off = check_probability("p_off", p_off)
+        self.p_on = check_probability("p_on", p_on, zero=False)
         self._state: np.ndarray | None = None
 
     @property

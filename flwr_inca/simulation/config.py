@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
+from .._checks import check_int, check_probability, check_real
+from ..privacy.accountants import ACCOUNTANTS, resolve_accountant_name
 from ..privacy.plan import PRIVACY_UNITS
 from ..protocol.dropout import DropoutModel
 from .availability import Availability
@@ -17,21 +16,6 @@ __all__ = ["SimulationConfig", "DEFAULT_LR"]
 DEFAULT_LR = {"record": 6.0, "party": 0.05}  # lr=None picks these (the MNIST example's settings)
 BACKENDS = ("ray", "inline")
 PRECISIONS = ("float32", "float64")
-
-
-def _int(name: str, v: Any, minimum: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
-
-
-def _positive(name: str, v: Any) -> None:
-    if (
-        isinstance(v, bool)
-        or not isinstance(v, (int, float, np.floating, np.integer))
-        or not math.isfinite(float(v))
-        or float(v) <= 0
-    ):
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +47,9 @@ class SimulationConfig:
             Training stops before a round whose charge would exceed epsilon.
         budget_rounds: rounds the budget is planned for (default ``rounds``): each round's target is
             the budget's share of ``budget_rounds`` (e.g. plan for 100 rounds, run 20 now).
-        accountant: ``"prv"``/``"rdp"`` (record level, default prv) or ``"gdp"`` (party level).
+        accountant: record level ``"opacus-prv"`` (default) or ``"opacus-rdp"``; party level ``"exact"``
+            (default) or either Opacus accountant. The names before 0.2 (``"prv"``, ``"rdp"``, ``"gdp"``)
+            still work, warn (``DeprecationWarning``) and are stored under the new name.
         mu_resolution: a round is charged its mu rounded *up* to this relative grid (0.005: at most
             0.5% more), so the PRV accountant composes few distinct rounds (its cost grows with them);
             0 charges mu exactly.
@@ -133,30 +119,23 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         from .mixers import MIXERS
 
-        _int("rounds", self.rounds, 1)
+        check_int("rounds", self.rounds)
         if not isinstance(self.mode, str) or self.mode not in MIXERS:
             raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {self.mode!r}")
-        if (
-            isinstance(self.fraction, bool)
-            or not isinstance(self.fraction, (int, float))
-            or not (0.0 < float(self.fraction) <= 1.0)
-        ):
-            raise ValueError(
-                f"fraction (of available clients per round) must be in (0, 1], got {self.fraction!r}"
-            )
-        _int("min_clients", self.min_clients, 2)
+        check_probability("fraction (of available clients per round)", self.fraction, zero=False)
+        check_int("min_clients", self.min_clients, 2)
         if self.availability is not None and not isinstance(self.availability, Availability):
             raise ValueError(f"availability must be an Availability model or None, got {self.availability!r}")
         if self.privacy_unit not in PRIVACY_UNITS:
             raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}")
         if self.lr is not None:
-            _positive("lr", self.lr)
-        _positive("clip_norm", self.clip_norm)
-        _int("batch_size", self.batch_size, 1)
+            check_real("lr", self.lr, 0.0, low_open=True)
+        check_real("clip_norm", self.clip_norm, 0.0, low_open=True)
+        check_int("batch_size", self.batch_size)
         if self.local_steps is not None:
-            _int("local_steps", self.local_steps, 1)
+            check_int("local_steps", self.local_steps)
         if self.local_epochs is not None:
-            _int("local_epochs", self.local_epochs, 1)
+            check_int("local_epochs", self.local_epochs)
         if self.local_steps is not None and self.local_epochs is not None:
             raise ValueError("give local_steps or local_epochs, not both")
         if self.privacy_unit == "record" and (
@@ -168,33 +147,33 @@ class SimulationConfig:
                 "more rounds, or privacy_unit='party'"
             )
         if self.epsilon is not None:
-            _positive("epsilon", self.epsilon)
-        if (
-            isinstance(self.delta, bool)
-            or not isinstance(self.delta, (int, float))
-            or not (0 < self.delta < 1)
-        ):
-            raise ValueError(f"delta must be in (0, 1), got {self.delta!r}")
+            check_real("epsilon (or None)", self.epsilon, 0.0, low_open=True)
+        check_real("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
         if self.budget_rounds is not None:
-            _int("budget_rounds", self.budget_rounds, 1)
-        if self.accountant is not None and self.accountant not in ("prv", "rdp", "gdp"):
-            raise ValueError(f"accountant must be 'prv', 'rdp' or 'gdp', got {self.accountant!r}")
-        if not (isinstance(self.mu_resolution, (int, float)) and 0 <= self.mu_resolution < 1):
-            raise ValueError(f"mu_resolution must be in [0, 1), got {self.mu_resolution!r}")
+            check_int("budget_rounds", self.budget_rounds)
+        if self.accountant is not None:
+            if not isinstance(self.accountant, str):
+                raise ValueError(
+                    f"accountant must be one of {list(ACCOUNTANTS)} or None, got {self.accountant!r}"
+                )
+            object.__setattr__(self, "accountant", resolve_accountant_name(self.accountant))
+        check_real("mu_resolution", self.mu_resolution, 0.0, 1.0, high_open=True)
         if self.noise_multiplier is not None:
-            _positive("noise_multiplier", self.noise_multiplier)
+            check_real("noise_multiplier", self.noise_multiplier, 0.0, low_open=True)
         if not isinstance(self.mixer_options, dict):
             raise ValueError("mixer_options must be a dict of keyword arguments")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_actors is not None:
-            _int("num_actors", self.num_actors, 1)
+            check_int("num_actors", self.num_actors)
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
             raise ValueError(f"ray_address must be None, 'auto' or 'host:port', got {self.ray_address!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        _int("seed", self.seed, 0)
-        _int("eval_every", self.eval_every, 1)
+        check_int("seed", self.seed, 0)
+        check_int("eval_every", self.eval_every)
+        if not isinstance(self.save_traces, bool):
+            raise ValueError(f"save_traces must be True or False, got {self.save_traces!r}")
         mixer_private = MIXERS[self.mode].private
         if not mixer_private and self.epsilon is not None:
             raise ValueError(

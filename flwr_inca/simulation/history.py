@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .._io import atomic_write_text
+from .._json import dumps, float_from_json, jsonable
 
 __all__ = ["RoundRecord", "History", "HISTORY_FORMAT"]
 
@@ -51,15 +52,8 @@ class RoundRecord:
     noise: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _enc(v) for k, v in asdict(self).items()}
-
-
-def _enc(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "inf" if v > 0 else ("-inf" if v < 0 else "nan")
-    if isinstance(v, dict):
-        return {k: _enc(x) for k, x in v.items()}
-    return v
+        """JSON-ready: an unbounded ``mu``/``epsilon`` is written ``"inf"`` (``flwr_inca._json``)."""
+        return jsonable(asdict(self))
 
 
 @dataclass
@@ -112,13 +106,13 @@ class History:
             "stopped": self.stopped,
             "notes": list(self.notes),
             "memory": dict(self.memory),
-            "config": self.config,
-            "plan": {k: _enc(v) for k, v in self.plan.items()},
+            "config": jsonable(self.config),
+            "plan": jsonable(self.plan),
             "rounds": [r.to_dict() for r in self.records],
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, default=str)
+        return dumps(self.to_dict(), indent=1, default=str)
 
     def to_csv(self) -> str:
         names = [k for k in RoundRecord.__dataclass_fields__ if k != "noise"]
@@ -206,8 +200,8 @@ class History:
 
 
 def _dec(v: Any) -> Any:
-    if v in ("inf", "-inf", "nan"):
-        return float(v)
+    if isinstance(v, str) and v in ("inf", "-inf", "nan"):
+        return float_from_json(v, "history value")
     if isinstance(v, dict):
         return {k: _dec(x) for k, x in v.items()}
     return v

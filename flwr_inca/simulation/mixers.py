@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from .._checks import check_int, check_probability, check_real
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.certificate import certify
 from ..privacy.conversions import epsilon_for_delta
@@ -201,8 +202,8 @@ class CentralDPMixer(Mixer):
 
     def __init__(self, noise_multiplier: float | None = None) -> None:
         super().__init__()
-        if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
-            raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
+        if noise_multiplier is not None:
+            noise_multiplier = check_real("noise_multiplier", noise_multiplier, 0.0, low_open=True)
         self.noise_multiplier = noise_multiplier
 
     @classmethod
@@ -295,19 +296,14 @@ class IncaMixer(Mixer):
             dropout=dropout,
             dissemination=dissemination,
         )
-        if not (0.0 <= collusion < 1.0):
-            raise ValueError(f"collusion must be a fraction in [0, 1), got {collusion!r}")
-        if observed_fraction is not None and not (0.0 <= observed_fraction <= 1.0):
-            raise ValueError(f"observed_fraction must be in [0, 1], got {observed_fraction!r}")
-        for name, v in (
-            ("threat_draws", threat_draws),
-            ("calibration_runs", calibration_runs),
-            ("certify_every", certify_every),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if not (0.0 <= calibration_margin < 1.0):
-            raise ValueError(f"calibration_margin must be in [0, 1), got {calibration_margin!r}")
+        collusion = check_probability("collusion (a fraction of the participants)", collusion, one=False)
+        if observed_fraction is not None:
+            observed_fraction = check_probability("observed_fraction", observed_fraction)
+        threat_draws = check_int("threat_draws", threat_draws)
+        calibration_runs = check_int("calibration_runs", calibration_runs)
+        certify_every = check_int("certify_every", certify_every)
+        calibration_margin = check_real("calibration_margin", calibration_margin, 0.0, 1.0, high_open=True)
+        noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
         if certification not in ("exact", "local-bound"):
             raise ValueError(f"certification must be 'exact' or 'local-bound', got {certification!r}")
         if certification == "local-bound" and sigma_star == 0:
@@ -421,10 +417,12 @@ class IncaMixer(Mixer):
 
     def certify(self, trace: ExecutionTrace, round: int, seed: int) -> float:
         """Worst certified mu over ``threat_draws`` random corrupted sets (or eavesdropped message
-        sets), drawn from ``[seed, round, draw]``: the same draws as ``IncaStrategy`` for its seed."""
+        sets), drawn from ``SeedSequence(seed, spawn_key=(0, round))``: the same draws as ``IncaStrategy``
+        for its seed (tests/test_simulation_flower.py checks it)."""
         worst = 0.0
-        for draw in range(self.threat_draws):
-            key = [int(seed), int(round), draw]
+        # IncaStrategy's derivation (its _CERTIFY key is 0): SeedSequence(seed, spawn_key=(0, round))
+        for draw in np.random.SeedSequence(int(seed), spawn_key=(0, int(round))).spawn(self.threat_draws):
+            key = int(draw.generate_state(1, dtype=np.uint64)[0])
             if self.observed_fraction is not None:
                 view = random_eavesdrop(trace, self.observed_fraction, key)
             else:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import check_int, check_real
+
 __all__ = ["Partitions", "iid", "dirichlet", "from_indices"]
 
 
@@ -56,8 +58,7 @@ class Partitions:
 
 
 def _check_clients(num_clients: int, n: int) -> int:
-    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)) or num_clients < 2:
-        raise ValueError(f"num_clients must be an integer >= 2, got {num_clients!r}")
+    num_clients = check_int("num_clients", num_clients, 2)
     if num_clients > n:
         raise ValueError(f"num_clients = {num_clients} exceeds the {n} training examples")
     return int(num_clients)
@@ -80,8 +81,7 @@ def dirichlet(
     client holds at least ``min_size`` examples.
     """
     num_clients = _check_clients(num_clients, len(y))
-    if not (np.isfinite(alpha) and alpha > 0):
-        raise ValueError(f"alpha (Dirichlet concentration) must be > 0, got {alpha!r}")
+    alpha = check_real("alpha (Dirichlet concentration)", alpha, 0.0, low_open=True)
     labels = np.asarray(y)
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)
