@@ -25,6 +25,7 @@ from flwr_inca.simulation import (  # noqa: E402
     MarkovAvailability,
     MixContext,
     Mixer,
+    Partitions,
     RoundPlan,
     SimulationConfig,
     dirichlet,
@@ -637,3 +638,74 @@ def test_noise_drawn_ahead_is_the_seeded_noise(schedule, max_bytes):
     abandoned.close()
     abandoned._thread.join(timeout=5)
     assert not abandoned._thread.is_alive()  # a refused round's thread ends
+
+
+# ------------------------------------------------------------------------------------------ failures
+@pytest.mark.usefixtures("local_ray")
+def test_a_killed_ray_actor_is_replaced_and_training_goes_on(monkeypatch):
+    import os
+    import signal
+
+    from flwr_inca.simulation import runner
+
+    made = []
+    create = runner.create_backend
+    monkeypatch.setattr(runner, "create_backend", lambda *a, **k: made.append(create(*a, **k)) or made[-1])
+    common = {"rounds": 3, "epsilon": 3.0, "backend": "ray", "num_actors": 2, "privacy_unit": "party"}
+    calm = run(**common)
+
+    def kill(ctx, retries=2):
+        if ctx.round == 1:  # a real killed process: the actor's worker, by its PID
+            backend = made[-1]
+            backend.retries = retries
+            os.kill(backend.ray.get(backend._actors[0].pid.remote()), signal.SIGKILL)
+
+    opts = {k: v for k, v in FAST.items() if k != "progress"}
+    killed = simulate(MODEL, PARTS, (XT, YT), SimulationConfig(**{**opts, **common}), progress=False,
+                      on_round=kill)
+    # replaced, the same seeded work again: nothing differs but a note
+    assert any("Ray actor(s) died and were replaced" in n for n in killed.notes), killed.notes
+    assert np.array_equal(killed.parameters, calm.parameters)
+    assert killed.column("mu") == calm.column("mu") and not any(r.failed for r in killed.rounds)
+
+    # no fresh actor allowed: round 2 is lost (charged, model unchanged), round 3 trains again
+    lost = simulate(MODEL, PARTS, (XT, YT), SimulationConfig(**{**opts, **common}), progress=False,
+                    on_round=lambda c: kill(c, retries=0))
+    assert [bool(r.failed) for r in lost.rounds] == [False, True, False]
+    assert "local training was lost" in lost.rounds[1].failed and "ActorDiedError" in lost.rounds[1].failed
+    assert lost.rounds[1].epsilon > lost.rounds[0].epsilon  # its cost was charged all the same
+    assert lost.rounds[2].update_norm > 0 and np.isfinite(lost.parameters).all()
+
+
+def test_a_diverging_client_counts_as_a_zero_update():
+    opts = {k: v for k, v in FAST.items() if k != "progress"}
+    seen = {}
+
+    def simulate_on(x, **kw):
+        seen.clear()
+        config = SimulationConfig(**{**opts, "epsilon": None, "mode": "fedavg", **kw})
+        return simulate(MODEL, Partitions(x, Y, PARTS.indices), (XT, YT), config, progress=False,
+                        on_round=lambda c: seen.setdefault(c.round, c))
+
+    x = X.copy()
+    x[PARTS.indices[3]] = np.nan  # client 3's data is broken: its training diverges
+    hist = simulate_on(x, privacy_unit="party")
+    assert all(not r.failed for r in hist.rounds) and np.isfinite(hist.parameters).all()
+    ctx = seen[1]
+    row = int(np.flatnonzero(ctx.participants == 3)[0])
+    assert not ctx.updates[row].any() and np.isfinite(ctx.updates).all()
+    assert np.allclose(ctx.update, ctx.updates.mean(axis=0), atol=1e-7)
+    assert any("client(s) [3] produced a non-finite update" in n for n in hist.notes)
+    # record level: one broken example contributes nothing; its client still trains on the others
+    x = X.copy()
+    x[PARTS.indices[5][0]] = np.inf
+    rec = simulate_on(x)
+    row = int(np.flatnonzero(seen[1].participants == 5)[0])
+    assert np.isfinite(rec.parameters).all() and np.isfinite(seen[1].updates).all()
+    assert seen[1].updates[row].any() and not any("non-finite" in n for n in rec.notes)
+
+
+def test_an_availability_table_too_short_is_refused_before_training():
+    table = np.ones((2, PARTS.clients), dtype=bool)
+    with pytest.raises(ValueError, match=r"the table covers 2 round\(s\), fewer than rounds = 3"):
+        run(availability=AvailabilityTable(table), epsilon=None, mode="fedavg")

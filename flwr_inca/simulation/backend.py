@@ -21,7 +21,12 @@ from . import seeding
 from .partitions import Partitions
 from .training import CohortTrainer, LocalWork
 
-__all__ = ["WorkPlanner", "InlineBackend", "RayBackend", "create_backend"]
+__all__ = ["WorkPlanner", "InlineBackend", "RayBackend", "TrainingFailure", "create_backend"]
+
+
+class TrainingFailure(RuntimeError):
+    """A round's local training was lost (a trainer process died, also after ``retries`` fresh
+    ones): the round releases nothing; the runner records it and training goes on."""
 
 
 class WorkPlanner:
@@ -220,22 +225,65 @@ class RayBackend:
         actors = num_actors or max(1, int(cpus))
         actors = min(actors, partitions.clients)
         self.cohorts = [c for c in np.array_split(np.arange(partitions.clients), actors)]
-        remote = ray.remote(CohortTrainer).options(num_cpus=min(1.0, cpus / actors))
-        self._actors = []
+        self._remote = ray.remote(CohortTrainer).options(num_cpus=min(1.0, cpus / actors))
+        self._model_fn, self._trainer_kwargs = model_fn, trainer_kwargs
+        self._data = []  # each cohort's (x, y) in the object store: a replaced actor gets them again
         for members in self.cohorts:
             x, y = _cohort_data(partitions, members)
-            self._actors.append(remote.remote(model_fn, ray.put(x), ray.put(y), threads=1, **trainer_kwargs))
+            self._data.append((ray.put(x), ray.put(y)))
+        self._actors = [self._start_actor(i) for i in range(actors)]
         self.actors = actors
+        self.retries = 2  # fresh actors tried per cohort and round after one died
+        self.replaced = 0  # actors replaced so far (the history's notes say so)
+        self._lost = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                      ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError,
+                      ray.exceptions.OutOfMemoryError)
         self.address = ray.get_runtime_context().gcs_address
         ray.get([a.__ray_ready__.remote() for a in self._actors])  # surface construction errors now
+
+    def _start_actor(self, i: int):
+        x, y = self._data[i]
+        return self._remote.remote(self._model_fn, x, y, threads=1, **self._trainer_kwargs)
 
     def submit(
         self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]
     ) -> Callable[[], np.ndarray]:
-        """Start training on the actors now; the returned call waits for and assembles the updates."""
+        """Start training on the actors now; the returned call waits for and assembles the updates.
+
+        An actor that died (killed, out of memory, its node lost) is replaced by a fresh one that
+        trains the same work again (the work is seeded per client and round, so the updates are the
+        same); after ``retries`` replacements the call raises :class:`TrainingFailure`."""
         ref = self.ray.put(params)
         futures = [actor.train.remote(ref, work) for actor, work in zip(self._actors, works)]
-        return lambda: _assemble(participants, works, self.ray.get(futures))
+        return lambda: _assemble(participants, works, self._collect(ref, works, futures))
+
+    def _collect(self, ref, works: list[LocalWork], futures: list) -> list[np.ndarray]:
+        results: list[np.ndarray | None] = [None] * len(futures)
+        for attempt in range(self.retries + 1):
+            lost: list[int] = []
+            for i, future in enumerate(futures):
+                if results[i] is not None:
+                    continue
+                try:
+                    results[i] = self.ray.get(future)
+                except self._lost as exc:
+                    lost.append(i)
+                    error = exc
+            if not lost:
+                return results  # type: ignore[return-value]
+            for i in lost:  # a fresh actor for the cohort, in this round and the next ones
+                try:
+                    self.ray.kill(self._actors[i])
+                except Exception:  # noqa: BLE001  (it is dead already)
+                    pass
+                self._actors[i] = self._start_actor(i)
+                self.replaced += 1
+                if attempt < self.retries:
+                    futures[i] = self._actors[i].train.remote(ref, works[i])
+        raise TrainingFailure(
+            f"local training of cohort(s) {lost} was lost {self.retries + 1} times "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        )
 
     def train(self, params: np.ndarray, participants: np.ndarray, works: list[LocalWork]) -> np.ndarray:
         return self.submit(params, participants, works)()

@@ -36,7 +36,7 @@ from ..privacy.ledger import BudgetExceededError, PrivacyLedger
 from ..privacy.plan import PrivacyPlan, privacy_plan
 from . import seeding
 from .availability import AlwaysAvailable, AvailabilityTable, MarkovAvailability
-from .backend import WorkPlanner, create_backend
+from .backend import TrainingFailure, WorkPlanner, create_backend
 from .config import SimulationConfig
 from .history import History, RoundRecord
 from .mixers import MixContext, Mixer, RoundPlan, create_mixer
@@ -186,6 +186,11 @@ def simulate(
 
     clients = partitions.clients
     availability = config.availability or AlwaysAvailable()
+    if isinstance(availability, AvailabilityTable) and availability.table.shape[0] < config.rounds:
+        raise ValueError(
+            f"availability: the table covers {availability.table.shape[0]} round(s), fewer than "
+            f"rounds = {config.rounds}"
+        )
     availability.reset(clients, seeding.stream(config.seed, seeding.AVAILABILITY, 0))
     # the ledger charges mu rounded up to the resolution: calibrate so that the rounded charge fits
     target = None if plan.mu_round is None else plan.mu_round / (1.0 + config.mu_resolution)
@@ -252,6 +257,7 @@ def simulate(
             history.save(out_dir, plot=False)
 
     charger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inca-ledger")
+    actors_replaced = 0
     initial = RoundRecord(0, epsilon=ledger.epsilon() if ledger is not None else 0.0)
     evaluate_into(initial)
     history.records.append(initial)
@@ -320,6 +326,7 @@ def simulate(
                 updates = collect()
                 record.seconds_train = time.perf_counter() - t_train
                 record.seconds_train_wait = time.perf_counter() - t
+                _zero_diverged(updates, participants, rnd, history)
                 t = time.perf_counter()
                 update = np.asarray(mixer.mix(updates.astype(dtype, copy=False), round_plan))
                 record.seconds_mix = time.perf_counter() - t
@@ -335,6 +342,25 @@ def simulate(
                         f"(nothing of it was released or spent). {exc}"
                     )
                     break
+            now = getattr(backend, "replaced", 0)
+            replaced, actors_replaced = now - actors_replaced, now
+            if replaced:
+                history.notes.append(
+                    f"round {rnd}: {replaced} Ray actor(s) died and were replaced; their clients trained "
+                    "again with the same seeds"
+                )
+            if isinstance(failure, TrainingFailure):  # a lost trainer: this round only, training goes on
+                mixer.abandon(round_plan)
+                record.failed = (
+                    f"local training was lost ({failure}); the model is unchanged, the round's cost was "
+                    "charged (privacy that was planned is counted as spent)"
+                )
+                record.seconds = time.perf_counter() - start
+                history.records.append(record)
+                if report:
+                    report(record, history)
+                save()
+                continue
             if failure is not None:
                 raise failure
             before = params
@@ -368,6 +394,20 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _zero_diverged(updates: np.ndarray, participants: np.ndarray, rnd: int, history: History) -> None:
+    """A client whose update is not finite (its training diverged) contributes a zero update, said in
+    the notes. Sound: the replacement depends on that client's own update only and stays within the
+    clip, so the sensitivity bound the round was certified for still holds."""
+    bad = ~np.isfinite(updates).all(axis=1)
+    if bad.any():
+        updates[bad] = 0.0
+        ids = participants[bad].tolist()
+        history.notes.append(
+            f"round {rnd}: client(s) {ids[:10]}{' ...' if len(ids) > 10 else ''} produced a non-finite "
+            "update (diverged?): counted as a zero update"
+        )
 
 
 def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str) -> tuple[float, float]:

@@ -15,6 +15,7 @@ with any number of actors.
 from __future__ import annotations
 
 import math
+import os
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,6 +167,11 @@ class CohortTrainer:
             self.train(start, LocalWork(np.zeros(1, np.int64), np.zeros((1, 1, 1), np.int64)))
 
     @staticmethod
+    def pid() -> int:
+        """This trainer's process id (a Ray actor's worker process)."""
+        return os.getpid()
+
+    @staticmethod
     def peak_rss_mb() -> float:
         """Peak resident memory of this process (MB), for the history."""
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -225,6 +231,10 @@ class CohortTrainer:
                 torch.stack([torch.linalg.vector_norm(f, dim=1) for f in flat]), dim=0
             )
             factor = (self.clip_norm / (norms + 1e-12)).clamp(max=1.0)
+            bad = ~torch.isfinite(norms)
+            if bad.any():  # an example whose gradient is not finite contributes nothing (still <= C)
+                factor[bad] = 0.0
+                flat = [torch.where(bad[:, None], torch.zeros((), dtype=f.dtype), f) for f in flat]
             # each client's clipped sum on its own rows: the same arithmetic in any cohort
             ends = np.cumsum(counts)
             for j, (end, count) in enumerate(zip(ends, counts)):
