@@ -226,15 +226,15 @@ def _availability(spec: str):
     from .simulation import MarkovAvailability
 
     kind, _, args = spec.partition(":")
+    if kind == "none" and not args:
+        return None
     try:
-        if kind == "none" and not args:
-            return None
-        values = [float(v) for v in args.split(",")]
-        if kind == "markov" and len(values) == 2:
+        values = [float(v) for v in args.split(",")] if kind == "markov" else []
+        if len(values) == 2:
             return MarkovAvailability(*values)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--availability: {exc}") from None
-    raise argparse.ArgumentTypeError(f"--availability must be none or markov:<p_off>,<p_on>, got {spec!r}")
+        raise ValueError(f"--availability: {exc}") from None
+    raise ValueError(f"--availability must be none or markov:<p_off>,<p_on>, got {spec!r}")
 
 
 def _optional_epsilon(v: str) -> float | None:

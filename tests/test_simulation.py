@@ -522,6 +522,10 @@ def test_results_are_identical_for_any_number_of_actors():
         ({"sigma_star": 1.0}, "give both sigma_star and sigma_delta"),
         ({"iterations": 0}, "iterations must be an integer >= 1"),
         ({"certify_every": 0}, "certify_every must be an integer >= 1"),
+        ({"backend": "inline", "num_actors": 2}, "num_actors and ray_address need backend='ray'"),
+        ({"mixer_options": {"sigma": 1}}, "mixer_options for mode 'inca': .* keyword argument 'sigma'"),
+        ({"accountant": "moments"}, "accountant must be one of"),
+        ({"epsilon": math.inf}, r"epsilon \(or None\) must be a finite number > 0"),
     ],
 )
 def test_bad_configuration_names_the_parameter(kwargs, match):
@@ -557,6 +561,17 @@ def test_bad_inputs_name_what_was_wrong():
         run(epsilon=None)
     with pytest.raises(ValueError, match="central-dp needs noise_multiplier"):
         run(mode="central-dp", epsilon=None)
+    # a model that does not fit the data fails before anything is spent, naming which data
+    with pytest.raises(ValueError, match=r"partitions \(the training data\) does not fit the model"):
+        simulate(
+            functools.partial(torch.nn.Linear, 5, CLASSES), PARTS, None, SimulationConfig(backend="inline"),
+            progress=False,
+        )
+    with pytest.raises(ValueError, match="test_set does not fit the model"):
+        simulate(MODEL, PARTS, (XT[:, :5], YT), SimulationConfig(backend="inline"), progress=False)
+    with pytest.raises(ValueError, match="loss_fn must return one loss per example"):
+        simulate(MODEL, PARTS, None, SimulationConfig(backend="inline"), progress=False,
+                 loss_fn=torch.nn.functional.cross_entropy)
     with pytest.raises(ValueError, match="partitions must be a Partitions"):
         simulate(MODEL, [[0, 1], [2, 3]], None, SimulationConfig(backend="inline"), progress=False)
 

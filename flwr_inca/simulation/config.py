@@ -179,8 +179,14 @@ class SimulationConfig:
             raise ValueError(
                 f"mode {self.mode!r} adds no noise (its epsilon is infinite): run it with epsilon=None"
             )
-        if self.mode == "inca":  # the mixer validates its own parameters with clear errors
-            MIXERS["inca"].from_config(self)
+        if self.backend != "ray" and (self.num_actors is not None or self.ray_address is not None):
+            raise ValueError(
+                "num_actors and ray_address need backend='ray' (the inline backend has no actors)"
+            )
+        if self.mode == "inca" or self.mixer_options:  # the mixer validates its own parameters
+            from .mixers import create_mixer
+
+            create_mixer(self)
 
     @property
     def learning_rate(self) -> float:

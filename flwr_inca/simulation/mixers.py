@@ -167,11 +167,16 @@ def register_mixer(cls: type[Mixer]) -> type[Mixer]:
 
 
 def create_mixer(config: SimulationConfig) -> Mixer:
+    """A new mixer of ``config.mode`` with its ``from_config``; ``ValueError`` naming ``mixer_options``
+    for an option the mechanism does not take."""
     try:
         cls = MIXERS[config.mode]
     except KeyError:
         raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {config.mode!r}") from None
-    return cls.from_config(config)
+    try:
+        return cls.from_config(config)
+    except TypeError as exc:  # an unknown or missing keyword argument
+        raise ValueError(f"mixer_options for mode {config.mode!r}: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------ FedAvg

@@ -41,7 +41,7 @@ from .config import SimulationConfig
 from .history import History, RoundRecord
 from .mixers import MixContext, Mixer, RoundPlan, create_mixer
 from .partitions import Partitions
-from .training import LossFn, ParamSpec, evaluate
+from .training import LossFn, ParamSpec, cross_entropy, evaluate
 
 __all__ = ["simulate", "RoundContext", "charge_resolution"]
 
@@ -162,6 +162,10 @@ def simulate(
         raise ValueError(f"model_fn must return a torch nn.Module, got {type(model).__name__}")
     spec = ParamSpec.of(model)
     params = spec.vector(model)
+    # before anything is spent: a model that does not fit the data fails here, saying which data
+    _check_fits(model, loss_fn, *partitions.client(0), "partitions (the training data)")
+    if test_set is not None:
+        _check_fits(model, loss_fn, test_set[0], test_set[1], "test_set")
 
     plan = privacy_plan(
         config.privacy_unit,
@@ -394,6 +398,26 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _check_fits(model: nn.Module, loss_fn: LossFn | None, x: np.ndarray, y: np.ndarray, what: str) -> None:
+    """Run the model and the loss on two examples of ``(x, y)``; ``ValueError`` naming ``what`` if they
+    do not fit (wrong input width, classes, dtypes) or the loss is not one value per example."""
+    x, y = np.ascontiguousarray(x[:2]), np.ascontiguousarray(y[:2])
+    try:
+        with torch.no_grad():
+            losses = (loss_fn or cross_entropy)(model(torch.from_numpy(x)), torch.from_numpy(y))
+    except Exception as exc:  # noqa: BLE001  (any failure is reported with what it was run on)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(
+            f"{what} does not fit the model of model_fn (or loss_fn): on 2 of its examples "
+            f"(x {x.dtype} {x.shape[1:]}, y {y.dtype}), {type(exc).__name__}: {first}"
+        ) from None
+    if tuple(getattr(losses, "shape", ())) != (len(y),):
+        raise ValueError(
+            f"loss_fn must return one loss per example (shape ({len(y)},)), got "
+            f"{tuple(getattr(losses, 'shape', ()))}"
+        )
 
 
 def _zero_diverged(updates: np.ndarray, participants: np.ndarray, rnd: int, history: History) -> None:
