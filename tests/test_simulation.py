@@ -623,9 +623,17 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     assert len(list((out / "traces").iterdir())) == 3
     hist = json.loads((out / "history.json").read_text())
     assert hist["rounds"][-1]["accuracy"] > 0.5 and hist["rounds"][-1]["epsilon"] <= 4.0
+    # --json: one JSON summary on stdout, an unbounded epsilon written "inf"
+    common = ["simulate", "--clients", "6", "--rounds", "1", "--backend", "inline", "--batch-size", "20"]
+    json_out = ["--json", "--out", str(tmp_path / "j")]
+    assert main([*common, "--mode", "fedavg", "--epsilon", "none", *json_out]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["epsilon"] == "inf" and summary["rounds"] == 1 and summary["accuracy"] > 0
     load_mnist.cache_clear()
     assert main(["simulate", "--clients", "1", "--backend", "inline", "--out", str(tmp_path / "x")]) == 2
     assert "num_clients must be an integer >= 2" in capsys.readouterr().err
+    assert main([*common, "--availability", "markov:2,0.5", "--out", str(tmp_path / "y")]) == 2
+    assert "--availability: p_off must be in [0, 1], got 2.0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("schedule", ["incremental", "early"])
