@@ -14,6 +14,7 @@ import numpy as np
 
 from ._checks import check_int, check_real
 from ._json import dumps
+from .study import add_study_parser
 from .protocol import (
     IncaConfig,
     MarkovDropout,
@@ -420,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
     s.set_defaults(func=cmd_simulate)
     add_reproduce_parser(sub)
+    add_study_parser(sub)
     return p
 
 
