@@ -14,7 +14,6 @@ import numpy as np
 
 from ._checks import check_int, check_real
 from ._json import dumps
-from .study import add_study_parser
 from .protocol import (
     IncaConfig,
     MarkovDropout,
@@ -24,6 +23,7 @@ from .protocol import (
     run_inca,
 )
 from .protocol.dropout import DropoutModel
+from .study import add_study_parser
 
 
 def parse_dropout(spec: str) -> DropoutModel:

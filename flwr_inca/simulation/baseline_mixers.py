@@ -36,12 +36,23 @@ import math
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components
 
-from ..baselines import DPGossip, LocalDP, Muffliato, noisy_gossip_step, pndp_mean_privacy_loss
+from ..baselines import (
+    DPGossip,
+    GossipExecution,
+    LocalDP,
+    Muffliato,
+    gossip_matrix,
+    graph_adjacency,
+    noisy_gossip_step,
+    pndp_mean_privacy_loss,
+)
 from . import seeding
 from .mixers import MixContext, Mixer, RoundPlan, register_mixer
 
-__all__ = ["LocalDPMixer", "DPGossipMixer", "MuffliatoMixer", "WithinRoundDropout"]
+__all__ = ["DPGossipMixer", "LocalDPMixer", "MuffliatoMixer", "WithinRoundDropout"]
 
 # purposes of this module's streams (beside seeding's; never reorder)
 _GRAPH, _DROPOUT = 101, 102
@@ -148,9 +159,11 @@ class MuffliatoMixer(Mixer):
         super().__init__()
         self.expected_degree = None if expected_degree is None else _check_degree("expected_degree", expected_degree)
         self.iterations = None if iterations is None else _check_degree("iterations", iterations)
+        self._spectrum: tuple[int, float | None] | None = None
 
     def prepare(self, context: MixContext) -> None:
         super().prepare(context)
+        self._spectrum = None
         if context.mu_round is None:
             raise ValueError("muffliato needs a budget (epsilon): its noise comes from its own accounting")
 
@@ -159,13 +172,21 @@ class MuffliatoMixer(Mixer):
         degree = self.expected_degree or math.ceil(2.0 * math.log(n))
         graph = f"erdos-renyi:{min(1.0, degree / max(1, n - 1)):.12g}"
         for attempt in range(20):  # a disconnected draw never averages: draw again
-            try:
-                execution = Muffliato(1.0, graph, self.iterations).sample_execution(
-                    n, seed=seeding.seed_of(self.context.seed, _GRAPH, 0, attempt))
+            graph_seed = seeding.seed_of(self.context.seed, _GRAPH, 0, attempt)
+            if self._spectrum is None:  # T and the Chebyshev lam: from the first round's graph
+                try:
+                    first = Muffliato(1.0, graph, self.iterations).sample_execution(n, seed=graph_seed)
+                except ValueError as exc:
+                    if "disconnected" not in str(exc) or attempt == 19:
+                        raise
+                    continue
+                self._spectrum = (first.iterations, first.chebyshev)
+            # later rounds (other participants) keep T and lam: the recursion keeps the mean for any
+            # lam, and Muffliato's accounting depends on T and the degrees only
+            A = graph_adjacency(graph, n, graph_seed)
+            if n < 3 or _connected(A):
                 break
-            except ValueError as exc:
-                if "disconnected" not in str(exc) or attempt == 19:
-                    raise
+        execution = GossipExecution(A, gossip_matrix(A, Muffliato.weights), *self._spectrum)
         T, S = execution.iterations, self.context.value_sensitivity
         max_degree = float(np.asarray((execution.adjacency > 0).sum(axis=1)).max())
         # the mean pairwise loss alpha T d S^2 / (2 n sigma^2) is that of a Gaussian of mu: alpha mu^2 / 2
@@ -233,6 +254,10 @@ class WithinRoundDropout(Mixer):
 
     def describe(self) -> str:
         return f"{self.inner.describe()}; {self.gamma:.0%} of the participants drop out before mixing"
+
+
+def _connected(adjacency: sp.spmatrix) -> bool:
+    return connected_components(adjacency, directed=False, return_labels=False) == 1
 
 
 def round_half(x: float) -> int:

@@ -2,4 +2,4 @@
 
 from .mnist import DEFAULT_GRID, FULL_GRID, METHODS, TINY_GRID, StudyGrid, add_study_parser, run_study
 
-__all__ = ["StudyGrid", "DEFAULT_GRID", "FULL_GRID", "TINY_GRID", "METHODS", "run_study", "add_study_parser"]
+__all__ = ["DEFAULT_GRID", "FULL_GRID", "METHODS", "TINY_GRID", "StudyGrid", "add_study_parser", "run_study"]
