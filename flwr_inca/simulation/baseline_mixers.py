@@ -155,8 +155,10 @@ class MuffliatoMixer(Mixer):
 
     name = "muffliato"
 
-    def __init__(self, expected_degree: int | None = None, iterations: int | None = None) -> None:
+    def __init__(self, expected_degree: int | None = None, iterations: int | None = None,
+                 node_estimates: bool = True) -> None:
         super().__init__()
+        self.node_estimates = bool(node_estimates)
         self.expected_degree = None if expected_degree is None else _check_degree("expected_degree", expected_degree)
         self.iterations = None if iterations is None else _check_degree("iterations", iterations)
         self._spectrum: tuple[int, float | None] | None = None
@@ -201,6 +203,12 @@ class MuffliatoMixer(Mixer):
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
         execution = plan.info.pop("execution")
         seed = seeding.seed_of(self.context.seed, seeding.NOISE, plan.round)
+        if not self.node_estimates:
+            # W is doubly stochastic and the Chebyshev recursion keeps the mean (a_t - b_t = 1): the
+            # parties' average is the mean of the noised updates whatever the gossip (same distribution; the
+            # noise stream differs): skip the gossip when only the average is needed
+            return np.asarray(LocalDP(plan.info["noise_std"]).execute(updates, updates.shape[0], seed=seed).estimate,
+                              dtype=updates.dtype)
         result = Muffliato(plan.info["noise_std"], plan.info["graph"], plan.info["iterations"]).execute(
             updates, execution, seed=seed)
         plan.info["node_updates"] = np.asarray(result.party_estimates, dtype=updates.dtype)
