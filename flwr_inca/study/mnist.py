@@ -442,12 +442,13 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
         key = (phase, method, n, part, float(eps), float(gamma), seed, float(lr), float(clip), int(rnds))
         twin = ("tune",) + key[1:]
         units = n * rnds
-        if key in done or (phase == "test" and twin in tuning_runs):
+        reuse = phase == "test" and twin in tuning_runs and method != "muffliato"  # its tuning skipped the gossip
+        if key in done or reuse:
             progress.total_units -= units  # nothing to run
             units = 0
         if key in done:
             d = record(done[key])
-        elif phase == "test" and twin in tuning_runs:  # the selected tuning run is this cell: its model's test score
+        elif reuse:  # the selected tuning run is this cell: its model's test score
             d = record({**tuning_runs[twin], "phase": "test", "accuracy": tuning_runs[twin]["test_accuracy"],
                         "note": (tuning_runs[twin]["note"] + "; " if tuning_runs[twin]["note"] else "")
                         + "the selected tuning run"})
