@@ -228,7 +228,7 @@ class WithinRoundDropout(Mixer):
     def __init__(self, inner: Mixer, gamma: float) -> None:
         super().__init__()
         if not isinstance(inner, Mixer):
-            raise ValueError(f"inner must be a Mixer, got {type(inner).__name__}")
+            raise ValueError(f"inner must be a Mixer, got {type(inner).__name__}")  # noqa: TRY004  (the project names bad arguments with ValueError)
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (0.0 <= gamma < 1.0):
             raise ValueError(f"gamma (share of participants dropping out in a round) must be in [0, 1), got {gamma!r}")
         self.inner, self.gamma = inner, float(gamma)
@@ -237,12 +237,12 @@ class WithinRoundDropout(Mixer):
 
     def prepare(self, context: MixContext) -> None:
         super().prepare(context)
-        survivors = max(2, context.participants - int(round(self.gamma * context.participants)))
+        survivors = max(2, context.participants - round_half(self.gamma * context.participants))
         self.inner.prepare(MixContext(context.value_sensitivity, context.mu_round, context.delta, survivors,
                                       context.dimension, context.seed, context.precision))
 
     def plan(self, round: int, participants: int) -> RoundPlan:
-        drop = min(int(round_half(self.gamma * participants)), participants - 2)
+        drop = min(round_half(self.gamma * participants), participants - 2)
         rng = seeding.stream(self.context.seed, _DROPOUT, round)
         rows = np.sort(rng.choice(participants, size=participants - drop, replace=False))
         inner = self.inner.plan(round, int(rows.size))
@@ -270,4 +270,4 @@ def _connected(adjacency: sp.spmatrix) -> bool:
 
 def round_half(x: float) -> int:
     """Round half up (``round(0.5) == 1``), so that a share of a small cohort is not lost to banker's rounding."""
-    return int(math.floor(x + 0.5))
+    return math.floor(x + 0.5)

@@ -236,7 +236,7 @@ class _CalibrationCache:
                 epsilon_for_delta(ref, delta), delta, n, iterations=self.grid.iterations,
                 neighbors=min(self.grid.neighbors, n - 1), collusion=self.grid.collusion,
                 dropout=PermanentDropout(gamma) if gamma > 0 else None, runs=self.grid.calibration_runs,
-                seed=1414 + 7919 * n + int(round(gamma * 1000)), procedure=procedure, value_sensitivity=1.0)
+                seed=1414 + 7919 * n + round(gamma * 1000), procedure=procedure, value_sensitivity=1.0)
             self.seconds += time.perf_counter() - start
         cal = self.cache[key]
         scale = sensitivity * ref / mu_target
