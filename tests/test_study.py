@@ -129,7 +129,8 @@ def _blobs(n, features=784, classes=10, seed=0):
 def test_baseline_mixers_train_in_the_simulator_within_the_budget(mode):
     x, y = _blobs(1200, features=20, classes=3)
     parts = iid(x[:1000], y[:1000], 10)
-    config = SimulationConfig(rounds=4, mode=mode, epsilon=4.0, backend="inline", lr=1.0, batch_size=20)
+    config = SimulationConfig(rounds=4, mode=mode, epsilon=4.0, backend="inline", lr=1.0, batch_size=20,
+                              accountant="rdp")
     history = simulate(lambda: torch.nn.Linear(20, 3), parts, (x[1000:], y[1000:]), config, progress=False)
     assert len(history.records) == 5 and not history.stopped
     assert history.records[-1].epsilon <= 4.0
