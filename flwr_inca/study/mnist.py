@@ -605,6 +605,8 @@ def add_study_parser(sub: Any) -> None:
     s.add_argument("--data-dir", default=None, help="directory of the MNIST IDX files (else FLWR_INCA_MNIST_DIR)")
     s.add_argument("--out", default="study-mnist", help="output directory (default: study-mnist)")
     s.add_argument("--clients", type=_ints, help="override the grid's n values, e.g. 100,1000")
+    s.add_argument("--partitions", type=lambda t: tuple(v for v in t.split(",") if v),
+                   help="override the grid's partitions, e.g. iid,dirichlet:0.5")
     s.add_argument("--epsilons", type=_floats, help="override the grid's epsilons")
     s.add_argument("--gammas", type=_floats, help="override the grid's gammas")
     s.add_argument("--seeds", type=_ints, help="override the grid's seeds, e.g. 0,1,2")
@@ -618,7 +620,7 @@ def _cmd_study(args: Any) -> int:
     from ..simulation.data import load_mnist
 
     grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
-    changes = {k: getattr(args, k) for k in ("clients", "epsilons", "gammas", "seeds", "methods")
+    changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods")
                if getattr(args, k, None)}
     try:
         grid = replace(grid, **changes)
