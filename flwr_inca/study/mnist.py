@@ -384,7 +384,8 @@ class _Progress:
         self.done_units += units
         elapsed = time.perf_counter() - self.started
         eta = elapsed / self.done_units * (self.total_units - self.done_units) if self.done_units else math.nan
-        return f"[{k:>3}/{total}] {text}  | elapsed {elapsed / 60:.1f} min, ETA {eta / 60:.1f} min"
+        eta_text = "?" if not math.isfinite(eta) else f"{eta / 60:.1f} min"
+        return f"[{k:>3}/{total}] {text}  | elapsed {elapsed / 60:.1f} min, ETA {eta_text}"
 
 
 def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path = "study-mnist", *,
@@ -396,7 +397,7 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
     out.mkdir(parents=True, exist_ok=True)
     runs_path = out / "runs.csv"
     done = {_key(r): r for r in _read_rows(runs_path)} if resume else {}
-    if not resume and runs_path.exists():
+    if runs_path.exists():  # rewritten: the runs reused (resume) are recorded again as the grid reaches them
         runs_path.unlink()
     data = split_data(dataset, grid)
     cache = _CalibrationCache(grid)
