@@ -383,7 +383,8 @@ class _Progress:
     def line(self, k: int, total: int, text: str, units: float) -> str:
         self.done_units += units
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / self.done_units * (self.total_units - self.done_units) if self.done_units else math.nan
+        left = max(0.0, self.total_units - self.done_units)
+        eta = elapsed / self.done_units * left if self.done_units else math.nan
         eta_text = "?" if not math.isfinite(eta) else f"{eta / 60:.1f} min"
         return f"[{k:>3}/{total}] {text}  | elapsed {elapsed / 60:.1f} min, ETA {eta_text}"
 
@@ -474,6 +475,8 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
                     scores.append((-1.0 if d["accuracy"] is None else float(d["accuracy"]), lr, clip, rnds))
                 best = max(scores, key=lambda s: s[0])
                 tuned[(n, part, method)] = best[1:]
+    # the evaluation's work is known once the rounds are tuned: the ETA counts it from here
+    progress.total_units = progress.done_units + sum(c[0] * tuned[(c[0], c[1], c[2])][2] for c in cells)
     for n, part, method, eps, gamma, seed in cells:
         lr, clip, rnds = tuned[(n, part, method)]
         run("test", method, n, part, eps, gamma, seed, lr, clip, rnds)
