@@ -583,7 +583,7 @@ def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
         where = f"γ = {fixed:g}" if x_key == "epsilon" else f"ε = {fixed:g}"
         ax.set_title(f"MNIST logistic regression, n = {n}, {part}, {where}", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left")
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=120)
         plt.close(fig)
