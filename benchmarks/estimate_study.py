@@ -4,11 +4,12 @@
         --certify 1000:SECONDS 100:SECONDS
 
 Cost model, per method and n, from the runs that were executed (not reused) in the given runs.csv
-files: seconds = a + b * rounds (least squares over that method's runs at that n; one run: b only).
+files: seconds = a + b * rounds (least squares over that method's runs at that n; one run: b only);
+test runs are assumed to use the largest tuned rounds (``--eval-rounds`` to change).
 IncA's certificate, taken every ``certify_every`` rounds in the measured runs, is taken every round in
 the full grid: each extra certificate is charged ``--certify n:seconds`` (measure it with
 ``benchmarks/bench_simulation.py certify``). n without measurements is scaled linearly from the
-nearest measured n (training and mixing grow about linearly; an estimate). The output is an
+nearest measured n (the per-round part b; training and mixing grow about linearly; an estimate). The output is an
 *estimate*, not a measurement.
 """
 
@@ -63,6 +64,8 @@ def main() -> None:
     p.add_argument("--grid", choices=["full", "default"], default="full")
     p.add_argument("--certify", nargs="*", default=[], help="n:seconds of one exact IncA certificate")
     p.add_argument("--measured-certify-every", type=int, default=DEFAULT_GRID.certify_every)
+    p.add_argument("--eval-rounds", type=int, default=None,
+                   help="rounds of each test run (default: the largest tuned rounds, as the default study chose)")
     args = p.parse_args()
     grid = FULL_GRID if args.grid == "full" else DEFAULT_GRID
     certify = {int(k): float(v) for k, v in (c.split(":") for c in args.certify)}
@@ -83,7 +86,7 @@ def main() -> None:
         measured = sorted(m for (meth, m) in models if meth == method)
         near = min(measured, key=lambda m: abs(np.log(m / n)))
         a, b = models[(method, near)]
-        seconds = (a + b * rounds) * n / near
+        seconds = a + b * rounds * n / near  # per-run overhead (privacy plan, set-up) does not scale with n
         if method.startswith("inca") and grid.certify_every < args.measured_certify_every:
             extra = rounds * (1 / grid.certify_every - 1 / args.measured_certify_every)
             seconds += extra * certify.get(n, certify.get(near, 0.0) * (n / near) ** 2.5)
@@ -92,18 +95,19 @@ def main() -> None:
     settings = grid.tuning_settings()
     points = grid.points()
     total, parts = 0.0, defaultdict(float)
-    mean_rounds = float(np.mean([r for _, _, r in settings]))
+    eval_rounds = args.eval_rounds or max(r for _, _, r in settings)
     for n in grid.clients:
         for _ in grid.partitions:
             for method in grid.methods:
                 for _, _, rounds in settings:
                     parts[f"tuning n={n}"] += cost(method, n, rounds)
                 cells = len(points) * len(grid.seeds) if method != "fedavg" else len(grid.gammas) * len(grid.seeds)
-                parts[f"evaluation n={n}"] += cells * cost(method, n, round(mean_rounds))
+                parts[f"evaluation n={n}"] += cells * cost(method, n, eval_rounds)
     total = sum(parts.values())
     for k, v in parts.items():
         print(f"{k:<22} {v / 3600:8.1f} h")
-    print(f"{'total (estimate)':<22} {total / 3600:8.1f} h  ({args.grid} grid: {grid.describe()})")
+    print(f"{'total (estimate)':<22} {total / 3600:8.1f} h  ({args.grid} grid, test runs of {eval_rounds} rounds: "
+          f"{grid.describe()})")
 
 
 if __name__ == "__main__":
