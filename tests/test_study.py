@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flwr_inca.baselines import gossip_matrix, graph_adjacency, noisy_gossip_step  # noqa: E402
-from flwr_inca.simulation import (  # noqa: E402
+from flwr_inca.baselines import noisy_gossip_step
+from flwr_inca.simulation import (
     CentralDPMixer,
     MixContext,
     SimulationConfig,
@@ -21,16 +21,16 @@ from flwr_inca.simulation import (  # noqa: E402
     seeding,
     simulate,
 )
-from flwr_inca.simulation.baseline_mixers import (  # noqa: E402
+from flwr_inca.simulation.baseline_mixers import (
     DPGossipMixer,
     LocalDPMixer,
     MuffliatoMixer,
     WithinRoundDropout,
 )
-from flwr_inca.simulation.data import Dataset  # noqa: E402
-from flwr_inca.simulation.training import CohortTrainer, LocalWork  # noqa: E402
-from flwr_inca.study import TINY_GRID, StudyGrid, run_study  # noqa: E402
-from flwr_inca.study.mnist import accuracies, worst_node  # noqa: E402
+from flwr_inca.simulation.data import Dataset
+from flwr_inca.simulation.training import CohortTrainer, LocalWork
+from flwr_inca.study import TINY_GRID, StudyGrid, run_study
+from flwr_inca.study.mnist import accuracies, worst_node
 
 MNIST = Path(os.environ.get("FLWR_INCA_MNIST_DIR", Path(__file__).resolve().parents[2] / "shared/data/mnist"))
 

@@ -15,8 +15,9 @@ Each mixer reuses the averaging core of :mod:`flwr_inca.baselines` (no second im
   sparse Erdos-Renyi graph (:class:`flwr_inca.baselines.Muffliato`), with **its own, weaker, accounting**:
   Pairwise Network DP, a *mean* privacy loss over pairs of parties (Cyffers et al. 2022, Eq. (7);
   :func:`flwr_inca.baselines.pndp_mean_privacy_loss`). Its noise is set so that this mean loss meets the
-  round target; the local-DP guarantee a colluding neighbour actually faces (``S / sigma``, far
-  weaker) is in the plan's ``info["mu_collusion"]``.
+  round target; the local-DP guarantee a colluding neighbour actually faces (``S / sigma``, weaker
+  than the target when ``T d_max < n``: 1.55x the target at 900 participants) is in the plan's
+  ``info["mu_collusion"]``.
 
 The gossip mixers release the *average* of the parties' estimates as the model update (the
 simulator keeps one model) and put each party's own estimate in ``plan.info["node_updates"]`` (rows in
