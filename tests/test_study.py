@@ -232,3 +232,23 @@ def test_cli_study_mnist_tiny(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| IncA (improved calibration) |" in out
     assert (tmp_path / "accuracy_vs_epsilon.png").exists()
+
+
+def test_study_calibration_cache_scales_like_a_direct_calibration():
+    """The improved calibration is scale-free (a certificate is proportional to S / sigma when both
+    sigmas scale), so the study calibrates once per (n, gamma) and scales; the paper's is per target."""
+    from flwr_inca.privacy.calibration import calibrate
+    from flwr_inca.privacy.conversions import epsilon_for_delta
+    from flwr_inca.protocol.dropout import PermanentDropout
+    from flwr_inca.study.mnist import _CalibrationCache
+
+    grid = StudyGrid(iterations=4, calibration_runs=2)
+    cache = _CalibrationCache(grid)
+    n, gamma, mu, S = 20, 0.1, 0.3, 2.0
+    direct = calibrate(epsilon_for_delta(mu, 1e-5), 1e-5, n, iterations=4, neighbors=1, collusion=0.1,
+                       dropout=PermanentDropout(gamma), runs=2, seed=1414 + 7919 * n + 100, procedure="exact",
+                       value_sensitivity=S)
+    cached = cache.get("exact", n, gamma, mu, 1e-5, S)
+    assert cached.sigma_star == pytest.approx(direct.sigma_star, rel=1e-3)
+    assert cached.sigma_delta == pytest.approx(direct.sigma_delta, rel=1e-2)
+    assert cache.get("exact", n, gamma, mu / 2, 1e-5, S).sigma_star == pytest.approx(2 * cached.sigma_star)
