@@ -23,6 +23,7 @@ from .protocol import (
     run_inca,
 )
 from .protocol.dropout import DropoutModel
+from .study import add_study_parser
 
 
 def parse_dropout(spec: str) -> DropoutModel:
@@ -423,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
     s.set_defaults(func=cmd_simulate)
     add_reproduce_parser(sub)
+    add_study_parser(sub)
     return p
 
 

@@ -1,0 +1,642 @@
+"""``flwr-inca study mnist``: IncA next to every alternative on MNIST logistic regression.
+
+The question: does IncA give central-DP accuracy without a trusted aggregator? Each method trains
+``nn.Linear(784, 10)`` (d = 7850) on the 60,000 training images minus a validation split, split over n
+clients, with record-level DP (per-example clipping, Poisson sampling, delta = 1e-5, epsilon total
+over training), through the simulator (:func:`flwr_inca.simulation.simulate`); accuracy on the 10,000
+test images. Methods, each with the accounting of its own threat model:
+
+* ``fedavg``: non-private FedAvg (clipping kept), the ceiling;
+* ``central-dp``: a trusted server adds the noise to the sum;
+* ``inca``: IncA, improved calibration (exact certificate, analytic conversion, optimised alpha),
+  certified every round against 10% colluding participants; ``inca-paper``: the paper's calibration
+  (alpha = 1.3, classic bound; only where the per-round epsilon is below 1, as that bound needs);
+* ``local-dp``: each client noises its update;
+* ``dp-gossip``: D-SGD with DP gossip on a sparse Erdos-Renyi graph (average and worst node reported);
+* ``muffliato``: with its own, weaker, Pairwise Network DP accounting (labelled as such).
+
+Dropouts ``gamma``: a ``gamma`` share of each round's participants drops out during the round (IncA:
+``PermanentDropout(gamma)`` inside its mixing; the others: their update never arrives), and clients are
+unavailable for whole rounds with a Markov chain whose stationary unavailable share is ``gamma``
+(``p_on = 0.5``).
+
+Tuning: every method gets the same grid of (learning rate, clipping bound, rounds), run at the tuning
+point (epsilon = 1, gamma = 0.1, first seed) and scored on the validation split (held out from the
+training set, never the test set); the best setting is used for all of that method's cells.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DEFAULT_GRID", "FULL_GRID", "METHODS", "TINY_GRID", "StudyGrid", "add_study_parser", "run_study"]
+
+METHODS: dict[str, str] = {
+    "fedavg": "FedAvg, no privacy (clipped)",
+    "central-dp": "central DP (trusted server)",
+    "inca": "IncA (improved calibration)",
+    "inca-paper": "IncA (paper's calibration)",
+    "local-dp": "local DP",
+    "dp-gossip": "DP gossip / D-SGD",
+    "muffliato": "Muffliato (PNDP accounting: weaker)",
+}
+TRUSTED = ("fedavg", "central-dp")
+
+
+@dataclass(frozen=True)
+class StudyGrid:
+    """What the study runs.
+
+    ``epsilons`` are swept at ``gamma_at_epsilon`` and ``gammas`` at ``epsilon_at_gamma``, unless
+    ``product`` (every epsilon at every gamma). Tuning runs every (lr, clip, rounds) of the three
+    lists at (``tune_epsilon``, ``tune_gamma``, first seed) for every method.
+    """
+
+    clients: tuple[int, ...] = (1000,)
+    partitions: tuple[str, ...] = ("iid",)
+    epsilons: tuple[float, ...] = (0.5, 1.0, 2.0, 8.0)
+    gammas: tuple[float, ...] = (0.0, 0.1, 0.3)
+    seeds: tuple[int, ...] = (0,)
+    methods: tuple[str, ...] = tuple(METHODS)
+    product: bool = False
+    gamma_at_epsilon: float = 0.1
+    epsilon_at_gamma: float = 1.0
+    tune_lr: tuple[float, ...] = (1.5, 4.0)
+    tune_clip: tuple[float, ...] = (1.0,)
+    tune_rounds: tuple[int, ...] = (10, 25)
+    tune_epsilon: float = 1.0
+    tune_gamma: float = 0.1
+    delta: float = 1e-5
+    batch_size: int = 10
+    validation: int = 6000
+    collusion: float = 0.1
+    iterations: int = 10
+    neighbors: int = 1
+    certify_every: int = 10
+    calibration_runs: int = 3
+    train_examples: int | None = None  # None: all (60,000 - validation); tests use fewer
+    test_examples: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods", "tune_lr", "tune_clip",
+                     "tune_rounds"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} must not be empty")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"methods: unknown {unknown}; choose from {list(METHODS)}")
+        if any((not isinstance(n, int)) or n < 3 for n in self.clients):
+            raise ValueError(f"clients must be integers >= 3, got {self.clients}")
+        for p in self.partitions:
+            _partition_alpha(p)
+        if any(not (math.isfinite(e) and e > 0) for e in self.epsilons):
+            raise ValueError(f"epsilons must be finite numbers > 0, got {self.epsilons}")
+        if any(not (0 <= g < 1) for g in self.gammas + (self.tune_gamma, self.gamma_at_epsilon)):
+            raise ValueError(f"gammas must be in [0, 1), got {self.gammas}")
+        if any(r < 1 for r in self.tune_rounds) or any(x <= 0 for x in self.tune_lr + self.tune_clip):
+            raise ValueError("tune_rounds must be >= 1, tune_lr and tune_clip > 0")
+        if not (0 < self.validation < 60000):
+            raise ValueError(f"validation (examples held out of training) must be in (0, 60000), got {self.validation}")
+
+    def tuning_settings(self) -> list[tuple[float, float, int]]:
+        return [(lr, c, r) for lr in self.tune_lr for c in self.tune_clip for r in self.tune_rounds]
+
+    def points(self) -> list[tuple[float, float]]:
+        """(epsilon, gamma) evaluation points."""
+        if self.product:
+            pts = [(e, g) for e in self.epsilons for g in self.gammas]
+        else:
+            pts = [(e, self.gamma_at_epsilon) for e in self.epsilons]
+            pts += [(self.epsilon_at_gamma, g) for g in self.gammas if (self.epsilon_at_gamma, g) not in pts]
+        return pts
+
+    def describe(self) -> str:
+        return (f"n in {list(self.clients)}, partitions {list(self.partitions)}, epsilon in {list(self.epsilons)}"
+                f" (at gamma = {self.gamma_at_epsilon}), gamma in {list(self.gammas)} (at epsilon = "
+                f"{self.epsilon_at_gamma})" if not self.product else
+                f"n in {list(self.clients)}, partitions {list(self.partitions)}, epsilon in "
+                f"{list(self.epsilons)} x gamma in {list(self.gammas)}") + (
+                f", seeds {list(self.seeds)}; tuning grid lr {list(self.tune_lr)} x clip {list(self.tune_clip)} x "
+                f"rounds {list(self.tune_rounds)} at epsilon = {self.tune_epsilon}, gamma = {self.tune_gamma}; "
+                f"batch {self.batch_size}, IncA T = {self.iterations}, k = {self.neighbors}, "
+                f"{self.collusion:.0%} colluders, certified every {self.certify_every} round(s)")
+
+
+def _partition_alpha(name: str) -> float | None:
+    if name == "iid":
+        return None
+    if name.startswith("dirichlet:"):
+        try:
+            alpha = float(name.split(":", 1)[1])
+        except ValueError:
+            alpha = -1.0
+        if alpha > 0:
+            return alpha
+    raise ValueError(f"partition must be 'iid' or 'dirichlet:<alpha>' with alpha > 0, got {name!r}")
+
+
+DEFAULT_GRID = StudyGrid()
+FULL_GRID = StudyGrid(clients=(100, 1000), partitions=("iid", "dirichlet:0.5"), seeds=(0, 1, 2), product=True,
+                      epsilons=(0.5, 1.0, 2.0, 4.0, 8.0),
+                      tune_lr=(1.0, 3.0, 8.0), tune_clip=(0.5, 1.0, 2.0), tune_rounds=(10, 25, 50), certify_every=1,
+                      calibration_runs=10)
+TINY_GRID = StudyGrid(clients=(8,), epsilons=(1.0, 4.0), gammas=(0.0, 0.25), tune_lr=(2.0,), tune_clip=(1.0,),
+                      tune_rounds=(2,), tune_gamma=0.25, gamma_at_epsilon=0.25, validation=300, batch_size=10,
+                      iterations=3, calibration_runs=1, certify_every=1, train_examples=800, test_examples=300)
+
+
+# ------------------------------------------------------------------------------------------ data
+@dataclass
+class StudyData:
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    source: str
+
+
+def split_data(dataset: Any, grid: StudyGrid, seed: int = 0) -> StudyData:
+    """Hold ``grid.validation`` training examples out (a fixed permutation) for tuning."""
+    rng = np.random.default_rng([seed, 1414])
+    perm = rng.permutation(len(dataset.y_train))
+    val, train = perm[: grid.validation], perm[grid.validation:]
+    if grid.train_examples is not None:
+        train = train[: grid.train_examples]
+    test = slice(None) if grid.test_examples is None else slice(0, grid.test_examples)
+    return StudyData(dataset.x_train[train], dataset.y_train[train], dataset.x_train[val], dataset.y_train[val],
+                     dataset.x_test[test], dataset.y_test[test], getattr(dataset, "name", "mnist"))
+
+
+def accuracies(params: np.ndarray, x: np.ndarray, y: np.ndarray, classes: int = 10) -> np.ndarray:
+    """Accuracy of linear models (rows of ``params``: flat ``nn.Linear`` weight then bias) on (x, y)."""
+    import torch
+
+    params = np.atleast_2d(np.asarray(params, dtype=np.float32))
+    features = x.shape[1]
+    xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    yt = torch.from_numpy(np.asarray(y))
+    out = np.empty(params.shape[0])
+    with torch.no_grad():
+        for lo in range(0, params.shape[0], 64):
+            block = torch.from_numpy(params[lo: lo + 64])
+            w = block[:, : classes * features].reshape(-1, classes, features)
+            b = block[:, classes * features:]
+            logits = torch.einsum("nf,mcf->mnc", xt, w) + b[:, None, :]
+            out[lo: lo + block.shape[0]] = (logits.argmax(dim=2) == yt[None, :]).float().mean(dim=1).numpy()
+    return out
+
+
+def worst_node(models: np.ndarray, x: np.ndarray, y: np.ndarray, screen: int = 2000, keep: int = 20) -> float:
+    """Lowest test accuracy among the parties' models: all screened on the first ``screen`` test
+    examples, the ``keep`` lowest measured again on all of them (a full pass over 1000 models costs
+    70 GFLOP)."""
+    if models.shape[0] <= keep or len(y) <= screen:
+        return float(accuracies(models, x, y).min())
+    rough = accuracies(models, x[:screen], y[:screen])
+    lowest = np.argsort(rough, kind="stable")[:keep]
+    return float(accuracies(models[lowest], x, y).min())
+
+
+# ------------------------------------------------------------------------------------------ IncA noise
+class _CalibrationCache:
+    """IncA's (sigma_star, sigma_delta) per (procedure, expected participants, gamma, round target).
+
+    The improved (exact) calibration is scale-free: the certificate of a linear-Gaussian view is
+    proportional to S / sigma when both sigmas scale together, so one calibration per (n, gamma) at unit
+    sensitivity serves every target by scaling (``mu_ref / mu``). The paper's procedure uses the classic
+    bound on the per-round epsilon, which is not scale-free: it is calibrated per target.
+    """
+
+    def __init__(self, grid: StudyGrid) -> None:
+        self.grid = grid
+        self.cache: dict[tuple, Any] = {}
+        self.seconds = 0.0
+
+    def get(self, procedure: str, n: int, gamma: float, mu_target: float, delta: float, sensitivity: float):
+        from ..privacy.calibration import calibrate
+        from ..privacy.conversions import epsilon_for_delta
+        from ..protocol.dropout import PermanentDropout
+
+        ref = 0.05 if procedure == "exact" else mu_target
+        key = (procedure, n, gamma, round(ref, 12))
+        if key not in self.cache:
+            start = time.perf_counter()
+            self.cache[key] = calibrate(
+                epsilon_for_delta(ref, delta), delta, n, iterations=self.grid.iterations,
+                neighbors=min(self.grid.neighbors, n - 1), collusion=self.grid.collusion,
+                dropout=PermanentDropout(gamma) if gamma > 0 else None, runs=self.grid.calibration_runs,
+                seed=1414 + 7919 * n + round(gamma * 1000), procedure=procedure, value_sensitivity=1.0)
+            self.seconds += time.perf_counter() - start
+        cal = self.cache[key]
+        scale = sensitivity * ref / mu_target
+        return replace(cal, sigma_star=cal.sigma_star * scale, sigma_delta=cal.sigma_delta * scale,
+                       mu_target=mu_target, value_sensitivity=sensitivity)
+
+
+def _inca_mixer(config: Any, procedure: str, gamma: float, cache: _CalibrationCache):
+    from ..simulation.mixers import IncaMixer, Mixer
+
+    class StudyInca(IncaMixer):
+        """IncaMixer whose calibration comes from the study's cache (same target and scaling rule)."""
+
+        def prepare(self, context):
+            Mixer.prepare(self, context)
+            n = max(2, int(context.participants))
+            target = context.mu_round * (1.0 - self.calibration_margin)
+            self.calibration = cache.get(procedure, n, gamma, target, context.delta, context.value_sensitivity)
+            self._calibrated_n = n
+
+    return StudyInca.from_config(config)
+
+
+# ------------------------------------------------------------------------------------------ one run
+@dataclass
+class RunResult:
+    phase: str
+    method: str
+    clients: int
+    partition: str
+    epsilon: float
+    gamma: float
+    seed: int
+    lr: float
+    clip: float
+    rounds: int
+    accuracy: float | None = None  # on the validation split (tuning) or the test set
+    test_accuracy: float | None = None  # tuning runs: the same model on the test set (reused, not selected on)
+    worst_node: float | None = None
+    epsilon_spent: float | None = None
+    rounds_done: int = 0
+    seconds: float = 0.0
+    note: str = ""
+
+
+def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partition: str, epsilon: float,
+            gamma: float, seed: int, lr: float, clip: float, rounds: int, phase: str,
+            cache: _CalibrationCache) -> RunResult:
+    """Train one method once; evaluate on validation (``phase="tune"``) or test."""
+    import torch
+
+    from ..protocol.dropout import PermanentDropout
+    from ..simulation import MarkovAvailability, SimulationConfig, dirichlet, iid, simulate
+    from ..simulation.baseline_mixers import WithinRoundDropout
+    from ..simulation.mixers import create_mixer
+
+    res = RunResult(phase, method, clients, partition, epsilon, gamma, seed, lr, clip, rounds)
+    start = time.perf_counter()
+    alpha = _partition_alpha(partition)
+    parts = (iid(data.x_train, data.y_train, clients, seed=seed) if alpha is None
+             else dirichlet(data.x_train, data.y_train, clients, alpha=alpha, seed=seed))
+    evaluation = (data.x_val, data.y_val) if phase == "tune" else (data.x_test, data.y_test)
+    mode = "inca" if method.startswith("inca") else method
+    config = SimulationConfig(
+        rounds=rounds, mode=mode, epsilon=None if method == "fedavg" else epsilon, delta=grid.delta,
+        privacy_unit="record", lr=lr, clip_norm=clip, batch_size=grid.batch_size,
+        availability=MarkovAvailability(p_off=0.5 * gamma / (1 - gamma), p_on=0.5) if gamma > 0 else None,
+        dropout=PermanentDropout(gamma) if (mode == "inca" and gamma > 0) else None,
+        iterations=grid.iterations, neighbors=grid.neighbors, collusion=grid.collusion,
+        certify_every=grid.certify_every, calibration_runs=grid.calibration_runs,
+        backend="inline", seed=seed, eval_every=rounds + 1)
+    if mode == "inca":
+        mixer = _inca_mixer(config, "paper" if method == "inca-paper" else "exact", gamma, cache)
+    else:
+        mixer = create_mixer(config)
+        if method == "muffliato" and phase == "tune":  # the average model only: no per-party gossip needed
+            mixer = type(mixer)(node_estimates=False)
+        if gamma > 0:
+            mixer = WithinRoundDropout(mixer, gamma)
+
+    deviation = np.zeros((clients, 7850), dtype=np.float32) if method in ("dp-gossip", "muffliato") else None
+    last_nodes: list[np.ndarray] = []
+
+    def on_round(ctx) -> None:
+        nodes = ctx.plan.info.pop("node_updates", None)
+        if deviation is None or nodes is None:
+            return
+        rows = ctx.plan.info.get("rows", np.arange(len(ctx.participants)))
+        ids = ctx.participants[rows]
+        keep = deviation[ids] + (nodes - ctx.update[None, :])
+        deviation[:] = 0.0  # the others rejoin with the current model (the simulator's rule)
+        deviation[ids] = keep
+        last_nodes[:] = [ids]
+
+    try:
+        history = simulate(lambda: torch.nn.Linear(784, 10), parts, None, config, mixer=mixer, progress=False,
+                           on_round=on_round if deviation is not None else None)
+    except ValueError as exc:  # e.g. the paper's classic bound needs a per-round epsilon < 1
+        res.note = f"not run: {exc}"
+        res.seconds = time.perf_counter() - start
+        return res
+    params = np.asarray(history.parameters, dtype=np.float32)
+    res.accuracy = float(accuracies(params, *evaluation)[0])
+    res.test_accuracy = float(accuracies(params, data.x_test, data.y_test)[0])
+    trained = [r for r in history.records[1:] if not r.failed]
+    res.rounds_done = len(trained)
+    res.epsilon_spent = None if method == "fedavg" else float(history.records[-1].epsilon)
+    if history.stopped:
+        res.note = history.stopped.split(".")[0]
+    if deviation is not None and last_nodes:
+        res.worst_node = worst_node(params[None, :] + deviation[last_nodes[0]], data.x_test, data.y_test)
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+# ------------------------------------------------------------------------------------------ the study
+FIELDS = [f for f in RunResult.__dataclass_fields__]
+
+
+def _key(r: dict | RunResult) -> tuple:
+    d = asdict(r) if isinstance(r, RunResult) else r
+    return (d["phase"], d["method"], int(d["clients"]), d["partition"], float(d["epsilon"]), float(d["gamma"]),
+            int(d["seed"]), float(d["lr"]), float(d["clip"]), int(d["rounds"]))
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            for k in ("accuracy", "test_accuracy", "worst_node", "epsilon_spent"):
+                row[k] = float(row[k]) if row[k] not in ("", "None") else None
+            rows.append(row)
+    return rows
+
+
+@dataclass
+class _Progress:
+    total_units: float
+    done_units: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def line(self, k: int, total: int, text: str, units: float) -> str:
+        self.done_units += units
+        elapsed = time.perf_counter() - self.started
+        left = max(0.0, self.total_units - self.done_units)
+        eta = elapsed / self.done_units * left if self.done_units else math.nan
+        eta_text = "?" if not math.isfinite(eta) else f"{eta / 60:.1f} min"
+        return f"[{k:>3}/{total}] {text}  | elapsed {elapsed / 60:.1f} min, ETA {eta_text}"
+
+
+def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path = "study-mnist", *,
+              resume: bool = False, log=None) -> dict[str, Any]:
+    """Tune, run and summarise; writes ``runs.csv``, ``results.json``, ``table.csv``, ``table.md`` and the
+    two plots into ``out_dir``. Returns the summary (also in ``results.json``)."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs_path = out / "runs.csv"
+    done = {_key(r): r for r in _read_rows(runs_path)} if resume else {}
+    if runs_path.exists():  # rewritten: the runs reused (resume) are recorded again as the grid reaches them
+        runs_path.unlink()
+    data = split_data(dataset, grid)
+    cache = _CalibrationCache(grid)
+    settings = grid.tuning_settings()
+    points = grid.points()
+    n_tune = len(grid.clients) * len(grid.partitions) * len(grid.methods) * len(settings)
+    eval_cells = [(n, p, m, e, g, s) for n in grid.clients for p in grid.partitions for m in grid.methods
+                  for (e, g) in points for s in grid.seeds]
+    eval_cells = [c for c in eval_cells if c[2] != "fedavg" or c[3] == points[0][0] or
+                  (c[3], c[4]) == (grid.epsilon_at_gamma, c[4])]
+    # fedavg has no epsilon: one run per gamma (reported at every epsilon)
+    seen, cells = set(), []
+    for c in eval_cells:
+        k = (c[0], c[1], c[2], c[4], c[5]) if c[2] == "fedavg" else c
+        if k not in seen:
+            seen.add(k)
+            cells.append(c)
+    mean_rounds = float(np.mean([s[2] for s in settings]))
+    total = n_tune + len(cells)
+    progress = _Progress(sum(n * r for n in grid.clients for _ in grid.partitions for _ in grid.methods
+                             for _, _, r in settings) + sum(c[0] for c in cells) * mean_rounds)
+    log(f"[flwr-inca study mnist] {grid.describe()}")
+    log(f"[flwr-inca study mnist] {n_tune} tuning runs (validation split of {grid.validation}) + {len(cells)} "
+        f"evaluation runs; data: {data.source}, {len(data.y_train)} training examples, {len(data.y_test)} test")
+    rows: list[dict] = []
+    tuning_runs: dict[tuple, dict] = {}
+    k = 0
+
+    def record(r: RunResult | dict) -> dict:
+        d = asdict(r) if isinstance(r, RunResult) else r
+        new = not runs_path.exists()
+        with runs_path.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                w.writeheader()
+            w.writerow(d)
+        rows.append(d)
+        return d
+
+    def run(phase, method, n, part, eps, gamma, seed, lr, clip, rnds) -> dict:
+        nonlocal k
+        k += 1
+        key = (phase, method, n, part, float(eps), float(gamma), seed, float(lr), float(clip), int(rnds))
+        twin = ("tune",) + key[1:]
+        units = n * rnds
+        reuse = phase == "test" and twin in tuning_runs and method != "muffliato"  # its tuning skipped the gossip
+        if key in done or reuse:
+            progress.total_units -= units  # nothing to run
+            units = 0
+        if key in done:
+            d = record(done[key])
+        elif reuse:  # the selected tuning run is this cell: its model's test score
+            d = record({**tuning_runs[twin], "phase": "test", "accuracy": tuning_runs[twin]["test_accuracy"],
+                        "note": (tuning_runs[twin]["note"] + "; " if tuning_runs[twin]["note"] else "")
+                        + "the selected tuning run"})
+        else:
+            d = record(run_one(data, grid, method, n, part, eps, gamma, seed, lr, clip, rnds, phase, cache))
+        if phase == "tune":
+            tuning_runs[key] = d
+        acc = "n/a" if d["accuracy"] is None else f"{float(d['accuracy']):.4f}"
+        worst = "" if d["worst_node"] in (None, "") else f" (worst node {float(d['worst_node']):.4f})"
+        log(progress.line(k, total, f"{phase:<4} {method:<10} n={n} {part} eps={eps:g} gamma={gamma:g} seed={seed} "
+                                    f"lr={lr:g} C={clip:g} R={rnds}: acc {acc}{worst}  {float(d['seconds']):.1f} s"
+                                    + (f"  [{d['note']}]" if d["note"] else ""), units))
+        return d
+
+    tuned: dict[tuple, tuple[float, float, int]] = {}
+    for n in grid.clients:
+        for part in grid.partitions:
+            for method in grid.methods:
+                scores = []
+                for lr, clip, rnds in settings:
+                    d = run("tune", method, n, part, grid.tune_epsilon, grid.tune_gamma, grid.seeds[0], lr, clip, rnds)
+                    scores.append((-1.0 if d["accuracy"] is None else float(d["accuracy"]), lr, clip, rnds))
+                best = max(scores, key=lambda s: s[0])
+                tuned[(n, part, method)] = best[1:]
+    # the evaluation's work is known once the rounds are tuned: the ETA counts it from here
+    progress.total_units = progress.done_units + sum(c[0] * tuned[(c[0], c[1], c[2])][2] for c in cells)
+    for n, part, method, eps, gamma, seed in cells:
+        lr, clip, rnds = tuned[(n, part, method)]
+        run("test", method, n, part, eps, gamma, seed, lr, clip, rnds)
+
+    summary = summarise(rows, grid, points)
+    summary.update(
+        grid=asdict(grid), tuned={f"{m} n={n} {p}": {"lr": v[0], "clip": v[1], "rounds": v[2]}
+                                  for (n, p, m), v in tuned.items()},
+        seconds=time.perf_counter() - progress.started, calibration_seconds=cache.seconds, data=data.source)
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=float))
+    write_table(summary, out)
+    plot(summary, grid, out)
+    log(f"[flwr-inca study mnist] done in {summary['seconds'] / 60:.1f} min; {out / 'table.md'}, "
+        f"{out / 'accuracy_vs_epsilon.png'}, {out / 'accuracy_vs_gamma.png'}")
+    return summary
+
+
+def summarise(rows: list[dict], grid: StudyGrid, points: list[tuple[float, float]]) -> dict[str, Any]:
+    """Mean and spread over seeds per (method, n, partition, epsilon, gamma) of the test runs."""
+    table = []
+    for n in grid.clients:
+        for part in grid.partitions:
+            for method in grid.methods:
+                for eps, gamma in points:
+                    sel = [r for r in rows if r["phase"] == "test" and r["method"] == method
+                           and int(r["clients"]) == n and r["partition"] == part and float(r["gamma"]) == gamma
+                           and (method == "fedavg" or float(r["epsilon"]) == eps)]
+                    accs = [float(r["accuracy"]) for r in sel if r["accuracy"] is not None]
+                    worst = [float(r["worst_node"]) for r in sel if r["worst_node"] not in (None, "")]
+                    spent = [float(r["epsilon_spent"]) for r in sel if r["epsilon_spent"] not in (None, "")]
+                    table.append({
+                        "method": method, "label": METHODS[method], "clients": n, "partition": part, "epsilon": eps,
+                        "gamma": gamma, "runs": len(accs),
+                        "accuracy": float(np.mean(accs)) if accs else None,
+                        "spread": float(np.std(accs)) if len(accs) > 1 else 0.0 if accs else None,
+                        "worst_node": float(np.mean(worst)) if worst else None,
+                        "epsilon_spent": float(np.max(spent)) if spent else None,
+                        "note": "; ".join(sorted({r["note"] for r in sel if r["note"]}))})
+    return {"table": table}
+
+
+def write_table(summary: dict[str, Any], out: Path) -> None:
+    table = summary["table"]
+    with (out / "table.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(table[0]))
+        w.writeheader()
+        w.writerows(table)
+    (out / "table.md").write_text(markdown_table(table))
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def markdown_table(table: list[dict]) -> str:
+    """Accuracy (%) per method (rows) and (epsilon, gamma) (columns), one block per (n, partition)."""
+    lines = []
+    for n, part in dict.fromkeys((r["clients"], r["partition"]) for r in table):
+        block = [r for r in table if r["clients"] == n and r["partition"] == part]
+        cols = list(dict.fromkeys((r["epsilon"], r["gamma"]) for r in block))
+        lines.append(f"**n = {n}, {part}** — test accuracy (%), mean ± spread over seeds; DP gossip / Muffliato: "
+                     "average model (worst node)\n")
+        lines.append("| method | " + " | ".join(f"ε={e:g}, γ={g:g}" for e, g in cols) + " |")
+        lines.append("|---|" + "---:|" * len(cols))
+        for method in dict.fromkeys(r["method"] for r in block):
+            cells = []
+            for e, g in cols:
+                r = next(x for x in block if x["method"] == method and x["epsilon"] == e and x["gamma"] == g)
+                cell = _pct(r["accuracy"])
+                if r["accuracy"] is not None and r["runs"] > 1:
+                    cell += f" ± {100 * r['spread']:.1f}"
+                if r["worst_node"] is not None:
+                    cell += f" ({_pct(r['worst_node'])})"
+                cells.append(cell)
+            lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = summary["table"]
+    n, part = grid.clients[-1], grid.partitions[0]
+    for name, x_key, fixed_key, fixed in (("accuracy_vs_epsilon", "epsilon", "gamma", grid.gamma_at_epsilon),
+                                          ("accuracy_vs_gamma", "gamma", "epsilon", grid.epsilon_at_gamma)):
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for method in grid.methods:
+            pts = sorted((r[x_key], r["accuracy"], r["spread"]) for r in table
+                         if r["method"] == method and r["clients"] == n and r["partition"] == part
+                         and r[fixed_key] == fixed and r["accuracy"] is not None)
+            if not pts:
+                continue
+            xs, ys, sp = (np.array(v, dtype=float) for v in zip(*pts))
+            style = "--" if method in TRUSTED else ":" if method == "muffliato" else "-"
+            ax.errorbar(xs, 100 * ys, yerr=100 * sp, label=METHODS[method], linestyle=style, marker="o", capsize=2)
+        if x_key == "epsilon":
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("ε (total, δ = 1e-5)" if x_key == "epsilon" else "γ (dropouts within and across rounds)")
+        ax.set_ylabel("test accuracy (%)")
+        where = f"γ = {fixed:g}" if x_key == "epsilon" else f"ε = {fixed:g}"
+        ax.set_title(f"MNIST logistic regression, n = {n}, {part}, {where}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower left")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=120)
+        plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def add_study_parser(sub: Any) -> None:
+    """Register ``flwr-inca study mnist``."""
+    s = sub.add_parser("study", help="side-by-side learning study: IncA vs central/local DP, DP gossip, Muffliato")
+    s.add_argument("dataset", choices=["mnist"], help="the study to run")
+    s.add_argument("--grid", choices=["default", "full", "tiny"], default="default",
+                   help="default: the reduced grid (n = 1000, IID, 1 seed; < 30 min here); full: the issue's grid "
+                        "(n in {100, 1000}, IID and Dirichlet(0.5), every epsilon x gamma, 3 seeds, 27 tuning "
+                        "settings; many hours); tiny: a seconds-long smoke test")
+    s.add_argument("--data-dir", default=None, help="directory of the MNIST IDX files (else FLWR_INCA_MNIST_DIR)")
+    s.add_argument("--out", default="study-mnist", help="output directory (default: study-mnist)")
+    s.add_argument("--clients", type=_ints, help="override the grid's n values, e.g. 100,1000")
+    s.add_argument("--partitions", type=lambda t: tuple(v for v in t.split(",") if v),
+                   help="override the grid's partitions, e.g. iid,dirichlet:0.5")
+    s.add_argument("--epsilons", type=_floats, help="override the grid's epsilons")
+    s.add_argument("--gammas", type=_floats, help="override the grid's gammas")
+    s.add_argument("--seeds", type=_ints, help="override the grid's seeds, e.g. 0,1,2")
+    s.add_argument("--methods", type=lambda t: tuple(v for v in t.split(",") if v),
+                   help=f"subset of {','.join(METHODS)}")
+    s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT/runs.csv")
+    s.set_defaults(func=_cmd_study)
+
+
+def _cmd_study(args: Any) -> int:
+    from ..simulation.data import load_mnist
+
+    grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
+    changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods")
+               if getattr(args, k, None)}
+    try:
+        grid = replace(grid, **changes)
+    except ValueError as exc:
+        print(f"flwr-inca study: {exc}", file=sys.stderr)
+        return 2
+    dataset = load_mnist(args.data_dir)
+    if dataset.features != 784:
+        print(f"flwr-inca study: MNIST not found (give --data-dir or FLWR_INCA_MNIST_DIR); got "
+              f"{getattr(dataset, 'name', '?')} with {dataset.features} features, which the study's 784 -> 10 model "
+              "cannot take", file=sys.stderr)
+        return 2
+    summary = run_study(dataset, grid, args.out, resume=args.resume)
+    print(markdown_table(summary["table"]))
+    return 0

@@ -1,0 +1,254 @@
+"""The baselines as simulator mixers (flwr_inca.simulation.baseline_mixers) and the MNIST study's
+pipeline (flwr_inca.study) at a tiny scale; the real study is `flwr-inca study mnist` (docs/results.md)."""
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flwr_inca.baselines import noisy_gossip_step
+from flwr_inca.simulation import (
+    CentralDPMixer,
+    MixContext,
+    SimulationConfig,
+    iid,
+    seeding,
+    simulate,
+)
+from flwr_inca.simulation.baseline_mixers import (
+    DPGossipMixer,
+    LocalDPMixer,
+    MuffliatoMixer,
+    WithinRoundDropout,
+)
+from flwr_inca.simulation.data import Dataset
+from flwr_inca.simulation.training import CohortTrainer, LocalWork
+from flwr_inca.study import TINY_GRID, StudyGrid, run_study
+from flwr_inca.study.mnist import accuracies, worst_node
+
+MNIST = Path(os.environ.get("FLWR_INCA_MNIST_DIR", Path(__file__).resolve().parents[2] / "shared/data/mnist"))
+
+
+def _context(n, d, mu_round=0.5, sensitivity=0.2, precision="float64"):
+    return MixContext(sensitivity, mu_round, 1e-5, n, d, 7, precision)
+
+
+# ------------------------------------------------------------------------------------------ mixers
+def test_local_dp_mixer_noise_has_the_calibrated_variance():
+    n, d, mu, S = 40, 50_000, 0.5, 0.2
+    mixer = LocalDPMixer()
+    mixer.prepare(_context(n, d, mu, S))
+    plan = mixer.plan(1, n)
+    assert plan.mu == pytest.approx(mu) and plan.certified
+    out = mixer.mix(np.zeros((n, d)), plan)
+    # each party adds N(0, (S / mu)^2): their mean has std S / (mu sqrt(n))
+    assert np.std(out) == pytest.approx(S / mu / math.sqrt(n), rel=0.02)
+    # ... sqrt(n) times the central-DP noise for the same mu
+    central = CentralDPMixer()
+    central.prepare(_context(n, d, mu, S))
+    ratio = np.std(out) / np.std(central.mix(np.zeros((n, d)), central.plan(1, n)))
+    assert ratio == pytest.approx(math.sqrt(n), rel=0.03)
+
+
+def test_dp_gossip_mixer_is_one_noisy_gossip_step_of_the_baselines():
+    n, d = 30, 8
+    mixer = DPGossipMixer(expected_degree=4)
+    mixer.prepare(_context(n, d))
+    plan = mixer.plan(3, n)
+    W = plan.info["execution"].W
+    assert plan.mu == pytest.approx(0.5)  # local DP: a neighbour sees x_i + eta_i
+    assert np.allclose(np.asarray(W.sum(axis=1)).ravel(), 1.0)  # row-normalised A + I
+    x = np.random.default_rng(0).standard_normal((n, d))
+    out = mixer.mix(x, plan)
+    expected = noisy_gossip_step(x, W, 0.2 / 0.5, seeding.stream(7, seeding.NOISE, 3))
+    assert np.allclose(plan.info["node_updates"], expected)
+    assert np.allclose(out, expected.mean(axis=0))
+
+
+def test_muffliato_mixer_uses_its_own_pairwise_accounting_and_says_so():
+    n, d, mu, S = 64, 6, 0.5, 0.2
+    mixer = MuffliatoMixer()
+    mixer.prepare(_context(n, d, mu, S))
+    plan = mixer.plan(1, n)
+    T = plan.info["iterations"]
+    A = plan.info["execution"].adjacency
+    degree = float(np.asarray((A > 0).sum(axis=1)).max())
+    sigma = plan.info["noise_std"]
+    # mean pairwise Renyi loss alpha T d S^2 / (2 n sigma^2) = alpha mu^2 / 2 (Cyffers et al. Eq. (7))
+    assert T * degree * S**2 / (n * sigma**2) == pytest.approx(mu**2)
+    assert plan.mu == pytest.approx(mu) and not plan.certified
+    # against a colluding neighbour it is local DP, with far less protection
+    assert plan.info["mu_collusion"] == pytest.approx(S / sigma) == pytest.approx(mu / math.sqrt(T * degree / n))
+    assert "Pairwise Network DP" in plan.info["cost"]
+    x = np.random.default_rng(1).standard_normal((n, d))
+    out = mixer.mix(x, plan)
+    nodes = plan.info["node_updates"]
+    assert np.allclose(out, nodes.mean(axis=0))
+    # gossip averages: the parties' estimates are much closer to each other than the noised values
+    assert np.std(nodes, axis=0).mean() < 0.2 * sigma
+    # doubly stochastic W: the average is the mean of the noised values, with or without the gossip
+    quick = MuffliatoMixer(node_estimates=False)
+    quick.prepare(_context(n, 20_000, mu, S))
+    zero = quick.mix(np.zeros((n, 20_000)), quick.plan(1, n))
+    assert np.std(zero) == pytest.approx(sigma / math.sqrt(n), rel=0.03)
+
+
+def test_within_round_dropout_mixes_the_survivors_only():
+    n, d = 20, 5
+    inner = CentralDPMixer(noise_multiplier=1e-9)  # practically no noise: the mean of the survivors
+    mixer = WithinRoundDropout(inner, 0.25)
+    mixer.prepare(_context(n, d))
+    plan = mixer.plan(2, n)
+    rows = plan.info["rows"]
+    assert rows.size == 15 and plan.info["dropped"] == 5 and len(set(rows.tolist())) == 15
+    assert plan.mu == pytest.approx(1e9)
+    x = np.random.default_rng(2).standard_normal((n, d))
+    assert np.allclose(mixer.mix(x, plan), x[rows].mean(axis=0), atol=1e-6)
+    assert not np.allclose(mixer.mix(x, mixer.plan(2, n)), x.mean(axis=0), atol=1e-3)
+    with pytest.raises(ValueError, match="gamma"):
+        WithinRoundDropout(inner, 1.0)
+    with pytest.raises(ValueError, match="inner"):
+        WithinRoundDropout("central-dp", 0.1)
+
+
+def _blobs(n, features=784, classes=10, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((classes, features)).astype(np.float32)
+    y = rng.integers(0, classes, n)
+    x = (centers[y] + rng.standard_normal((n, features))).astype(np.float32)
+    return x, y.astype(np.int64)
+
+
+@pytest.mark.parametrize("mode", ["local-dp", "dp-gossip", "muffliato"])
+def test_baseline_mixers_train_in_the_simulator_within_the_budget(mode):
+    x, y = _blobs(1200, features=20, classes=3)
+    parts = iid(x[:1000], y[:1000], 10)
+    config = SimulationConfig(rounds=4, mode=mode, epsilon=4.0, backend="inline", lr=1.0, batch_size=20,
+                              accountant="rdp")
+    history = simulate(lambda: torch.nn.Linear(20, 3), parts, (x[1000:], y[1000:]), config, progress=False)
+    assert len(history.records) == 5 and not history.stopped
+    assert history.records[-1].epsilon <= 4.0
+    assert history.records[-1].accuracy > 0.5  # three well-separated blobs: far above chance (1/3)
+
+
+def test_linear_record_step_matches_the_generic_per_example_gradients():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 30)).astype(np.float32)
+    y = rng.integers(0, 4, 300)
+    trainer = CohortTrainer(lambda: torch.nn.Linear(30, 4), x, y, unit="record", lr=2.0, clip_norm=0.5,
+                            batch_size=8, party_clip=1e9)
+    assert trainer._linear
+    rows = np.full((12, 20), -1)
+    for c in range(12):
+        k = int(rng.integers(0, 20))
+        rows[c, :k] = np.sort(rng.choice(np.arange(25 * c, 25 * c + 25), k, replace=False))
+    start = rng.standard_normal(4 * 30 + 4).astype(np.float32)
+    work = LocalWork(np.arange(12), rows)
+    fast = trainer.train(start, work)
+    trainer._linear = False
+    generic = trainer.train(start, work)
+    assert np.abs(generic).max() > 0.1
+    np.testing.assert_allclose(fast, generic, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ study
+def _dataset():
+    x, y = _blobs(1400, seed=4)
+    return Dataset(x[:1100], y[:1100], x[1100:], y[1100:], "blobs")
+
+
+def test_study_pipeline_tunes_on_validation_and_writes_table_and_plots(tmp_path):
+    from dataclasses import replace
+
+    grid = replace(TINY_GRID, epsilons=(1.0,), gammas=(0.25,), tune_lr=(0.05, 2.0), validation=200,
+                   train_examples=None, test_examples=None)
+    lines = []
+    summary = run_study(_dataset(), grid, tmp_path, log=lines.append)
+    for name in ("runs.csv", "results.json", "table.csv", "table.md", "accuracy_vs_epsilon.png",
+                 "accuracy_vs_gamma.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert any("ETA" in line for line in lines)
+    with (tmp_path / "runs.csv").open() as f:
+        runs = list(csv.DictReader(f))
+    methods = set(grid.methods)
+    assert {r["method"] for r in runs} == methods
+    # the setting kept for each method is the best on the validation split (never the test set)
+    for method in methods:
+        tune = [r for r in runs if r["phase"] == "tune" and r["method"] == method and r["accuracy"] not in ("", "None")]
+        if not tune:
+            continue
+        best = max(tune, key=lambda r: float(r["accuracy"]))
+        chosen = summary["tuned"][f"{method} n=8 iid"]
+        assert float(best["lr"]) == chosen["lr"], method
+    table = {r["method"]: r for r in summary["table"]}
+    accs = {m: r["accuracy"] for m, r in table.items()}
+    assert accs["fedavg"] > 0.5 and accs["central-dp"] > 0.3, accs  # ten classes: chance is 0.1
+    assert table["dp-gossip"]["worst_node"] is not None
+    assert "not run" in table["inca-paper"]["note"] or table["inca-paper"]["accuracy"] is not None
+    for method, row in table.items():
+        if method != "fedavg" and row["epsilon_spent"] is not None:
+            assert row["epsilon_spent"] <= 1.0 + 1e-9, method
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["grid"]["epsilons"] == [1.0] and len(saved["table"]) == len(methods)
+    assert "| central DP (trusted server) |" in (tmp_path / "table.md").read_text()
+
+
+def test_study_grid_and_cli_errors_name_the_parameter(tmp_path, capsys):
+    from flwr_inca.cli import main
+
+    with pytest.raises(ValueError, match="methods"):
+        StudyGrid(methods=("inca", "secagg"))
+    with pytest.raises(ValueError, match="partition"):
+        StudyGrid(partitions=("dirichlet:-1",))
+    with pytest.raises(ValueError, match="gammas"):
+        StudyGrid(gammas=(1.0,))
+    assert main(["study", "mnist", "--grid", "tiny", "--methods", "fedavg,nope", "--out", str(tmp_path)]) == 2
+    assert "methods" in capsys.readouterr().err
+
+
+def test_worst_node_is_the_lowest_accuracy():
+    x, y = _blobs(3000, features=784, seed=5)
+    rng = np.random.default_rng(6)
+    good = rng.standard_normal(7850).astype(np.float32) * 0.01
+    models = np.stack([good + rng.standard_normal(7850).astype(np.float32) * s for s in np.linspace(0, 0.5, 40)])
+    accs = accuracies(models, x, y)
+    assert worst_node(models, x, y, screen=500, keep=10) == pytest.approx(accs.min())
+
+
+@pytest.mark.skipif(not (MNIST / "train-images-idx3-ubyte.gz").exists() and not (MNIST / "train-images-idx3-ubyte").exists(),
+                    reason="MNIST IDX files not found: set FLWR_INCA_MNIST_DIR")
+def test_cli_study_mnist_tiny(tmp_path, capsys):
+    from flwr_inca.cli import main
+
+    code = main(["study", "mnist", "--grid", "tiny", "--data-dir", str(MNIST), "--out", str(tmp_path),
+                 "--methods", "fedavg,central-dp,inca", "--epsilons", "1", "--gammas", "0"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| IncA (improved calibration) |" in out
+    assert (tmp_path / "accuracy_vs_epsilon.png").exists()
+
+
+def test_study_calibration_cache_scales_like_a_direct_calibration():
+    """The improved calibration is scale-free (a certificate is proportional to S / sigma when both
+    sigmas scale), so the study calibrates once per (n, gamma) and scales; the paper's is per target."""
+    from flwr_inca.privacy.calibration import calibrate
+    from flwr_inca.privacy.conversions import epsilon_for_delta
+    from flwr_inca.protocol.dropout import PermanentDropout
+    from flwr_inca.study.mnist import _CalibrationCache
+
+    grid = StudyGrid(iterations=4, calibration_runs=2)
+    cache = _CalibrationCache(grid)
+    n, gamma, mu, S = 20, 0.1, 0.3, 2.0
+    direct = calibrate(epsilon_for_delta(mu, 1e-5), 1e-5, n, iterations=4, neighbors=1, collusion=0.1,
+                       dropout=PermanentDropout(gamma), runs=2, seed=1414 + 7919 * n + 100, procedure="exact",
+                       value_sensitivity=S)
+    cached = cache.get("exact", n, gamma, mu, 1e-5, S)
+    assert cached.sigma_star == pytest.approx(direct.sigma_star, rel=1e-3)
+    assert cached.sigma_delta == pytest.approx(direct.sigma_delta, rel=1e-2)
+    assert cache.get("exact", n, gamma, mu / 2, 1e-5, S).sigma_star == pytest.approx(2 * cached.sigma_star)
