@@ -271,6 +271,10 @@ class CohortTrainer:
         sq = (x * x).sum(dim=1) + (1.0 if bias is not None else 0.0)
         norms = r.norm(dim=1) * sq.sqrt()
         r.mul_((self.clip_norm / (norms + 1e-12)).clamp(max=1.0).unsqueeze(1))
+        bad = ~torch.isfinite(norms)
+        if bad.any():  # as in _record_step: an example whose gradient is not finite contributes nothing
+            r[bad] = 0.0
+            x = torch.where(bad[:, None], torch.zeros((), dtype=x.dtype), x)
         k = weight.numel()
         ends = np.cumsum(counts)
         for j, (end, count) in enumerate(zip(ends, counts)):
