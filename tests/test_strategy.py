@@ -24,6 +24,7 @@ from flwr_inca.flower import (  # noqa: E402
     PrivacyTarget,
     RelayConfig,
 )
+from flwr_inca.flower.shared import flatten_arrays  # noqa: E402
 from flwr_inca.privacy import BudgetExceededError, PrivacyLedger, RoundCost  # noqa: E402
 from flwr_inca.protocol import sample_trace  # noqa: E402
 
@@ -266,12 +267,12 @@ def test_overrun_budget_stops_the_next_round(tmp_path, task_identity):
 
 
 def test_server_metrics_in_train_metrics_are_deprecated():
-    from flwr_inca.flower.strategy import _Joined
+    from flwr_inca.flower.strategy import _client_side_metrics, _Joined
 
     strategy = IncaStrategy(**SIGMAS, forward_client_metrics=True)
     joined = _Joined(metrics={1: MetricRecord({"num-examples": 1, "loss": 2.0}),
                               2: MetricRecord({"num-examples": 1, "loss": 4.0})})
-    record = strategy._train_metrics(MetricRecord({"inca-epsilon": 0.5}), joined)
+    record = _client_side_metrics(MetricRecord({"inca-epsilon": 0.5}), strategy._train_metrics(joined))
     with pytest.warns(FutureWarning, match="train_metrics_serverapp"):
         assert record["inca-epsilon"] == 0.5
     with warnings.catch_warnings():
@@ -395,3 +396,163 @@ def test_flowers_result_has_no_field_for_server_side_train_metrics():
 
     assert {f.name for f in fields(Result)} == {
         "arrays", "train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp"}
+
+
+# ------------------------------------------------------------------------------ charge first; hostile nodes
+def _fake_reply(node, inca=None, metrics=None, error=None):
+    """A join reply as ``aggregate_train`` reads it (``inca``: the IncA ConfigRecord's fields)."""
+    from types import SimpleNamespace
+
+    configs = {} if inca is None else {"inca": ConfigRecord(inca)}
+    content = SimpleNamespace(config_records=configs, metric_records={"metrics": metrics} if metrics else {})
+    return SimpleNamespace(metadata=SimpleNamespace(src_node_id=node), has_error=lambda: error is not None,
+                           error=SimpleNamespace(reason=error, code=0), content=content)
+
+
+def _aggregate(strategy, monkeypatch, replies, n=6, d=4, round_=1, corrupt=None):
+    """``aggregate_train`` of one round whose mixing runs in process (test_relay.run_local) among the
+    first ``n`` nodes that joined; ``corrupt(relay)`` may alter the relay's record before the strategy
+    reads it. Returns (new arrays, server-side metrics, the model the round started from)."""
+    from types import SimpleNamespace
+
+    from test_relay import run_local
+
+    from flwr_inca.flower.strategy import _Mixed, _PendingRound
+
+    values = np.random.default_rng(round_).normal(0, 0.2, (n, d))
+    relay, _ = run_local(values, T=3, s_star=0.1, s_delta=1.0)
+    if corrupt is not None:
+        corrupt(relay)
+
+    def mix(server_round, grid, joined, dim):
+        assert len(joined.roster) == n and dim == d
+        params = SimpleNamespace(sigma_star=0.1, sigma_delta=1.0)
+        return _Mixed(relay, params, {"errors": 0, "malformed": 0, "timeouts": 0})
+
+    monkeypatch.setattr(strategy, "_mix", mix)
+    model = ArrayRecord([np.full(d, 0.5, dtype=np.float32)])
+    strategy._pending[round_] = _PendingRound(None, model, time.time())
+    arrays, _ = strategy.aggregate_train(round_, replies)
+    return arrays, strategy.train_metrics_serverapp[round_], model
+
+
+def _good_replies(n=6, d=4, metrics=True):
+    from flwr_inca.flower.crypto import KeyPair
+
+    return [_fake_reply(100 + i, {"public-key": KeyPair().public, "dim": d},
+                        MetricRecord({"num-examples": 1, "loss": 1.0}) if metrics else None) for i in range(n)]
+
+
+def test_invalid_join_replies_exclude_only_their_node_named_in_the_log(monkeypatch, caplog):
+    from flwr_inca.flower.crypto import KeyPair
+
+    strategy = IncaStrategy(**SIGMAS)
+    twin = KeyPair().public
+    bad = [
+        _fake_reply(201, {"dim": 4}),  # no public key
+        _fake_reply(202, {"public-key": "not bytes", "dim": 4}),
+        _fake_reply(203, {"public-key": KeyPair().public + b"x", "dim": 4}),  # 33 bytes
+        _fake_reply(204, {"public-key": bytes(32), "dim": 4}),  # a low-order point
+        _fake_reply(205, {"public-key": KeyPair().public, "dim": 5}),  # not the model's dimension
+        _fake_reply(206, {"public-key": KeyPair().public}),  # no dimension
+        _fake_reply(207, {"public-key": KeyPair().public, "dim": True}),
+        _fake_reply(208, {"public-key": twin, "dim": 4}), _fake_reply(209, {"public-key": twin, "dim": 4}),
+        _fake_reply(210, error="ValueError: the train function returned a model with NaN"),
+        _fake_reply(211),  # no IncA data
+    ]
+    with caplog.at_level("INFO", logger="flwr"):
+        arrays, metrics, _ = _aggregate(strategy, monkeypatch, _good_replies() + bad)
+    record = strategy.rounds[1]
+    assert record.roster == [100 + i for i in range(6)] and not record.failed and arrays is not None
+    assert sorted(record.excluded) == list(range(201, 212))
+    for node, words in [(201, "no public key"), (202, "must be bytes, got str"), (203, "32 bytes"),
+                        (204, "low-order"), (205, "dimension 5, the model has 4"), (206, "no integer 'dim'"),
+                        (207, "no integer 'dim'"), (208, "[209]"), (209, "[208]"), (210, "NaN"),
+                        (211, "no IncA data")]:
+        assert words in record.excluded[node]
+        assert any(f"node {node} " in line for line in caplog.messages)
+    assert metrics["inca-excluded-nodes"] == 11 and strategy.ledger.rounds == 1
+
+
+def test_a_huge_final_message_fails_the_round_keeping_the_model_and_the_charge(monkeypatch):
+    strategy = IncaStrategy(**SIGMAS)
+
+    def corrupt(relay):
+        y, omega = relay.finals[2]
+        relay.finals[2] = (y * 1e300, omega)  # finite, so it passes the relay
+
+    arrays, metrics, _ = _aggregate(strategy, monkeypatch, _good_replies(), corrupt=corrupt)
+    record = strategy.rounds[1]
+    assert arrays is None and "max_update_norm" in record.failed and metrics["inca-round-failed"] == 1
+    assert strategy.ledger.rounds == 1 and strategy.ledger.entries[0].mu == record.mu > 0
+
+
+def test_the_update_guard_is_generous_and_configurable(monkeypatch):
+    strategy = IncaStrategy(**SIGMAS, clip_norm=2.0)
+    assert strategy.update_norm_bound(0.5, 16) == pytest.approx(10 * (2.0 + 4 * 0.5))
+    assert IncaStrategy(**SIGMAS, max_update_norm=3.0).update_norm_bound(0.5, 16) == 3.0
+    assert strategy._update_check(np.full(16, 0.5), 0.5) == ""
+    assert "not finite" in strategy._update_check(np.array([1.0, np.inf]), 0.5)
+    assert "max_update_norm" in IncaStrategy(**SIGMAS, max_update_norm=0.1)._update_check(np.ones(4), 0.0)
+    with pytest.raises(ValueError, match="max_update_norm"):
+        IncaStrategy(**SIGMAS, max_update_norm=0.0)
+    # an honest round passes the default guard (and is applied)
+    arrays, metrics, model = _aggregate(strategy, monkeypatch, _good_replies())
+    assert arrays is not None and metrics["inca-round-failed"] == 0
+
+
+def test_an_unwritable_trace_dir_loses_neither_the_charge_nor_the_model(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    strategy = IncaStrategy(**SIGMAS, trace_dir=blocker / "traces")  # a directory under a file
+    with caplog.at_level("ERROR", logger="flwr"):
+        arrays, metrics, model = _aggregate(strategy, monkeypatch, _good_replies())
+    record = strategy.rounds[1]
+    assert strategy.ledger.rounds == 1 and strategy.ledger.entries[0].mu == record.mu > 0
+    assert arrays is not None and not record.failed
+    expected = (flatten_arrays(model)[0] + record.update).astype(np.float32)
+    assert np.allclose(flatten_arrays(arrays)[0], expected)
+    assert metrics["inca-post-charge-errors"] == 1 and "saving the trace" in record.post_charge_errors[0]
+    assert any("saving the trace failed" in m and "charged" in m for m in caplog.messages)
+
+
+def test_unaggregatable_client_metrics_lose_neither_the_charge_nor_the_model(monkeypatch, caplog):
+    strategy = IncaStrategy(**SIGMAS, forward_client_metrics=True)
+    replies = _good_replies()
+    del replies[3].content.metric_records["metrics"]["num-examples"]  # a node's metrics lack the weight
+    with caplog.at_level("ERROR", logger="flwr"):
+        arrays, metrics, _ = _aggregate(strategy, monkeypatch, replies)
+    assert arrays is not None and strategy.ledger.rounds == 1
+    assert metrics["inca-post-charge-errors"] == 1 and metrics["inca-epsilon"] > 0
+    assert "aggregating the nodes' train metrics" in strategy.rounds[1].post_charge_errors[0]
+    assert any("num-examples" in m for m in caplog.messages)
+
+
+def test_a_nan_certificate_is_charged_as_unbounded(monkeypatch):
+    from types import SimpleNamespace
+
+    import flwr_inca.flower.strategy as module
+
+    strategy = IncaStrategy(**SIGMAS)
+    monkeypatch.setattr(module, "certify", lambda *a, **k: SimpleNamespace(max_mu=float("nan")))
+    mu, eps = strategy._certify_and_spend(_trace(), 1)
+    assert mu == math.inf and strategy.ledger.entries[0].mu == math.inf and math.isinf(eps)
+
+
+def test_a_ledger_kept_for_another_training_is_refused_before_any_node_is_contacted(tmp_path, task_identity):
+    from flwr_inca.privacy.ledger import LedgerOwnerError
+
+    path = tmp_path / "ledger.json"
+    PrivacyLedger(path, delta=1e-5, owner="flwrlabs/other-app").spend(0.1)
+    grid = FakeGrid()
+    strategy = IncaStrategy(**{**SIGMAS, "ledger_path": path})  # default owner: this process's main module
+    with pytest.raises(LedgerOwnerError, match="belongs to 'flwrlabs/other-app'"):
+        strategy.configure_train(1, ArrayRecord([np.ones(3)]), ConfigRecord(), grid)
+    assert grid.pushed == []
+    with pytest.raises(LedgerOwnerError):  # named explicitly: refused at once
+        IncaStrategy(**{**SIGMAS, "ledger_path": path}, ledger_owner="mine")
+    resumed = IncaStrategy(**{**SIGMAS, "ledger_path": path}, ledger_owner="flwrlabs/other-app")
+    assert resumed.ledger.rounds == 1
+    shared = IncaStrategy(**{**SIGMAS, "ledger_path": path}, share_ledger=True)
+    assert len(list(shared.configure_train(2, ArrayRecord([np.ones(3)]), ConfigRecord(), grid))) == 10
+    assert shared.ledger.owner.startswith("python:")  # the main module, lacking a Flower app id

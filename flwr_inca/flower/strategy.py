@@ -21,6 +21,8 @@ own DP strategies raise, which carries the global model.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -38,7 +40,7 @@ from flwr.supercore import log
 from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.certificate import certify
-from ..privacy.ledger import BudgetExceededError, PrivacyLedger
+from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
 from ..privacy.views import random_collusion, random_eavesdrop
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
@@ -46,6 +48,7 @@ from ..protocol.schedules import InjectionSchedule
 from ..protocol.trace import ExecutionTrace
 from ..protocol.utility import noise_std
 from .config import MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig, build_groups
+from .crypto import check_public_key
 from .relay import Reply, Request, RoundRelay, collect_finals, run_iterations
 from .shared import INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
 from .wire import FIELD, decode_reply, encode_request
@@ -93,6 +96,8 @@ class RoundRecord:
     client_metrics: dict[int, MetricRecord] = field(default_factory=dict)  # by node id (if forwarded)
     noise_std: float = math.nan  # of the update, per coordinate (inf without finals)
     seconds: float = 0.0
+    excluded: dict[int, str] = field(default_factory=dict)  # sampled nodes that did not join, and why
+    post_charge_errors: list[str] = field(default_factory=list)  # what failed after the round was charged
 
 
 @dataclass
@@ -106,11 +111,12 @@ class _PendingRound:
 
 @dataclass
 class _Joined:
-    """The nodes that joined a round: their public keys, value dimensions and metrics (by node id)."""
+    """The nodes that joined a round: their public keys and metrics (by node id), and the sampled nodes
+    that did not join, with the reason."""
 
     keys: dict[int, bytes] = field(default_factory=dict)
-    dims: dict[int, int] = field(default_factory=dict)
     metrics: dict[int, MetricRecord] = field(default_factory=dict)
+    excluded: dict[int, str] = field(default_factory=dict)
 
     @property
     def roster(self) -> list[int]:
@@ -205,9 +211,13 @@ class IncaStrategy(FedAvg):
         self.forward_client_metrics = bool(forward_client_metrics)
         self.seed = (int(np.random.SeedSequence().entropy) if seed is None
                      else check_int("seed (or None)", seed, 0))
+        # bound to its owner here when ledger_owner is given, else when the first round starts (the
+        # default owner is the Flower app, known from the grid)
         self.ledger = PrivacyLedger(self.persistence.ledger_path, delta=self.privacy.delta,
                                     max_epsilon=self.privacy.max_epsilon,
-                                    accountant=self.privacy.accountant_name)
+                                    accountant=self.privacy.accountant_name,
+                                    owner=self.persistence.ledger_owner,
+                                    shared=self.persistence.share_ledger and self.persistence.ledger_owner is not None)
         self.calibrations: dict[int, Calibration] = {}
         self.rounds: dict[int, RoundRecord] = {}
         self.train_metrics_serverapp: dict[int, MetricRecord] = {}
@@ -251,6 +261,7 @@ class IncaStrategy(FedAvg):
         messages = list(super().configure_train(server_round, arrays, config, grid))
         if not messages:  # fraction_train == 0: no training, as in FedAvg
             return messages
+        self._bind_ledger(grid)
         self._check_budget(server_round, len(messages), arrays)
         inca = ConfigRecord({"round": server_round, "clip-norm": self.privacy.clip_norm,
                              "iterations": self.mixing.iterations, "arrays-key": self.arrayrecord_key,
@@ -260,8 +271,22 @@ class IncaStrategy(FedAvg):
         self._pending[server_round] = _PendingRound(grid, arrays, time.time())
         return messages
 
+    def _bind_ledger(self, grid: Grid) -> None:
+        """Claim the ledger for this training (``ledger_owner``, or the Flower app) before the first round:
+        a ledger kept for another training is refused, with a one-line error, before any node is
+        contacted (unless ``share_ledger``)."""
+        if self.ledger.owner is not None:
+            return
+        owner = self.persistence.ledger_owner or _default_ledger_owner(grid)
+        try:
+            self.ledger.claim(owner, shared=self.persistence.share_ledger)
+        except LedgerOwnerError as exc:
+            log(ERROR, "IncA: %s", exc)
+            raise
+
     def _check_budget(self, server_round: int, n: int, arrays: ArrayRecord) -> None:
         budget, delta = self.privacy.max_epsilon, self.privacy.delta
+        self.ledger.refresh()  # another process sharing the ledger may have spent
         if budget is None:
             return
         spent = self.ledger.epsilon()
@@ -292,46 +317,84 @@ class IncaStrategy(FedAvg):
                 raise ValueError(f"round {server_round} was not configured by this strategy's "
                                  "configure_train")
             return None, None  # nothing was sent (fraction_train == 0)
-        joined = self._join(replies)
-        record = RoundRecord(server_round, joined.roster, client_metrics=joined.metrics)
-        self.rounds[server_round] = record
         vector, spec = flatten_arrays(pending.arrays)
+        joined = self._join(server_round, replies, vector.size)
+        record = RoundRecord(server_round, joined.roster, client_metrics=joined.metrics, excluded=joined.excluded)
+        self.rounds[server_round] = record
         minimum = self.mixing.min_finalists
         if len(record.roster) < max(2, minimum):
             record.failed = f"only {len(record.roster)} node(s) joined (min_finalists = {minimum})"
             log(ERROR, "IncA round %d failed: %s; the global model is unchanged", server_round, record.failed)
             return None, None
-        dims = sorted(set(joined.dims.values()))
-        if dims != [vector.size]:
-            raise ValueError(f"nodes report value dimensions {dims}, the model has {vector.size}")
         mixed = self._mix(server_round, pending.grid, joined, vector.size)
-        new_arrays = self._certify_charge_and_apply(record, mixed, vector, spec, pending.arrays)
+        # the messages were exchanged: the round's privacy is spent. Charge it first; nothing after the
+        # charge may lose it or the new model: what fails there is logged and counted
+        # (inca-post-charge-errors), and the round goes on
+        self._certify_and_charge(record, mixed.relay)
+        new_arrays = self._after_charge(record, "applying the update", None,
+                                        self._apply, record, mixed, vector, spec, pending.arrays)
+        self._after_charge(record, "saving the trace", None, self._save_trace, record)
         record.seconds = time.time() - pending.started
-        metrics = self._round_metrics(record, mixed)
+        metrics = self._after_charge(record, "computing IncA's metrics", None, self._round_metrics, record, mixed)
+        forwarded = self._after_charge(record, "aggregating the nodes' train metrics", None,
+                                       self._train_metrics, joined)
+        if metrics is None:
+            metrics = MetricRecord({"inca-epsilon": float(record.epsilon), "inca-mu": float(record.mu)})
+        metrics["inca-post-charge-errors"] = len(record.post_charge_errors)
         self.train_metrics_serverapp[server_round] = metrics
         log(INFO, "\t└──> IncA: epsilon = %.4g (round mu = %.4g), %d/%d finals", record.epsilon, record.mu,
             len(record.finalists), len(record.roster))
-        return new_arrays, self._train_metrics(metrics, joined)
+        return new_arrays, _client_side_metrics(metrics, forwarded)
 
-    def _join(self, replies: list[Message]) -> _Joined:
-        """The nodes that joined: a reply with a public key and the value's dimension."""
+    def _after_charge(self, record: RoundRecord, what: str, default: Any, fn: Callable[..., Any],
+                      *args: Any) -> Any:
+        """``fn(*args)``, for a step after the round was charged: an error is logged and recorded (the
+        round, its charge and its model stand), and ``default`` is returned instead."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - reported, never lost
+            why = f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            record.post_charge_errors.append(why)
+            log(ERROR, "IncA round %d: %s (the round was charged to the ledger; training goes on)", record.round,
+                why)
+            return default
+
+    def _join(self, server_round: int, replies: list[Message], d: int) -> _Joined:
+        """The nodes that joined: a reply with a valid X25519 public key and a value of the model's
+        dimension ``d``. Any other reply excludes its node from the round (logged by node id), never the
+        round: a node cannot stop training or break the roster for the others."""
         joined = _Joined()
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
-                log(INFO, "\t> node %d did not join the round: %s", node,
-                    msg.error.reason.splitlines()[0][:200] if msg.error.reason else msg.error.code)
+                joined.excluded[node] = "error: " + (msg.error.reason.splitlines()[0][:200] if msg.error.reason
+                                                     else str(msg.error.code))
+                log(INFO, "\t> node %d did not join round %d: %s", node, server_round, joined.excluded[node])
                 continue
             recs = msg.content.config_records
             if INCA_KEY not in recs:
+                joined.excluded[node] = "no IncA data in its reply"
                 log(WARNING, "\t> node %d replied without IncA data: is its train function registered with "
                     "IncaClient.train()?", node)
                 continue
+            why = _join_problem(recs[INCA_KEY], d)
+            if why:
+                joined.excluded[node] = why
+                log(WARNING, "\t> node %d excluded from round %d: %s", node, server_round, why)
+                continue
             joined.keys[node] = recs[INCA_KEY]["public-key"]
-            joined.dims[node] = int(recs[INCA_KEY]["dim"])
             if self.forward_client_metrics:
                 for rec in msg.content.metric_records.values():
                     joined.metrics[node] = rec
+        by_key: dict[bytes, list[int]] = {}
+        for node, key in joined.keys.items():
+            by_key.setdefault(key, []).append(node)
+        for nodes in (v for v in by_key.values() if len(v) > 1):  # a copied key: who is the culprit?
+            for node in nodes:
+                joined.excluded[node] = f"its public key is also the key of node(s) {[m for m in nodes if m != node]}"
+                log(WARNING, "\t> node %d excluded from round %d: %s", node, server_round, joined.excluded[node])
+                del joined.keys[node]
+                joined.metrics.pop(node, None)
         return joined
 
     def _mix(self, server_round: int, grid: Grid, joined: _Joined, d: int) -> _Mixed:
@@ -359,28 +422,63 @@ class IncaStrategy(FedAvg):
         collect_finals(relay, exchange, final_retries=self.relay.final_retries, progress=progress)
         return _Mixed(relay, params, counters)
 
-    def _certify_charge_and_apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
-                                  arrays: ArrayRecord) -> ArrayRecord | None:
-        """Certify and charge the round (its messages were exchanged: its privacy is spent whatever happens
-        next), then the new model, or None if the round fails."""
-        relay, server_round = mixed.relay, record.round
-        trace = relay.trace(meta={"round": server_round})
+    def _certify_and_charge(self, record: RoundRecord, relay: RoundRelay) -> None:
+        """Certify the round's execution trace and charge it to the ledger (``record.mu``,
+        ``record.epsilon``). Its messages were exchanged, so its privacy is spent whatever happens next:
+        without a certificate the round is charged as unbounded (mu = inf) before the error surfaces."""
+        server_round = record.round
+        try:
+            trace = relay.trace(meta={"round": server_round})
+        except Exception:
+            self.ledger.spend(math.inf, self.privacy.sample_rate, force=True,
+                              note=f"round {server_round}: no trace")
+            raise
         record.trace, record.finalists = trace, sorted(relay.finals)
-        if self.persistence.trace_path is not None:
-            trace.save(self.persistence.trace_path / f"round-{server_round:04d}.json")
         record.mu, record.epsilon = self._certify_and_spend(trace, server_round)
+
+    def _apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
+               arrays: ArrayRecord) -> ArrayRecord | None:
+        """The new model from the final messages, or None (the round fails, the model is kept): too few
+        finals, too much uncancelled noise, or an update that is not finite or exceeds the guard."""
+        relay, server_round = mixed.relay, record.round
         estimate = relay.estimate()
-        record.noise_std, lost_finals = self._noise_check(trace, record.finalists, record.roster)
+        record.noise_std, lost_finals = self._noise_check(record.trace, record.finalists, record.roster)
         if estimate is None or len(relay.finals) < self.mixing.min_finalists:
             record.failed = (f"only {len(relay.finals)} final message(s) reported "
                              f"(min_finalists = {self.mixing.min_finalists})")
         elif lost_finals:
             record.failed = lost_finals
+        else:
+            record.failed = self._update_check(estimate, record.noise_std)
         if record.failed:
             log(ERROR, "IncA round %d failed: %s; the global model is unchanged", server_round, record.failed)
             return None
         record.update = estimate
         return unflatten_arrays(vector + estimate, spec, keep=arrays)
+
+    def update_norm_bound(self, noise_std: float, d: int) -> float:
+        """The largest L2 norm an averaged update may have (``max_update_norm``, or its default: 10 times
+        ``clip_norm`` plus the expected norm ``sqrt(d) * noise_std`` of the update's noise)."""
+        if self.mixing.max_update_norm is not None:
+            return float(self.mixing.max_update_norm)
+        return 10.0 * (self.privacy.clip_norm + math.sqrt(d) * noise_std)
+
+    def _update_check(self, update: np.ndarray, noise_std: float) -> str:
+        """Why the averaged update must not be applied ("" if it may be)."""
+        if not np.all(np.isfinite(update)):
+            return "the averaged update is not finite"
+        with np.errstate(over="ignore"):
+            norm = float(np.linalg.norm(update))
+        bound = self.update_norm_bound(noise_std, update.size)
+        if not norm <= bound:
+            return (f"the averaged update has L2 norm {norm:.4g} > max_update_norm = {bound:.4g} (an honest "
+                    f"round stays far below: updates are clipped to {self.privacy.clip_norm:g}); a node may "
+                    "have sent a corrupted final message")
+        return ""
+
+    def _save_trace(self, record: RoundRecord) -> None:
+        if self.persistence.trace_path is not None and record.trace is not None:
+            record.trace.save(self.persistence.trace_path / f"round-{record.round:04d}.json")
 
     def _round_metrics(self, record: RoundRecord, mixed: _Mixed) -> MetricRecord:
         """IncA's server-side metrics of a round that mixed."""
@@ -395,18 +493,15 @@ class IncaStrategy(FedAvg):
             "inca-sigma-star": float(mixed.params.sigma_star),
             "inca-sigma-delta": float(mixed.params.sigma_delta),
             "inca-noise-std": float(record.noise_std), "inca-round-failed": int(bool(record.failed)),
+            "inca-excluded-nodes": len(record.excluded),
         })
 
-    def _train_metrics(self, server_metrics: MetricRecord, joined: _Joined) -> MetricRecord:
-        """What Flower records in ``Result.train_metrics_clientapp``: the forwarded client metrics,
-        aggregated, and (deprecated) the server-side metrics."""
-        out = _TrainMetrics(dict(server_metrics))
-        if self.forward_client_metrics and joined.metrics:
-            agg = self.train_metrics_aggr_fn([RecordDict({"metrics": m}) for m in joined.metrics.values()],
-                                             self.weighted_by_key)
-            for key, value in agg.items():
-                out[key] = value
-        return out
+    def _train_metrics(self, joined: _Joined) -> MetricRecord | None:
+        """The nodes' forwarded train metrics, aggregated as FedAvg does (None if none are forwarded)."""
+        if not (self.forward_client_metrics and joined.metrics):
+            return None
+        return self.train_metrics_aggr_fn([RecordDict({"metrics": m}) for m in joined.metrics.values()],
+                                          self.weighted_by_key)
 
     # ----------------------------------------------------------------------------- sigmas and privacy
     def _sigmas(self, n: int) -> tuple[float, float]:
@@ -437,7 +532,9 @@ class IncaStrategy(FedAvg):
                 view = random_eavesdrop(trace, priv.observed_fraction, seed)
             else:
                 view = random_collusion(trace, priv.collusion, seed)
-            worst = max(worst, certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
+            mu = float(certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
+            # NaN (a numerical failure) is no bound at all: unbounded, never 0 through max()
+            worst = max(worst, math.inf if math.isnan(mu) else mu)
         return worst
 
     def _certify_and_spend(self, trace: ExecutionTrace, server_round: int) -> tuple[float, float]:
@@ -549,6 +646,47 @@ class IncaStrategy(FedAvg):
                       payload: bytes) -> bytes:
         """Hook on every peer payload the relay forwards (identity; subclasses may observe it)."""
         return payload
+
+
+def _client_side_metrics(server_metrics: MetricRecord, forwarded: MetricRecord | None) -> _TrainMetrics:
+    """What Flower records in ``Result.train_metrics_clientapp``: the forwarded client metrics and
+    (deprecated there) IncA's server-side metrics."""
+    out = _TrainMetrics(dict(server_metrics))
+    for key, value in (forwarded or {}).items():
+        out[key] = value
+    return out
+
+
+def _join_problem(reply: ConfigRecord, d: int) -> str:
+    """Why a join reply is unusable ("" if it is fine): a missing or invalid public key, or a value whose
+    dimension is not the model's."""
+    if "public-key" not in reply:
+        return "its join reply has no public key"
+    try:
+        check_public_key(reply["public-key"])
+    except ValueError as exc:
+        return str(exc)
+    dim = reply.get("dim")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return f"its join reply has no integer 'dim', got {dim!r}"
+    if dim != d:
+        return f"it reports a value of dimension {dim}, the model has {d}"
+    return ""
+
+
+def _default_ledger_owner(grid: Grid) -> str:
+    """The training a ledger belongs to when ``ledger_owner`` is not given: the Flower app (its FAB id,
+    under ``flwr run``), else the main module (``run_simulation`` from a script or ``python -m``)."""
+    try:
+        fab_id = grid.run.fab_id
+    except Exception:  # noqa: BLE001 - a grid without run information (tests, custom grids)
+        fab_id = ""
+    if fab_id:
+        return fab_id
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None) or os.path.splitext(os.path.basename(getattr(main, "__file__", "") or ""))[0]
+    return f"python:{name or 'interactive'}"
 
 
 def _int_seed(seed: np.random.SeedSequence) -> int:
