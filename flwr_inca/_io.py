@@ -61,13 +61,14 @@ def _replace_quickly(target: str, data: bytes) -> None:
     # plain strings: this runs on every mixing step of a node, where pathlib costs more than the I/O
     head, name = os.path.split(target)
     tmp = os.path.join(head, f".{name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
-        fh = open(tmp, "wb")
+        fd = os.open(tmp, flags, 0o600)  # private, as mkstemp's: node data is secret
     except FileNotFoundError:  # the directory does not exist yet
-        os.makedirs(head or ".", exist_ok=True)
-        fh = open(tmp, "wb")
+        os.makedirs(head or ".", mode=0o700, exist_ok=True)
+        fd = os.open(tmp, flags, 0o600)
     try:
-        with fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, target)
     except BaseException:

@@ -2,6 +2,7 @@
 bookkeeping, the exchange loop's deadline, and the client's mods."""
 
 import math
+import os
 import time
 import warnings
 
@@ -556,3 +557,118 @@ def test_a_ledger_kept_for_another_training_is_refused_before_any_node_is_contac
     shared = IncaStrategy(**{**SIGMAS, "ledger_path": path}, share_ledger=True)
     assert len(list(shared.configure_train(2, ArrayRecord([np.ones(3)]), ConfigRecord(), grid))) == 10
     assert shared.ledger.owner.startswith("python:")  # the main module, lacking a Flower app id
+
+
+# ------------------------------------------------------------------------------ node storage
+def _client(tmp_path, **kwargs):
+    from flwr.clientapp import ClientApp
+
+    from flwr_inca.flower import IncaClient
+
+    app = ClientApp()
+    inca = IncaClient(app, **kwargs)
+    inca.train()(_train)
+    return app, inca
+
+
+def _context(run_id=1):
+    return Context(run_id=run_id, node_id=5, node_config={}, state=RecordDict(), run_config={})
+
+
+def test_a_node_whose_model_is_not_finite_does_not_join(task_identity, tmp_path):
+    from flwr.clientapp import ClientApp
+
+    from flwr_inca.flower import IncaClient
+
+    def poisoned(msg, context):
+        new = [np.array([np.nan, 1.0, 0.0], dtype=np.float32)]
+        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 1})}),
+                       reply_to=msg)
+
+    app = ClientApp()
+    IncaClient(app, state_dir=tmp_path / "state").train()(poisoned)
+    with pytest.raises(ValueError, match=r"NaN or infinite values \(in '0'\): this node does not join round 1"):
+        app._registered_funcs["train.default"](_join_message(), _context())
+    assert not any((tmp_path / "state").rglob("value.f64"))  # nothing kept
+
+
+def test_everything_a_node_stores_is_private(task_identity, tmp_path):
+    import stat
+
+    app, inca = _client(tmp_path, state_dir=tmp_path / "state")
+    context = _context()
+    app._registered_funcs["train.default"](_join_message(), context)
+    store = inca.store(context)
+    store.save_blob(1, "roster", b"x" * 40)
+    store.save_state(1, 0, b"y" * 16)
+    paths = list((tmp_path / "state").rglob("*"))
+    assert {p.name for p in paths} >= {"value.f64", "noise.bin", "roster.bin", "states.bin"}
+    for path in [tmp_path / "state", *paths]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path} has mode {mode:o}"
+
+
+@pytest.mark.parametrize("problem", ["group-writable", "world-writable", "other-owner"])
+def test_a_state_root_others_control_is_refused(task_identity, tmp_path, monkeypatch, problem):
+    root = tmp_path / "state"
+    root.mkdir()
+    root.chmod({"group-writable": 0o770, "world-writable": 0o777, "other-owner": 0o700}[problem])
+    if problem == "other-owner":
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    app, inca = _client(tmp_path, state_dir=root)
+    words = {"group-writable": "writable by its group", "world-writable": "writable by its group and others",
+             "other-owner": "belongs to user id"}[problem]
+    with pytest.raises(PermissionError, match=words) as info:
+        app._registered_funcs["train.default"](_join_message(), _context())
+    assert str(root) in str(info.value) and "FLWR_INCA_STATE_DIR" in str(info.value)
+    assert list(root.iterdir()) == []
+
+
+def test_the_default_root_is_private_and_a_planted_link_is_refused(task_identity, tmp_path, monkeypatch):
+    import stat
+    import tempfile
+
+    monkeypatch.delenv("FLWR_INCA_STATE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    default = tmp_path / f"flwr-inca-{os.getuid()}"
+    app, inca = _client(tmp_path)
+    assert inca.state_root == str(default)
+    app._registered_funcs["train.default"](_join_message(), _context())
+    assert stat.S_IMODE(default.stat().st_mode) == 0o700 and any(default.rglob("value.f64"))
+    for path in default.rglob("*"):  # the run and node directories too (makedirs would give 0755)
+        assert stat.S_IMODE(path.stat().st_mode) in (0o700, 0o600)
+    default.rename(tmp_path / "elsewhere")
+    default.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PermissionError, match="symbolic link"):
+        app._registered_funcs["train.default"](_join_message(), _context())
+    monkeypatch.setenv("FLWR_INCA_STATE_DIR", str(tmp_path / "from-env"))
+    assert inca.state_root == str(tmp_path / "from-env")
+
+
+def test_run_data_is_removed_when_the_run_ends_and_stale_runs_when_joining(task_identity, tmp_path):
+    import time as time_
+
+    root = tmp_path / "state"
+    app, inca = _client(tmp_path, state_dir=root, stale_after=3600)
+    context = _context(run_id=7)
+    app._registered_funcs["train.default"](_join_message(), context)
+    assert (root / "run-7" / "node-5" / "round-1" / "value.f64").exists()
+    # another run's data: one idle for two hours (a killed run), one written a minute ago (in progress)
+    for run, age in (("run-3", 7200), ("run-4", 60)):
+        stale = root / run / "node-9" / "round-2"
+        stale.mkdir(parents=True)
+        (stale / "value.f64").write_bytes(b"0" * 8)
+        past = time_.time() - age
+        for path in [stale / "value.f64", stale, stale.parent, stale.parent.parent]:
+            os.utime(path, (past, past))
+    app._registered_funcs["train.default"](_join_message(), _context(run_id=8))
+    assert sorted(p.name for p in root.iterdir()) == ["run-4", "run-7", "run-8"]
+    # the strategy's end-of-run message: the node removes its data of the run and forgets its secrets
+    end = Message(RecordDict({"inca": ConfigRecord({"end": True})}), dst_node_id=5, message_type="query.inca_end")
+    assert "inca-secrets" in context.state.config_records
+    reply = app._registered_funcs["query.inca_end"](end, context)
+    assert reply.content.config_records["inca"]["removed"]
+    assert not (root / "run-7").exists() and "inca-secrets" not in context.state.config_records
+    with pytest.raises(ValueError, match="stale_after"):
+        _client(tmp_path, stale_after=-1)

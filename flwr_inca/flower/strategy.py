@@ -34,7 +34,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, PrivacySpent
 from flwr.serverapp.exception import PrivacyBudgetExhausted
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from .._checks import check_int
@@ -50,7 +50,7 @@ from ..protocol.utility import noise_std
 from .config import MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig, build_groups
 from .crypto import check_public_key
 from .relay import Reply, Request, RoundRelay, collect_finals, run_iterations
-from .shared import INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
+from .shared import END_ACTION, INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
 from .wire import FIELD, decode_reply, encode_request
 
 __all__ = ["IncaStrategy", "IncaBudgetExhausted", "RoundRecord"]
@@ -223,6 +223,7 @@ class IncaStrategy(FedAvg):
         self.train_metrics_serverapp: dict[int, MetricRecord] = {}
         self._predicted: dict[int, float] = {}
         self._pending: dict[int, _PendingRound] = {}
+        self._ended: set[int] = set()  # nodes told that the run is over
 
     # ----------------------------------------------------------------------------- summary
     def summary(self) -> None:
@@ -243,6 +244,36 @@ class IncaStrategy(FedAvg):
         if self.ledger.rounds:
             log(INFO, "IncA: resuming privacy ledger %s: %d round(s), epsilon = %.4g", self.ledger.path,
                 self.ledger.rounds, self.ledger.epsilon())
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start`` (same arguments, same ``Result``). Afterwards, also when it stops
+        by :class:`IncaBudgetExhausted` or an error, the nodes that took part are told the run is over
+        (``query.inca_end``) and remove their data of the run."""
+        try:
+            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                 evaluate_fn)
+        finally:
+            self._end_run(grid)
+
+    def _end_run(self, grid: Grid) -> None:
+        """Tell the nodes sampled in this strategy's rounds that the run is over (best effort: a node that
+        does not answer removes the data later, see ``IncaClient(stale_after=...)``)."""
+        nodes = sorted({n for r in self.rounds.values() for n in (*r.roster, *r.excluded)} - self._ended)
+        if not nodes:
+            return
+        self._ended.update(nodes)
+        content = RecordDict({INCA_KEY: ConfigRecord({"end": True})})
+        messages = [Message(content, dst_node_id=node, message_type=f"{MessageType.QUERY}.{END_ACTION}")
+                    for node in nodes]
+        try:
+            replies = self._send_and_receive(grid, messages, min(self.relay.exchange_timeout, 30.0))
+        except Exception as exc:  # noqa: BLE001 - the run is over; the nodes clean up later instead
+            log(WARNING, "IncA: could not tell the nodes that the run is over: %s", exc)
+            return
+        done = sum(1 for r in replies if not r.has_error())
+        log(INFO, "IncA: run over: %d/%d node(s) removed their round data", done, len(nodes))
 
     def privacy_spent(self) -> PrivacySpent:
         """Privacy spent so far by the rounds in the ledger, at the target's delta (as Flower's DP
