@@ -29,10 +29,19 @@ from .conversions import (
 )
 from .ledger import BudgetExceededError, PrivacyLedger
 from .structure import StructureReport, analyze_structure
-from .views import AdversaryView, collusion_view, eavesdrop_view, random_collusion, random_eavesdrop
+from .views import (
+    AdversaryView,
+    collusion_view,
+    eavesdrop_view,
+    random_collusion,
+    random_eavesdrop,
+    recorded_finals,
+    with_finals,
+)
 
 __all__ = [
     "AdversaryView", "collusion_view", "eavesdrop_view", "random_collusion", "random_eavesdrop",
+    "with_finals", "recorded_finals",
     "Certificate", "SensitivityProfile", "certify", "profile",
     "StructureReport", "analyze_structure",
     "AdversarialResult", "adversarial_collusion",
