@@ -21,6 +21,7 @@ from flwr_inca import (
     TemporaryDropout,
 )
 from flwr_inca.privacy import certify, collusion_view, eavesdrop_view, random_collusion, random_eavesdrop
+from flwr_inca.privacy.prefinal import no_finals_bound
 from flwr_inca.privacy.views import recorded_finals, with_finals
 from flwr_inca.protocol import sample_trace
 
@@ -62,8 +63,8 @@ def _at_most(a, b):
 @pytest.mark.parametrize("dropout", DROPOUTS, ids=["none", "permanent", "temporary", "markov", "scheduled"])
 @pytest.mark.parametrize("threat", ["collusion", "eavesdrop"])
 def test_prefinal_certificate_bounds_every_subset_of_finals(schedule, dropout, threat):
-    rng = np.random.default_rng([7, ["incremental", "early"].index(schedule) if isinstance(schedule, str) else 2,
-                                 DROPOUTS.index(dropout), threat == "collusion"])
+    kind = ["incremental", "early"].index(schedule) if isinstance(schedule, str) else 2
+    rng = np.random.default_rng([7, kind, DROPOUTS.index(dropout), threat == "collusion"])
     checked = 0
     for trial in range(4):
         n = int(rng.integers(4, 9))
@@ -145,3 +146,28 @@ def test_recorded_finals_read_what_the_relay_wrote():
         trace.meta["finalists"] = bad
         with pytest.raises(ValueError, match="finalists|finals"):
             recorded_finals(trace)
+
+
+@pytest.mark.parametrize("schedule", ["incremental", "early", CUSTOM], ids=["inc", "early", "custom"])
+def test_no_finals_bound_caps_every_view_without_finals_and_is_attained(schedule):
+    rng = np.random.default_rng(11)
+    for trial in range(6):
+        n = int(rng.integers(4, 9))
+        T = 3 if schedule is CUSTOM else int(rng.integers(1, 5))
+        s_star, s_delta = SIGMAS[trial % 3]
+        sched = InjectionSchedule.resolve(schedule, T)
+        bound = no_finals_bound(sched, s_star, s_delta, value_sensitivity=2.0)
+        assert 0 < bound < math.inf
+        for dropout in DROPOUTS:
+            trace = _trace(n, T, 1 + trial % 2, dropout, trial, schedule, s_star, s_delta)
+            views = [random_collusion(trace, 0.3, seed=trial, finals=()),
+                     random_eavesdrop(trace, 0.5, seed=trial, finals=()),
+                     random_eavesdrop(trace, 1.0, seed=trial, finals=())]
+            for view in views:
+                assert _at_most(certify(trace, view, value_sensitivity=2.0).max_mu, bound)
+        # every message before the finals observed, nobody dropped out: the bound is reached exactly
+        trace = _trace(n, T, 1, None, trial, schedule, s_star, s_delta)
+        everything = random_eavesdrop(trace, 1.0, seed=0, finals=())
+        assert everything.observed[:-1].all()
+        brute = brute_force_mu(trace, [], everything.observed, s_star, s_delta)
+        assert max(brute.values()) * 2.0 == pytest.approx(bound, rel=1e-6)

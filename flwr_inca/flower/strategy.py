@@ -13,9 +13,15 @@ IncA runs inside Flower's own ``Strategy.start``, through the hooks every Flower
   the final messages (public in the threat model). The round's execution trace is certified exactly
   under the configured threat model and charged to a persistent privacy ledger.
 
-Training stops before a round that would take the privacy spent past ``max_epsilon``: the strategy
-raises :class:`IncaBudgetExhausted`, a ``flwr.serverapp.exception.PrivacyBudgetExhausted`` as Flower's
-own DP strategies raise, which carries the global model.
+``max_epsilon`` is a hard limit (the *pre-final rule*): the trace of iterations 1..T is certified
+before any final message is asked for, as if every final were revealed (an upper bound whatever then
+arrives). If charging that would exceed ``max_epsilon``, the finals are never collected: the round
+is charged the exact cost of what was observed without them, the model is kept, and training stops.
+Otherwise the finals are collected and the round is charged the exact cost of those that arrived. A
+round starts only if both its predicted cost and the most a round stopped before its finals can cost
+(:func:`flwr_inca.privacy.prefinal.no_finals_bound`) fit. Training stops by raising
+:class:`IncaBudgetExhausted`, a ``flwr.serverapp.exception.PrivacyBudgetExhausted`` as Flower's own DP
+strategies raise, which carries the global model.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.certificate import certify
 from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
+from ..privacy.prefinal import no_finals_bound
 from ..privacy.views import random_collusion, random_eavesdrop
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
@@ -60,25 +67,32 @@ _CERTIFY, _PREDICT = 0, 1
 
 
 class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
-    """The next round would take the privacy spent past ``max_epsilon``: training stops before it.
+    """A round would take the privacy spent past ``max_epsilon``: training stops.
 
-    Raised by ``configure_train`` before any node is contacted, hence out of ``Strategy.start``, like
-    Flower's ``PrivacyBudgetExhausted`` (which it is; also a :class:`flwr_inca.privacy.BudgetExceededError`).
+    Raised by ``configure_train`` before any node is contacted (the next round is predicted not to fit),
+    or by ``aggregate_train`` when a round's certificate before its final messages does not fit: that
+    round's finals are never collected (``stopped_before_finals``), it is charged what was observed
+    without them, and the model is unchanged. Either way it leaves ``Strategy.start``, like Flower's
+    ``PrivacyBudgetExhausted`` (which it is; also a :class:`flwr_inca.privacy.BudgetExceededError`).
 
     Attributes:
-        server_round: the round that did not start.
+        server_round: the round that did not start, or that was stopped before its finals.
         arrays: the global model when training stopped (what ``start`` would have returned).
-        epsilon: privacy spent so far, at ``delta``.
-        predicted_epsilon: what it would have been after the round (``inf`` if the budget was overrun).
+        epsilon: privacy spent so far, at ``delta`` (the stopped round's charge included).
+        predicted_epsilon: what it would have been after the round (``inf`` if the budget was overrun;
+            for a round stopped before its finals, its certified cost with every final revealed).
         max_epsilon, delta: the budget.
+        stopped_before_finals: the round ran its mixing but was stopped before its final messages.
     """
 
     def __init__(self, reason: str, *, server_round: int, arrays: ArrayRecord, epsilon: float,
-                 predicted_epsilon: float, max_epsilon: float, delta: float) -> None:
+                 predicted_epsilon: float, max_epsilon: float, delta: float,
+                 stopped_before_finals: bool = False) -> None:
         super().__init__(reason)
         self.server_round, self.arrays = server_round, arrays
         self.epsilon, self.predicted_epsilon = epsilon, predicted_epsilon
         self.max_epsilon, self.delta = max_epsilon, delta
+        self.stopped_before_finals = stopped_before_finals
 
 
 @dataclass
@@ -130,6 +144,9 @@ class _Mixed:
     relay: RoundRelay
     params: RoundParams
     counters: dict[str, int]
+    prefinal_mu: float | None = None  # certified before the finals (None: not certified yet)
+    prefinal_epsilon: float = math.nan  # what the ledger would hold after charging prefinal_mu
+    stopped: str = ""  # why the finals were not collected ("" if they were)
 
 
 class _TrainMetrics(MetricRecord):
@@ -224,6 +241,8 @@ class IncaStrategy(FedAvg):
         self._predicted: dict[int, float] = {}
         self._pending: dict[int, _PendingRound] = {}
         self._ended: set[int] = set()  # nodes told that the run is over
+        self._no_finals_mu: dict[int, float] = {}  # no_finals_bound by number of parties
+        self._stopped_round: int | None = None  # a round stopped before its finals: no round after it
 
     # ----------------------------------------------------------------------------- summary
     def summary(self) -> None:
@@ -316,22 +335,39 @@ class IncaStrategy(FedAvg):
             raise
 
     def _check_budget(self, server_round: int, n: int, arrays: ArrayRecord) -> None:
+        """Raise :class:`IncaBudgetExhausted` unless the round may start: no round was stopped before its
+        finals, and both the round's predicted cost and the most it can cost if stopped before its finals
+        (``no_finals_bound``) fit the budget. The second makes the budget a hard limit: a round that then
+        certifies too costly before its finals is stopped there, and what it is charged fits."""
         budget, delta = self.privacy.max_epsilon, self.privacy.delta
         self.ledger.refresh()  # another process sharing the ledger may have spent
         if budget is None:
             return
         spent = self.ledger.epsilon()
-        if spent > budget:
+        if self._stopped_round is not None:
+            after = math.inf
+            reason = (f"IncA: not starting round {server_round}: round {self._stopped_round} was stopped "
+                      f"before its final messages because they would have taken epsilon past max_epsilon = "
+                      f"{budget:.4g}; spent: epsilon = {spent:.4g} (delta = {delta:.1e})")
+        elif spent > budget:
             after = math.inf
             reason = (f"IncA: stopping before round {server_round}: the certified cost of the rounds so "
                       f"far brought epsilon to {spent:.4g} > max_epsilon = {budget:.4g} "
                       f"(delta = {delta:.1e})")
         else:
-            after = self.ledger.epsilon_after(self.predicted_mu(max(n, 2)), self.privacy.sample_rate)
+            n = max(n, 2)
+            predicted, ceiling = self.predicted_mu(n), self.no_finals_mu(n)
+            after = self.ledger.epsilon_after(max(predicted, ceiling), self.privacy.sample_rate)
             if after <= budget:
                 return
-            reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from {spent:.4g} "
-                      f"to about {after:.4g} > max_epsilon = {budget:.4g} (delta = {delta:.1e})")
+            if predicted >= ceiling:
+                reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from "
+                          f"{spent:.4g} to about {after:.4g} > max_epsilon = {budget:.4g} "
+                          f"(delta = {delta:.1e})")
+            else:
+                reason = (f"IncA: stopping before round {server_round}: even stopped before its final "
+                          f"messages it could cost mu = {ceiling:.4g}, bringing epsilon from {spent:.4g} to "
+                          f"{after:.4g} > max_epsilon = {budget:.4g} (delta = {delta:.1e})")
         log(WARNING, "%s", reason)
         raise IncaBudgetExhausted(reason, server_round=server_round, arrays=arrays, epsilon=spent,
                                   predicted_epsilon=after, max_epsilon=budget, delta=self.privacy.delta)
@@ -340,7 +376,10 @@ class IncaStrategy(FedAvg):
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Mix the updates of the nodes that joined (relayed, end to end encrypted), certify and charge
-        the round, and return the new model (None if the round failed) with the round's metrics."""
+        the round, and return the new model (None if the round failed) with the round's metrics.
+
+        Raises :class:`IncaBudgetExhausted` (after charging the round) if the round was stopped before its
+        final messages because they would have taken the privacy spent past ``max_epsilon``."""
         replies = list(replies)
         pending = self._pending.pop(server_round, None)
         if pending is None:
@@ -361,9 +400,13 @@ class IncaStrategy(FedAvg):
         # the messages were exchanged: the round's privacy is spent. Charge it first; nothing after the
         # charge may lose it or the new model: what fails there is logged and counted
         # (inca-post-charge-errors), and the round goes on
-        self._certify_and_charge(record, mixed.relay)
-        new_arrays = self._after_charge(record, "applying the update", None,
-                                        self._apply, record, mixed, vector, spec, pending.arrays)
+        self._certify_and_charge(record, mixed)
+        if mixed.stopped:
+            record.failed = mixed.stopped
+            new_arrays = None
+        else:
+            new_arrays = self._after_charge(record, "applying the update", None,
+                                            self._apply, record, mixed, vector, spec, pending.arrays)
         self._after_charge(record, "saving the trace", None, self._save_trace, record)
         record.seconds = time.time() - pending.started
         metrics = self._after_charge(record, "computing IncA's metrics", None, self._round_metrics, record, mixed)
@@ -372,10 +415,27 @@ class IncaStrategy(FedAvg):
         if metrics is None:
             metrics = MetricRecord({"inca-epsilon": float(record.epsilon), "inca-mu": float(record.mu)})
         metrics["inca-post-charge-errors"] = len(record.post_charge_errors)
+        metrics["inca-stopped-before-finals"] = int(bool(mixed.stopped))
         self.train_metrics_serverapp[server_round] = metrics
         log(INFO, "\t└──> IncA: epsilon = %.4g (round mu = %.4g), %d/%d finals", record.epsilon, record.mu,
             len(record.finalists), len(record.roster))
+        if mixed.stopped:
+            self._stop_before_finals(record, mixed, pending.arrays)
         return new_arrays, _client_side_metrics(metrics, forwarded)
+
+    def _stop_before_finals(self, record: RoundRecord, mixed: _Mixed, arrays: ArrayRecord) -> None:
+        """Stop training after a round stopped before its finals (already charged): no later round starts."""
+        self._stopped_round = record.round
+        budget = float(self.privacy.max_epsilon)  # a round is stopped only under a budget
+        reason = (f"IncA: round {record.round} stopped before its final messages: certified before them, "
+                  f"it would have brought epsilon to {mixed.prefinal_epsilon:.4g} > max_epsilon = "
+                  f"{budget:.4g} (delta = {self.privacy.delta:.1e}). The finals were not collected; the "
+                  f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
+                  f"now {record.epsilon:.4g}; the global model is unchanged and training stops")
+        log(WARNING, "%s", reason)
+        raise IncaBudgetExhausted(reason, server_round=record.round, arrays=arrays, epsilon=record.epsilon,
+                                  predicted_epsilon=mixed.prefinal_epsilon, max_epsilon=budget,
+                                  delta=self.privacy.delta, stopped_before_finals=True)
 
     def _after_charge(self, record: RoundRecord, what: str, default: Any, fn: Callable[..., Any],
                       *args: Any) -> Any:
@@ -449,23 +509,61 @@ class IncaStrategy(FedAvg):
             what = f"iteration {u}/{mix.iterations}" if u <= mix.iterations else "final report"
             log(INFO, "\t> IncA %s: %d/%d nodes", what, online, n)
 
+        mixed = _Mixed(relay, params, counters)
         run_iterations(relay, exchange, progress=progress)
-        collect_finals(relay, exchange, final_retries=self.relay.final_retries, progress=progress)
-        return _Mixed(relay, params, counters)
+        # the pre-final rule: certify iterations 1..T as if every final were revealed, before any is
+        self._certify_before_finals(server_round, mixed)
+        if mixed.stopped:
+            log(WARNING, "IncA round %d: %s", server_round, mixed.stopped)
+            return mixed
+        try:
+            collect_finals(relay, exchange, final_retries=self.relay.final_retries, progress=progress)
+        except BaseException:
+            # some finals may have been revealed: charge the bound that holds whatever arrived
+            self.ledger.spend(float(mixed.prefinal_mu), self.privacy.sample_rate, force=True,
+                              note=f"round {server_round}: final exchange failed (pre-final bound charged)")
+            raise
+        return mixed
 
-    def _certify_and_charge(self, record: RoundRecord, relay: RoundRelay) -> None:
-        """Certify the round's execution trace and charge it to the ledger (``record.mu``,
-        ``record.epsilon``). Its messages were exchanged, so its privacy is spent whatever happens next:
-        without a certificate the round is charged as unbounded (mu = inf) before the error surfaces."""
-        server_round = record.round
+    def _certify_before_finals(self, server_round: int, mixed: _Mixed) -> None:
+        """Certify the round before its finals (``mixed.prefinal_mu``, every final counted as revealed) and
+        decide whether they may be collected (``mixed.stopped`` says why not). Its messages up to T were
+        exchanged: without a certificate the round is charged as unbounded before the error surfaces."""
+        rate = self.privacy.sample_rate
+        try:
+            trace = mixed.relay.trace(meta={"round": server_round})
+            mu = self._certify(trace, self._certify_seeds(server_round))
+        except Exception:
+            self.ledger.spend(math.inf, rate, force=True, note=f"round {server_round}: not certified")
+            raise
+        mixed.prefinal_mu = mu
+        budget = self.privacy.max_epsilon
+        if budget is None:
+            return
+        self.ledger.refresh()  # another process sharing the ledger may have spent during the mixing
+        mixed.prefinal_epsilon = self.ledger.epsilon_after(mu, rate)
+        if not mixed.prefinal_epsilon <= budget:
+            mixed.stopped = (f"its final messages would bring epsilon to {mixed.prefinal_epsilon:.4g} > "
+                             f"max_epsilon = {budget:.4g} (certified before them: mu = {mu:.4g}); they are "
+                             "not collected")
+
+    def _certify_and_charge(self, record: RoundRecord, mixed: _Mixed) -> None:
+        """Certify what the round revealed and charge it to the ledger (``record.mu``, ``record.epsilon``):
+        the final messages that arrived (none if the round was stopped before them). Its messages were
+        exchanged, so its privacy is spent whatever happens next: without a certificate the round is
+        charged as unbounded (mu = inf) before the error surfaces."""
+        server_round, relay = record.round, mixed.relay
         try:
             trace = relay.trace(meta={"round": server_round})
         except Exception:
             self.ledger.spend(math.inf, self.privacy.sample_rate, force=True,
                               note=f"round {server_round}: no trace")
             raise
+        if mixed.stopped:
+            trace.meta["finals-collected"] = False  # meta["finalists"] is [], none was asked for
         record.trace, record.finalists = trace, sorted(relay.finals)
-        record.mu, record.epsilon = self._certify_and_spend(trace, server_round)
+        record.mu, record.epsilon = self._certify_and_spend(trace, server_round, mixed.prefinal_mu,
+                                                            record.finalists)
 
     def _apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
                arrays: ArrayRecord) -> ArrayRecord | None:
@@ -553,34 +651,57 @@ class IncaStrategy(FedAvg):
         cal = self.calibrations[n]
         return cal.sigma_star, cal.sigma_delta
 
-    def _certify(self, trace: ExecutionTrace, seeds: np.random.SeedSequence) -> float:
-        """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``."""
+    def _certify(self, trace: ExecutionTrace, seeds: np.random.SeedSequence,
+                 finals: list[int] | None = None) -> float:
+        """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``, observing the final
+        messages of ``finals`` (None: of every party online at T). The same seeds draw the same
+        adversaries whatever ``finals`` is, so fewer finals never certify a larger mu."""
         priv = self.privacy
         worst = 0.0
         for draw in seeds.spawn(priv.threat_draws):
             seed = _int_seed(draw)
             if priv.observed_fraction is not None:
-                view = random_eavesdrop(trace, priv.observed_fraction, seed)
+                view = random_eavesdrop(trace, priv.observed_fraction, seed, finals=finals)
             else:
-                view = random_collusion(trace, priv.collusion, seed)
+                view = random_collusion(trace, priv.collusion, seed, finals=finals)
             mu = float(certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
             # NaN (a numerical failure) is no bound at all: unbounded, never 0 through max()
             worst = max(worst, math.inf if math.isnan(mu) else mu)
         return worst
 
-    def _certify_and_spend(self, trace: ExecutionTrace, server_round: int) -> tuple[float, float]:
+    def _certify_seeds(self, server_round: int) -> np.random.SeedSequence:
+        return np.random.SeedSequence(self.seed, spawn_key=(_CERTIFY, server_round))
+
+    def _certify_and_spend(self, trace: ExecutionTrace, server_round: int, prefinal_mu: float | None = None,
+                           finals: list[int] | None = None) -> tuple[float, float]:
         """Certify a round whose messages were exchanged and record its cost: ``(mu, epsilon)``.
 
+        ``finals``: the parties whose final messages were revealed (None: every party online at T);
+        ``prefinal_mu``: the round's certificate with every final revealed, if already known. Fewer finals
+        are certified anew; both certificates bound what was observed, and the smaller is charged (so
+        the charge never exceeds the pre-final one, which the budget was checked against).
+
         The cost is spent whatever happens: without a certificate (an error while certifying) the
-        round is recorded as unbounded (mu = inf) before the error surfaces.
+        round is recorded as unbounded (mu = inf), or at its pre-final bound if known, before the error
+        surfaces.
         """
         rate = self.privacy.sample_rate
+        seeds = self._certify_seeds(server_round)
+        online = trace.steps[-1].online.tolist()
+        partial = finals is not None and sorted(finals) != sorted(online)
+        note = f"round {server_round}"
+        if partial:
+            note += (": stopped before its final messages" if not finals
+                     else f": {len(finals)} of {len(online)} final messages revealed")
         try:
-            mu = self._certify(trace, np.random.SeedSequence(self.seed, spawn_key=(_CERTIFY, server_round)))
+            if prefinal_mu is None:
+                prefinal_mu = self._certify(trace, seeds)
+            mu = min(prefinal_mu, self._certify(trace, seeds, finals=finals)) if partial else prefinal_mu
         except Exception:
-            self.ledger.spend(math.inf, rate, force=True, note=f"round {server_round}: not certified")
+            bound = math.inf if prefinal_mu is None else prefinal_mu
+            self.ledger.spend(bound, rate, force=True, note=f"{note}: not certified")
             raise
-        return mu, self.ledger.spend(mu, rate, force=True, note=f"round {server_round}")
+        return mu, self.ledger.spend(mu, rate, force=True, note=note)
 
     def _noise_check(self, trace: ExecutionTrace, finalists: list[int],
                      roster: list[int]) -> tuple[float, str]:
@@ -600,6 +721,15 @@ class IncaStrategy(FedAvg):
         return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the "
                        f"update's noise std is {noise:.3g} per coordinate instead of {full:.3g} "
                        f"(max_noise_inflation = {limit})")
+
+    def no_finals_mu(self, n: int) -> float:
+        """The most a round of n parties can cost if stopped before its final messages, on any execution
+        (:func:`flwr_inca.privacy.prefinal.no_finals_bound` at this round's sigmas; cached per n)."""
+        if n not in self._no_finals_mu:
+            s_star, s_delta = self._sigmas(n)
+            schedule = InjectionSchedule.resolve(self.mixing.schedule, self.mixing.iterations)
+            self._no_finals_mu[n] = no_finals_bound(schedule, s_star, s_delta, self.privacy.sensitivity)
+        return self._no_finals_mu[n]
 
     def predicted_mu(self, n: int) -> float:
         """Predicted cost of a round with n parties: the worst certified mu over ``budget_check_runs``
