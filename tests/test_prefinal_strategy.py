@@ -14,14 +14,14 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ArrayRecord, ConfigRecord  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord
 
-from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy  # noqa: E402
-from flwr_inca.flower.node import MemoryStore, RoundSecrets, handle_exchange  # noqa: E402
-from flwr_inca.flower.strategy import _PendingRound  # noqa: E402
-from flwr_inca.privacy import PrivacyLedger, certify, random_collusion  # noqa: E402
-from flwr_inca.privacy.prefinal import no_finals_bound  # noqa: E402
-from flwr_inca.protocol.schedules import InjectionSchedule  # noqa: E402
+from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
+from flwr_inca.flower.node import MemoryStore, RoundSecrets, handle_exchange
+from flwr_inca.flower.strategy import _PendingRound
+from flwr_inca.privacy import PrivacyLedger, certify, random_collusion
+from flwr_inca.privacy.prefinal import no_finals_bound
+from flwr_inca.protocol.schedules import InjectionSchedule
 
 N, D, T = 6, 4, 3
 SETTINGS = {"sigma_star": 1.0, "sigma_delta": 20.0, "iterations": T, "clip_norm": 1.0, "seed": 5,
