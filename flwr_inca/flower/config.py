@@ -32,8 +32,9 @@ class PrivacyTarget:
         epsilon: per-round target; when the mixing noise is not given, it is calibrated for
             (``epsilon``, ``delta``) per round against the threat below.
         delta: of the per-round target and of the total reported by the ledger, in (0, 1).
-        max_epsilon: total budget at ``delta``; training stops (``IncaBudgetExhausted``) before a round
-            that would exceed it. None: unlimited.
+        max_epsilon: total budget at ``delta``, never exceeded; training stops (``IncaBudgetExhausted``)
+            before a round that would exceed it, or before the final messages of a round whose
+            certificate would (docs/privacy.md). None: unlimited.
         clip_norm: L2 bound C of each node's update (new model - global model), in model units.
         value_sensitivity: how much one protected unit can change a node's value; default 2C
             (party-level, replace-one). For record-level DP give the per-record sensitivity of your
@@ -47,8 +48,9 @@ class PrivacyTarget:
             (Eavesdrop DP) instead of colluders.
         threat_draws: random corrupted sets (or intercepted message sets) per certification.
         budget_check_runs: simulated executions whose worst certified cost is the predicted cost of the
-            next round when checking ``max_epsilon``. The certified cost of the actual round may still
-            exceed it (its topology is random); it is then recorded exactly, and training stops.
+            next round when checking ``max_epsilon``. The actual round may cost more (its topology is
+            random): it is then stopped before its final messages, charged what was observed without
+            them, and training stops; ``max_epsilon`` is never exceeded.
         calibration_runs: simulated executions the noise is calibrated over.
         calibration_dropout: dropout model of those executions (None: nobody drops out).
     """
