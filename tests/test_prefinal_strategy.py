@@ -219,3 +219,23 @@ class _Grid:
 
     def pull_messages(self, ids):
         return []
+
+
+def test_every_certification_of_a_round_draws_the_same_adversaries():
+    """The pre-final certificate bounds a subset's only against the same adversaries: certifying twice
+    from one SeedSequence must not draw new ones (spawning advances a SeedSequence)."""
+    from flwr_inca import IncaConfig, PermanentDropout
+    from flwr_inca.protocol import sample_trace
+
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None, threat_draws=4, collusion=0.3)
+    trace = sample_trace(30, IncaConfig(iterations=4, neighbors=1, sigma_star=1.0, sigma_delta=20.0,
+                                        dropout=PermanentDropout(0.1)), seed=2)
+    seeds = strategy._certify_seeds(1)
+    online = trace.steps[-1].online.tolist()
+    first = strategy._certify(trace, seeds)
+    assert strategy._certify(trace, seeds) == first
+    for finals in (online[1:], online[::2], []):
+        assert strategy._certify(trace, seeds, finals=finals) <= first * (1 + 1e-9)
+    # and the charge with lost finals, from one call, is below the pre-final certificate
+    mu, _ = strategy._certify_and_spend(trace, 1, None, online[1:])
+    assert mu <= first * (1 + 1e-9)

@@ -658,7 +658,9 @@ class IncaStrategy(FedAvg):
         adversaries whatever ``finals`` is, so fewer finals never certify a larger mu."""
         priv = self.privacy
         worst = 0.0
-        for draw in seeds.spawn(priv.threat_draws):
+        # spawn from a copy: spawning advances a SeedSequence, and each call must draw the same adversaries
+        fresh = np.random.SeedSequence(seeds.entropy, spawn_key=seeds.spawn_key, pool_size=seeds.pool_size)
+        for draw in fresh.spawn(priv.threat_draws):
             seed = _int_seed(draw)
             if priv.observed_fraction is not None:
                 view = random_eavesdrop(trace, priv.observed_fraction, seed, finals=finals)
