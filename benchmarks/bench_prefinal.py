@@ -53,7 +53,8 @@ def mixing_iteration(n: int, seed: int) -> float:
     values = np.random.default_rng(seed).normal(size=(n, D))
     for i in range(n):
         stores[i].save_value(seed, values[i])
-    params = RoundParams(seed, T, K, S_STAR, S_DELTA, schedule, roster, [s.public_key for s in secrets], "float32")
+    keys = [s.public_key for s in secrets]
+    params = RoundParams(seed, T, K, S_STAR, S_DELTA, schedule, roster, keys, "float32")
     relay = RoundRelay(n, T, D, schedule, S_STAR, S_DELTA, "float32")
     times: list[float] = []
 

@@ -48,8 +48,8 @@ class Nodes:
         for node, secret in zip(self.roster, self.secrets):
             inca = ConfigRecord({"public-key": secret.public_key, "dim": D})
             content = SimpleNamespace(config_records={"inca": inca}, metric_records={})
-            replies.append(SimpleNamespace(metadata=SimpleNamespace(src_node_id=node), has_error=lambda: False,
-                                           error=None, content=content))
+            replies.append(SimpleNamespace(metadata=SimpleNamespace(src_node_id=node),
+                                           has_error=lambda: False, error=None, content=content))
         return replies
 
     def exchange(self, grid, params, roster, requests, counters, has_roster):
