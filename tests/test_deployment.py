@@ -7,6 +7,8 @@ The kill is deterministic: the node of partition 0 writes a marker file when it 
 request of (round 2, commit 2) and blocks there; the test then SIGKILLs its SuperNode's process group
 (the SuperNode and the ClientApp process it started). Every process started here is stopped by its
 process group id in a ``finally``.
+
+Run it with ``python -m pytest -m deployment`` (it is also marked slow: about 75 s here).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ import pytest
 
 pytest.importorskip("flwr")
 
-pytestmark = [pytest.mark.deployment, pytest.mark.flower]
+# ~75 s on a shared 2-core machine (most of it Flower starting a ClientApp process per message, and the
+# killed node's exchange timeout): slow, so not in the default suite; run it with `pytest -m deployment`
+pytestmark = [pytest.mark.deployment, pytest.mark.flower, pytest.mark.slow]
 
 APP = Path(__file__).parent / "deploy_app"
-NODES, ITERATIONS, KILL_ROUND, KILL_COMMIT = 4, 3, 1, 2
+NODES, ITERATIONS, KILL_ROUND, KILL_COMMIT = 4, 2, 1, 2
 BIN = Path(sys.executable).parent
 
 
