@@ -30,6 +30,7 @@ def main(grid: Grid, context: Context) -> None:
                             precision="float64", ledger_path=str(cfg["ledger-path"]), forward_client_metrics=True,
                             exchange_timeout=float(cfg["exchange-timeout"]), max_noise_inflation=float("inf"),
                             min_available_nodes=nodes, min_train_nodes=nodes, fraction_evaluate=0.0, seed=1,
+                            fraction_train=float(cfg["fraction-train"]),
                             max_epsilon=float(cfg["max-epsilon"]) if float(cfg["max-epsilon"]) > 0 else None)
     resumed = strategy.ledger.rounds
     initial = ArrayRecord([np.zeros(6, dtype=np.float32)])
