@@ -1,4 +1,5 @@
-"""``flwr-inca`` command line: ``mean`` (demo), ``calibrate`` and ``audit``. Thin: parse, call, print."""
+"""``flwr-inca`` command line: ``mean`` (demo), ``calibrate``, ``audit`` and ``reproduce``. Thin: parse, call,
+print."""
 
 from __future__ import annotations
 
@@ -243,6 +244,40 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------- reproduce
+def _non_negative_int(v: str) -> int:
+    i = int(v)
+    if i < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
+    return i
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from .reproduce import reproduce
+
+    try:
+        reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress)
+    except OSError as exc:  # e.g. the disk filled up while writing a figure
+        print(f"error: --out {args.out}: cannot write the results: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
+    from .reproduce import DEFAULT_RUNS
+
+    r = sub.add_parser("reproduce", help="re-measure the paper's figures: CSV, PNG and a table per figure")
+    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"], help="which figure (all: every one, in order)")
+    r.add_argument("--runs", type=_positive_int, default=None,
+                   help="simulated runs per point (default per figure: "
+                        + ", ".join(f"{k} {v}" for k, v in DEFAULT_RUNS.items())
+                        + "; the paper: 1000, Fig. 2 1e5, Fig. 5 100)")
+    r.add_argument("--out", default="outputs/reproduce", help="directory for the CSV, PNG and text files")
+    r.add_argument("--seed", type=_non_negative_int, default=0)
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.set_defaults(func=cmd_reproduce)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flwr-inca", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -294,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--top", type=_positive_int, default=5, help="weakest parties to list (>= 1)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_audit)
+
+    add_reproduce_parser(sub)
     return p
 
 

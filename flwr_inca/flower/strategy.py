@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -277,9 +278,17 @@ class IncaStrategy(FedAvg):
             self._end_run(grid)
 
     def _end_run(self, grid: Grid) -> None:
-        """Tell the nodes sampled in this strategy's rounds that the run is over (best effort: a node that
-        does not answer removes the data later, see ``IncaClient(stale_after=...)``)."""
-        nodes = sorted({n for r in self.rounds.values() for n in (*r.roster, *r.excluded)} - self._ended)
+        """Tell the nodes of this strategy's rounds that the run is over, so that they remove its data.
+        Best effort, and not waiting for nodes that stopped answering in the last round they were in
+        (gone, most likely): such a node removes the data later (``IncaClient(stale_after=...)``)."""
+        answering: dict[int, bool] = {}
+        for _, record in sorted(self.rounds.items()):
+            finalists = set(record.finalists)
+            for i, node in enumerate(record.roster):
+                answering[node] = i in finalists
+            for node in record.excluded:
+                answering[node] = True  # it replied to the join
+        nodes = sorted(node for node, ok in answering.items() if ok and node not in self._ended)
         if not nodes:
             return
         self._ended.update(nodes)
@@ -287,7 +296,7 @@ class IncaStrategy(FedAvg):
         messages = [Message(content, dst_node_id=node, message_type=f"{MessageType.QUERY}.{END_ACTION}")
                     for node in nodes]
         try:
-            replies = self._send_and_receive(grid, messages, min(self.relay.exchange_timeout, 30.0))
+            replies = self._send_and_receive(grid, messages, min(self.relay.exchange_timeout, 15.0))
         except Exception as exc:  # noqa: BLE001 - the run is over; the nodes clean up later instead
             log(WARNING, "IncA: could not tell the nodes that the run is over: %s", exc)
             return
@@ -458,8 +467,7 @@ class IncaStrategy(FedAvg):
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
-                joined.excluded[node] = "error: " + (msg.error.reason.splitlines()[0][:200] if msg.error.reason
-                                                     else str(msg.error.code))
+                joined.excluded[node] = "error: " + _error_summary(msg.error.reason, msg.error.code)
                 log(INFO, "\t> node %d did not join round %d: %s", node, server_round, joined.excluded[node])
                 continue
             recs = msg.content.config_records
@@ -818,6 +826,23 @@ def _client_side_metrics(server_metrics: MetricRecord, forwarded: MetricRecord |
     for key, value in (forwarded or {}).items():
         out[key] = value
     return out
+
+
+def _error_summary(reason: str | None, code: int) -> str:
+    """One line of a node's error reply. Flower writes ``<class 'ValueError'>:<'message'>``, and wraps an
+    exception in the train function as ``... ClientAppException occurred. Message: message`` (after the
+    Ray traceback, in a simulation): the message is what says what went wrong."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", reason or "")
+    wrapped = re.findall(r"occurred\. Message: ([^\n]*)", text)
+    plain = re.match(r"<class '([\w.]+)'>:<'([^\n]*)", text)
+    if wrapped:
+        line = wrapped[-1]
+    elif plain:
+        line = f"{plain.group(1).rsplit('.', 1)[-1]}: {plain.group(2)}"
+    else:
+        line = next((x.strip() for x in text.splitlines() if x.strip()), f"error code {code}")
+    line = line.removesuffix("'>")
+    return line[:300]
 
 
 def _join_problem(reply: ConfigRecord, d: int) -> str:

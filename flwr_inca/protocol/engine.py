@@ -365,7 +365,7 @@ def _as_values(x: Any) -> tuple[np.ndarray, bool]:
     n, largest = arr.shape[0], float(np.max(np.abs(arr)))
     limit = float(np.finfo(arr.dtype).max) / n
     if largest > limit:
-        raise ValueError(f"x is too large to average in {arr.dtype}: values up to {largest:.3g} among n = {n} "
-                         f"parties can overflow {arr.dtype} when summed (at most {limit:.3g}); rescale them"
-                         + (" or pass float64" if arr.dtype == np.float32 else ""))
+        raise ValueError(f"x is too large to average in {arr.dtype}: values up to {largest:.3g} among "
+                         f"n = {n} parties can overflow {arr.dtype} when summed (at most {limit:.3g}); "
+                         "rescale them" + (" or pass float64" if arr.dtype == np.float32 else ""))
     return arr, scalar

@@ -1,0 +1,132 @@
+"""Re-measure the paper's figures: ``flwr-inca reproduce fig1|fig2|fig3a|fig3b|fig5|all``.
+
+Each figure writes ``<out>/<figure>.csv`` (every number plotted), ``<out>/<figure>.png`` (needs
+matplotlib) and ``<out>/<figure>.txt`` (the printed table and the paper's statements next to what was
+measured), and returns a :class:`FigureResult`::
+
+    from flwr_inca.reproduce import reproduce
+    results = reproduce(["fig3b"], runs=20, out="outputs/reproduce", seed=0)
+    print(results[0].checks_table())
+
+``runs`` is the number of simulated runs per point: calibration runs *and* MSE runs for Figs. 1 and 3
+(the paper: 1000 each), runs per (n, rho) for Fig. 2 (the paper: 1e5), per (k, T) for Fig. 5 (100).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from . import fig1, fig2, fig3, fig5
+from .common import Check, FigureResult, ProgressBar, single_blas_thread, write_csv
+
+__all__ = ["DEFAULT_RUNS", "FIGURES", "Check", "FigureResult", "reproduce"]
+
+
+@dataclass(frozen=True)
+class _Figure:
+    run: Callable[..., FigureResult]
+    work: Callable[[int], int]
+    default_runs: int
+    display: tuple[str, ...]
+    shares_cache: bool = False
+
+
+FIGURES: dict[str, _Figure] = {
+    "fig1": _Figure(fig1.run, fig1.work, fig1.DEFAULT_RUNS,
+                    ("rho", "n_honest", "cdp_classic", "ldp_classic", "muffliato_pndp_T8", "muffliato_pndp_T17",
+                     "inca_formula_classic", "inca_formula_exact", "inca_paper_mse", "inca_exact_mse",
+                     "inca_exact_alpha")),
+    "fig2": _Figure(fig2.run, fig2.work, fig2.DEFAULT_RUNS,
+                    ("n", "rho", "runs", "min_T_all_runs", "median_T", "p99_T", "T_estimate_these_runs",
+                     "T_for_1e5_runs")),
+    "fig3a": _Figure(fig3.run_3a, lambda r: fig3.work("fig3a", r), fig3.DEFAULT_RUNS["fig3a"],
+                     ("protocol", "gamma", "procedure", "sigma_star", "sigma_delta", "alpha", "success_fraction",
+                      "mse", "mse_stderr"), shares_cache=True),
+    "fig3b": _Figure(fig3.run_3b, lambda r: fig3.work("fig3b", r), fig3.DEFAULT_RUNS["fig3b"],
+                     ("protocol", "gamma", "procedure", "sigma_star", "sigma_delta", "alpha", "success_fraction",
+                      "mse", "mse_stderr", "noise_lower_bound"), shares_cache=True),
+    "fig5": _Figure(fig5.run, fig5.work, fig5.DEFAULT_RUNS,
+                    ("threat", "k", "T", "messages", "precondition_success", "exact_floor_success")),
+}
+DEFAULT_RUNS = {name: f.default_runs for name, f in FIGURES.items()}
+
+
+def reproduce(
+    figures: Sequence[str],
+    *,
+    runs: int | None = None,
+    out: str | Path = "outputs/reproduce",
+    seed: int = 0,
+    progress: bool = True,
+    stream: TextIO | None = None,
+    plots: bool = True,
+) -> list[FigureResult]:
+    """Reproduce ``figures`` (names of :data:`FIGURES`, or ``["all"]``); see the module docstring.
+
+    Raises ``ValueError`` naming the bad argument (unknown figure, runs < 1, seed < 0, an ``out``
+    that is not a directory).
+    """
+    names = list(FIGURES) if list(figures) == ["all"] else list(figures)
+    unknown = [f for f in names if f not in FIGURES]
+    if unknown or not names:
+        raise ValueError(f"figure must be one of {', '.join(FIGURES)} or all, got {', '.join(unknown) or 'none'}")
+    if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
+        raise ValueError(f"runs (--runs) must be an integer >= 1, got {runs!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed (--seed) must be an integer >= 0, got {seed!r}")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out (--out) must be a directory, got the file {out}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"out (--out): cannot create the directory {out}: {exc.strerror or exc}") from None
+    stream = stream if stream is not None else sys.stdout
+    plots = plots and _have_matplotlib(stream)
+    cache: dict = {}
+    results = []
+    with single_blas_thread():
+        for name in names:
+            fig = FIGURES[name]
+            n_runs = runs if runs is not None else fig.default_runs
+            bar = ProgressBar(fig.work(n_runs), name, enabled=progress)
+            start = time.perf_counter()
+            kwargs = {"cache": cache} if fig.shares_cache else {}
+            result = fig.run(n_runs, seed, bar, **kwargs)
+            bar.close()
+            result.seconds = time.perf_counter() - start
+            _write(result, fig.display, out, plots, stream)
+            results.append(result)
+    return results
+
+
+def _have_matplotlib(stream: TextIO) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        return True
+    except ImportError:
+        print("note: matplotlib is not installed (pip install matplotlib): CSV and tables only, no PNG",
+              file=stream)
+        return False
+
+
+def _write(result: FigureResult, display: Sequence[str], out: Path, plots: bool, stream: TextIO) -> None:
+    write_csv(result, out / f"{result.figure}.csv")
+    if plots and result.plot is not None:
+        result.plot(result, out / f"{result.figure}.png")
+    params = ", ".join(f"{k} = {v}" for k, v in result.params.items())
+    lines = [f"== {result.title}", f"({params}; {result.seconds:.1f} s)", "", result.table(list(display)), "",
+             "The paper's statements, measured:", result.checks_table()]
+    lines += [f"note: {n}" for n in result.notes]
+    written = [f"{result.figure}.csv"] + ([f"{result.figure}.png"] if plots and result.plot else [])
+    lines += ["", f"wrote {', '.join(str(out / w) for w in written)}"]
+    text = "\n".join(lines)
+    (out / f"{result.figure}.txt").write_text(text + "\n", encoding="utf-8")
+    print(text + "\n", file=stream, flush=True)
