@@ -21,10 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from test_flower_e2e import INITIAL, NODES, RecordingGrid, _simulate
 
 from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
-from flwr_inca.flower.shared import (
-    INCA_KEY,
-    flatten_arrays,
-)
+from flwr_inca.flower.shared import END_ACTION, INCA_KEY, flatten_arrays
 from flwr_inca.flower.wire import FIELD, peek_request
 from flwr_inca.privacy import PrivacyLedger
 
@@ -49,10 +46,12 @@ class CommitGrid(RecordingGrid):
     def __init__(self, grid):
         super().__init__(grid)
         self.commits: list[int] = []
+        self.types: list[str] = []
 
     def push_messages(self, messages):
         messages = list(messages)
         for m in messages:
+            self.types.append(m.metadata.message_type)
             record = m.content.config_records.get(INCA_KEY) if m.has_content() else None
             if record is not None and FIELD in record:
                 self.commits.append(peek_request(record[FIELD])[1])
@@ -110,6 +109,8 @@ def test_a_round_over_budget_is_stopped_before_its_finals_with_the_model_unchang
     assert 0 < entries[0].mu <= strategy.no_finals_mu(NODES) < 0.3
     metrics = strategy.train_metrics_serverapp[1]
     assert metrics["inca-stopped-before-finals"] == 1 and metrics["inca-finalists"] == 0
+    # every node answered up to T: all are told that the run is over (and remove its data)
+    assert sum(t.endswith(END_ACTION) for t in grid.types) == NODES
 
 
 def test_no_round_starts_after_a_round_stopped_before_its_finals(runs):

@@ -284,6 +284,8 @@ class IncaStrategy(FedAvg):
         answering: dict[int, bool] = {}
         for _, record in sorted(self.rounds.items()):
             finalists = set(record.finalists)
+            if record.trace is not None and record.trace.meta.get("finals-collected") is False:
+                finalists = set(record.trace.steps[-1].online.tolist())  # answered up to T; no final asked
             for i, node in enumerate(record.roster):
                 answering[node] = i in finalists
             for node in record.excluded:
