@@ -239,3 +239,31 @@ def test_every_certification_of_a_round_draws_the_same_adversaries():
     # and the charge with lost finals, from one call, is below the pre-final certificate
     mu, _ = strategy._certify_and_spend(trace, 1, None, online[1:])
     assert mu <= first * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ledger_never_exceeds_max_epsilon_whatever_the_prediction(monkeypatch, task_identity, seed):
+    """Random budgets and predictions off by a random factor (as low as 0): rounds run until training
+    stops, and no ledger entry ever exceeds max_epsilon (with dropouts: nodes miss random exchanges)."""
+    rng = np.random.default_rng(seed)
+    budget = float(rng.uniform(0.3, 3.0))
+    strategy = IncaStrategy(**{**SETTINGS, "seed": seed}, ledger_path=None, max_epsilon=budget,
+                            max_noise_inflation=math.inf, min_finalists=1)
+    factor = float(rng.choice([0.0, 0.3, 1.0]))
+    true_prediction = strategy.predicted_mu
+    monkeypatch.setattr(strategy, "predicted_mu", lambda n: factor * true_prediction(n))
+    model = ArrayRecord([np.full(D, 0.5)])
+    stopped = None
+    for rnd in range(1, 30):
+        try:
+            strategy.configure_train(rnd, model, ConfigRecord(), _Grid())
+            missed = rng.random((N, T + 3)) < 0.1  # a node misses an exchange (errors, timeouts)
+            nodes = Nodes(rnd, lost=lambda party, commit, m=missed: m[party, commit])
+            arrays, _ = _round(strategy, monkeypatch, nodes, model)
+        except IncaBudgetExhausted as stop:
+            stopped = stop
+            break
+        model = arrays or model
+    assert stopped is not None
+    assert all(e.epsilon <= budget for e in strategy.ledger.entries)
+    assert strategy.ledger.epsilon() <= budget
