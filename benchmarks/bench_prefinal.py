@@ -22,6 +22,12 @@ Ratios to the mixing iteration are per round. Repeats interleave the parts; the 
 
     python benchmarks/bench_prefinal.py                       # n = 100 and 1000, 3 repeats
     python benchmarks/bench_prefinal.py --nodes 100 --repeats 1
+    python benchmarks/bench_prefinal.py --ceiling             # the no-finals ceiling vs a round's cost
+
+``--ceiling`` (no timing): with the noise calibrated for (1, 1e-5)-DP per round against 10% colluders
+(n = 100, T = 10, k = 1, sensitivity 2, 10 calibration runs), the strategy's predicted round cost (worst
+of 10 simulated executions with their finals), the ceiling of a round stopped before its finals
+(``no_finals_bound``) and the certified cost of such rounds without their finals (10 executions).
 """
 
 from __future__ import annotations
@@ -106,11 +112,34 @@ def certification(n: int, seed: int) -> dict[str, float]:
     return out
 
 
+def ceiling() -> None:
+    from flwr_inca.privacy import certify, random_collusion
+
+    n = 100
+    strategy = IncaStrategy(epsilon=1.0, delta=1e-5, iterations=T, neighbors=K, collusion=0.1,
+                            ledger_path=None, seed=0, calibration_runs=10, budget_check_runs=10)
+    s_star, s_delta = strategy._sigmas(n)
+    config = IncaConfig(iterations=T, neighbors=K, sigma_star=s_star, sigma_delta=s_delta)
+    without = [certify(trace, random_collusion(trace, 0.1, seed, finals=()), value_sensitivity=2.0).max_mu
+               for seed, trace in ((s, sample_trace(n, config, seed=100 + s)) for s in range(10))]
+    print(f"n = {n}, (1, 1e-5)-DP per round, 10% colluders, T = {T}: sigma* = {s_star:.4g}, "
+          f"sigma_Delta = {s_delta:.4g}")
+    print(f"predicted round cost with its finals (mu): {strategy.predicted_mu(n):.4g}")
+    print(f"no_finals_bound (mu): {strategy.no_finals_mu(n):.4g}")
+    print(f"rounds without their finals (mu): median {statistics.median(without):.4g}, "
+          f"max {max(without):.4g}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[100, 1000])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ceiling", action="store_true",
+                   help="the no-finals ceiling vs a round's cost (no timing)")
     args = p.parse_args()
+    if args.ceiling:
+        ceiling()
+        return
     if min(args.nodes) < 2 or args.repeats < 1:
         p.error("--nodes must be >= 2 and --repeats >= 1")
     parts = ("pre-final", "one final lost", "stopped", "no_finals_bound")
