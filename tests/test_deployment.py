@@ -8,7 +8,7 @@ request of (round 2, commit 2) and blocks there; the test then SIGKILLs its Supe
 (the SuperNode and the ClientApp process it started). Every process started here is stopped by its
 process group id in a ``finally``.
 
-Run it with ``python -m pytest -m deployment`` (it is also marked slow: about 75 s here).
+It runs in the default suite; alone with ``python -m pytest -m deployment`` (57-76 s here).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import pytest
 
 pytest.importorskip("flwr")
 
-# ~75 s on a shared 2-core machine (most of it Flower starting a ClientApp process per message, and the
-# killed node's exchange timeout): slow, so not in the default suite; run it with `pytest -m deployment`
-pytestmark = [pytest.mark.deployment, pytest.mark.flower, pytest.mark.slow]
+# 57-76 s on a shared 2-core machine (most of it Flower starting a ClientApp process per message, and the
+# killed node's exchange timeout): in the default suite (CI); alone with `pytest -m deployment`
+pytestmark = [pytest.mark.deployment, pytest.mark.flower]
 
 APP = Path(__file__).parent / "deploy_app"
 NODES, ITERATIONS, KILL_ROUND, KILL_COMMIT = 4, 2, 1, 2
