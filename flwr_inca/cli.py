@@ -1,4 +1,4 @@
-"""``flwr-inca`` command line: ``mean`` (demo), ``calibrate``, ``audit`` and ``reproduce``. Thin: parse, call,
+"""``flwr-inca`` command line: ``mean`` (demo), ``calibrate``, ``audit``, ``simulate`` and ``reproduce``. Thin: parse, call,
 print."""
 
 from __future__ import annotations
@@ -244,6 +244,73 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------- simulate
+def _availability(spec: str):
+    """``none`` or ``markov:<p_off>,<p_on>`` (clients available per round)."""
+    from .simulation import MarkovAvailability
+
+    kind, _, args = spec.partition(":")
+    if kind == "none" and not args:
+        return None
+    try:
+        values = [float(v) for v in args.split(",")] if kind == "markov" else []
+        if len(values) == 2:
+            return MarkovAvailability(*values)
+    except ValueError as exc:
+        raise ValueError(f"--availability: {exc}") from None
+    raise ValueError(f"--availability must be none or markov:<p_off>,<p_on>, got {spec!r}")
+
+
+def _optional_epsilon(v: str) -> float | None:
+    return None if v.lower() == "none" else float(v)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulation import SimulationConfig
+    from .simulation.mnist import simulate_mnist
+
+    out = args.out or time.strftime(f"simulation-{args.mode}-{args.clients}c-%Y%m%d-%H%M%S")
+    config = SimulationConfig(
+        rounds=args.rounds, mode=args.mode, fraction=args.fraction, min_clients=args.min_clients,
+        availability=_availability(args.availability), privacy_unit=args.privacy_unit, lr=args.lr,
+        clip_norm=args.clip_norm, batch_size=args.batch_size, local_steps=args.local_steps,
+        local_epochs=args.local_epochs, epsilon=args.epsilon, delta=args.delta, accountant=args.accountant,
+        iterations=args.iterations, neighbors=args.neighbors, topology=args.topology, dropout=args.dropout,
+        collusion=args.collusion, observed_fraction=args.observed_fraction, threat_draws=args.threat_draws,
+        sigma_star=args.sigma_star, sigma_delta=args.sigma_delta, calibration_runs=args.calibration_runs,
+        certification=args.certification, certify_every=args.certify_every,
+        noise_multiplier=args.noise_multiplier, backend=args.backend, num_actors=args.num_actors,
+        ray_address=args.ray_address, precision=args.precision, seed=args.seed, eval_every=args.eval_every,
+        output_dir=out, save_traces=args.save_traces)
+    history = simulate_mnist(config, clients=args.clients, partition=args.partition, model=args.model,
+                             data_dir=args.data_dir, progress=not args.json)
+    rounds = history.rounds
+    trained = [r for r in rounds if not r.failed]
+    summary = {
+        "dataset": history.dataset, "rounds": len(rounds), "accuracy": history.accuracy,
+        "epsilon": history.epsilon, "delta": args.delta,
+        "certified_rounds": sum(r.certified for r in rounds),
+        "seconds_per_round": (sum(r.seconds for r in trained) / len(trained)) if trained else None,
+        "stopped": history.stopped, "output_dir": out,
+    }
+    if args.json:
+        print(dumps(summary, indent=1))
+        return 0
+    eps = "not private" if not math.isfinite(history.epsilon) else f"{history.epsilon:.4g} at delta = {args.delta:g}"
+    acc = "n/a" if history.accuracy is None else f"{history.accuracy:.4f}"
+    print(f"{history.dataset}: {len(rounds)} round(s) of {args.mode} with {args.clients} clients; "
+          f"accuracy {acc}, epsilon {eps}")
+    uncertified = len(rounds) - summary["certified_rounds"]
+    if uncertified and args.mode == "inca":
+        print(f"note: {uncertified} round(s) were charged a prediction or bound, not an exact certificate "
+              "(see 'cost' in history.csv)")
+    if history.stopped:
+        print(history.stopped)
+    print(f"results in {out}/ (history.json, history.csv, ledger.json, accuracy_epsilon.png"
+          f"{', traces/' if args.save_traces else ''})")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- reproduce
 def _non_negative_int(v: str) -> int:
     i = int(v)
@@ -330,6 +397,54 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_audit)
 
+    s = sub.add_parser("simulate", help="simulate decentralized training on MNIST (Ray, thousands of clients)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("--clients", "-n", type=_positive_int, default=100, help="number of clients")
+    s.add_argument("--rounds", "-R", type=_positive_int, default=40)
+    s.add_argument("--mode", default="inca", help="inca | fedavg (trusted, no noise) | central-dp (trusted, noised)")
+    s.add_argument("--model", choices=["logreg", "mlp"], default="logreg")
+    s.add_argument("--partition", default="iid", help="iid | dirichlet:<alpha>")
+    s.add_argument("--data-dir", default="", help="MNIST IDX directory (else $FLWR_INCA_MNIST_DIR, Hugging Face, "
+                                                   "or scikit-learn's digits offline)")
+    s.add_argument("--fraction", type=float, default=1.0, help="share of available clients per round")
+    s.add_argument("--min-clients", type=int, default=2)
+    s.add_argument("--availability", default="none", help="none | markov:<p_off>,<p_on> (across rounds)")
+    s.add_argument("--dropout", type=parse_dropout, default=None,
+                   help="within a round's mixing: none | permanent:<gamma> | temporary:<p> | markov:<rate>[,<corr>]")
+    s.add_argument("--privacy-unit", choices=["record", "party"], default="record")
+    s.add_argument("--lr", type=float, default=None, help="default 6.0 (record) or 0.05 (party)")
+    s.add_argument("--clip-norm", type=float, default=1.0)
+    s.add_argument("--batch-size", type=int, default=50)
+    s.add_argument("--local-steps", type=int, default=None, help="party level: local SGD steps")
+    s.add_argument("--local-epochs", type=int, default=None, help="party level: local epochs (default 1)")
+    s.add_argument("--epsilon", type=_optional_epsilon, default=1.0, help="total budget, or 'none'")
+    s.add_argument("--delta", type=float, default=1e-5)
+    s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp", "prv", "rdp", "gdp"],
+                   default=None,
+                   help="default: opacus-prv (record level), exact (party level); prv, rdp, gdp: old names")
+    s.add_argument("--iterations", "-T", type=_positive_int, default=10)
+    s.add_argument("--neighbors", "-k", type=_positive_int, default=1)
+    s.add_argument("--topology", default="random")
+    s.add_argument("--collusion", type=float, default=0.1, help="fraction of colluding clients certified against")
+    s.add_argument("--observed-fraction", type=float, default=None, help="Eavesdrop DP instead of collusion")
+    s.add_argument("--threat-draws", type=_positive_int, default=1)
+    s.add_argument("--sigma-star", type=float, default=None)
+    s.add_argument("--sigma-delta", type=float, default=None)
+    s.add_argument("--calibration-runs", type=_positive_int, default=10)
+    s.add_argument("--certification", choices=["exact", "local-bound"], default="exact")
+    s.add_argument("--certify-every", type=_positive_int, default=1,
+                   help="exact certificate every r rounds (a prediction, marked, in between)")
+    s.add_argument("--noise-multiplier", type=float, default=None, help="central-dp without a budget")
+    s.add_argument("--backend", choices=["ray", "inline"], default="ray")
+    s.add_argument("--num-actors", type=int, default=None)
+    s.add_argument("--ray-address", default=None, help="'auto' or host:port of a Ray cluster (default: local)")
+    s.add_argument("--precision", choices=["float32", "float64"], default="float32")
+    s.add_argument("--eval-every", type=_positive_int, default=1)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", default=None, help="output directory (default: a new simulation-... directory)")
+    s.add_argument("--save-traces", action="store_true", help="also write each round's execution trace")
+    s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
+    s.set_defaults(func=cmd_simulate)
     add_reproduce_parser(sub)
     return p
 
@@ -342,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "delta", None) is not None:
             check_real("--delta", args.delta, 0.0, 1.0, low_open=True, high_open=True)
         return int(args.func(args))
-    except ValueError as exc:
+    except (ValueError, ConnectionError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,29 +1,30 @@
 """Data, model, local training and configuration of the MNIST logistic-regression example.
 
-Data, in order of preference:
+Data (``flwr_inca.simulation.data``, shared with ``flwr-inca simulate``), in order of preference:
 1. a local directory with the four original MNIST IDX files (``*-idx?-ubyte.gz``), given as
    ``data-dir`` in the run config or the ``FLWR_INCA_MNIST_DIR`` environment variable;
 2. MNIST from Hugging Face through ``flwr-datasets`` (needs ``pip install flwr-datasets`` and network);
 3. scikit-learn's bundled 8x8 digits (offline fallback, announced on stderr).
+
+The privacy plan (per-round target from the total budget) is ``flwr_inca.privacy.plan``, also shared
+with the simulator.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
-import math
 import os
-import struct
-import sys
 import warnings
-from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from flwr_inca.privacy.plan import privacy_plan as _privacy_plan
+from flwr_inca.simulation.data import Dataset
+from flwr_inca.simulation.data import load_mnist as load_data  # noqa: F401  (cached; .cache_clear())
+from flwr_inca.simulation.partitions import iid
 
 DEFAULTS: dict[str, Any] = {
     "num-server-rounds": 40,
@@ -55,93 +56,10 @@ def load_config(run_config: dict[str, Any] | None = None) -> dict[str, Any]:
     return cfg
 
 
-# ----------------------------------------------------------------------------------------- data
-@dataclass(frozen=True)
-class Dataset:
-    x_train: np.ndarray  # (N, features) float32, standardized
-    y_train: np.ndarray  # (N,) int64
-    x_test: np.ndarray
-    y_test: np.ndarray
-    name: str
-
-    @property
-    def features(self) -> int:
-        return int(self.x_train.shape[1])
-
-
-def _read_idx(path: Path) -> np.ndarray:
-    with gzip.open(path, "rb") as fh:
-        data = fh.read()
-    magic, count = struct.unpack_from(">II", data)
-    if magic == 2049:
-        return np.frombuffer(data, dtype=np.uint8, offset=8).astype(np.int64)
-    if magic == 2051:
-        rows, cols = struct.unpack_from(">II", data, 8)
-        return np.frombuffer(data, dtype=np.uint8, offset=16).reshape(count, rows * cols)
-    raise ValueError(f"{path}: not an MNIST IDX file (magic {magic})")
-
-
-def _standardize(x: np.ndarray) -> np.ndarray:
-    return ((x.astype(np.float32) / 255.0) - 0.1307) / 0.3081
-
-
-def _from_idx(directory: Path) -> Dataset:
-    files = {k: directory / f"{k}.gz" for k in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                                                  "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-    missing = [str(p) for p in files.values() if not p.exists()]
-    if missing:
-        raise FileNotFoundError(f"MNIST IDX files missing: {', '.join(missing)}")
-    return Dataset(_standardize(_read_idx(files["train-images-idx3-ubyte"])),
-                   _read_idx(files["train-labels-idx1-ubyte"]),
-                   _standardize(_read_idx(files["t10k-images-idx3-ubyte"])),
-                   _read_idx(files["t10k-labels-idx1-ubyte"]), f"MNIST ({directory})")
-
-
-def _from_hub() -> Dataset:
-    from datasets import load_dataset  # flwr-datasets' dependency; needs network
-
-    ds = load_dataset("ylecun/mnist")
-
-    def arrays(split):
-        x = np.stack([np.asarray(im, dtype=np.uint8).reshape(-1) for im in split["image"]])
-        return _standardize(x), np.asarray(split["label"], dtype=np.int64)
-
-    xtr, ytr = arrays(ds["train"])
-    xte, yte = arrays(ds["test"])
-    return Dataset(xtr, ytr, xte, yte, "MNIST (Hugging Face ylecun/mnist)")
-
-
-def _from_sklearn() -> Dataset:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = ((digits.data / 16.0) - 0.5).astype(np.float32) / 0.5
-    y = digits.target.astype(np.int64)
-    perm = np.random.default_rng(0).permutation(len(y))
-    x, y = x[perm], y[perm]
-    cut = int(0.8 * len(y))
-    return Dataset(x[:cut], y[:cut], x[cut:], y[cut:], "scikit-learn digits (8x8)")
-
-
-@lru_cache(maxsize=4)
-def load_data(data_dir: str = "") -> Dataset:
-    """The dataset (cached per process); see the module docstring for the order of sources."""
-    directory = data_dir or os.environ.get("FLWR_INCA_MNIST_DIR", "")
-    if directory:
-        return _from_idx(Path(directory))
-    try:
-        return _from_hub()
-    except Exception as exc:  # offline, or flwr-datasets not installed
-        print(f"[mnist_logreg] no MNIST directory given (data-dir / FLWR_INCA_MNIST_DIR) and the "
-              f"Hugging Face download failed ({type(exc).__name__}: {str(exc)[:120]}); "
-              "falling back to scikit-learn's 8x8 digits", file=sys.stderr)
-        return _from_sklearn()
-
-
 def partition(data: Dataset, partition_id: int, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
-    """IID split of the training set: partition ``partition_id`` of ``num_partitions``."""
-    idx = np.random.default_rng(12345).permutation(len(data.y_train))
-    part = np.array_split(idx, num_partitions)[partition_id]
+    """IID split of the training set: partition ``partition_id`` of ``num_partitions`` (the same split
+    as ``flwr_inca.simulation.iid`` with its default seed)."""
+    part = iid(data.x_train, data.y_train, num_partitions).indices[partition_id]
     return data.x_train[part], data.y_train[part]
 
 
@@ -210,30 +128,10 @@ def clipped_step(model: nn.Module, x: np.ndarray, y: np.ndarray, lr: float, clip
 
 # ----------------------------------------------------------------------------------------- privacy
 def privacy_plan(cfg: dict[str, Any], local_size: int) -> dict[str, float]:
-    """Per-round target and sensitivities for a total (epsilon, delta) over the rounds.
-
-    record: each round is a Poisson-subsampled Gaussian mechanism with sample rate q = B / N_local
-    and sensitivity lr * C / B per example; the per-round mu is 1 / z for the noise multiplier z
-    that Opacus's PRV accountant finds for (epsilon, delta, q, rounds).
-    party: rounds compose as GDP, mu_round = mu_total / sqrt(rounds); sensitivity 2 C (replace-one).
-    """
-    from flwr_inca.privacy import epsilon_for_delta, mu_for_epsilon
-
-    rounds, eps, delta = int(cfg["num-server-rounds"]), float(cfg["epsilon"]), float(cfg["delta"])
-    if cfg["privacy-unit"] == "record":
-        from opacus.accountants.utils import get_noise_multiplier
-
-        q = min(1.0, int(cfg["batch-size"]) / local_size)
-        z = get_noise_multiplier(target_epsilon=eps, target_delta=delta, sample_rate=q, steps=rounds,
-                                 accountant="prv", epsilon_tolerance=0.01)
-        mu_round = 1.0 / z
-        sensitivity = float(cfg["lr"]) * float(cfg["clip-norm"]) / int(cfg["batch-size"])
-        # a node's update is at most lr * C * (sampled batch) / B; clip it far above that
-        party_clip = sensitivity * 4 * int(cfg["batch-size"])
-    else:
-        q = 1.0
-        mu_round = mu_for_epsilon(eps, delta) / math.sqrt(rounds)
-        sensitivity = 2 * float(cfg["clip-norm"])
-        party_clip = float(cfg["clip-norm"])
-    return {"sample_rate": q, "mu_round": mu_round, "epsilon_round": epsilon_for_delta(mu_round, delta),
-            "value_sensitivity": sensitivity, "party_clip": party_clip}
+    """Per-round target and sensitivities for a total (epsilon, delta) over the rounds
+    (``flwr_inca.privacy.plan.privacy_plan``; record level: PRV accountant, party level: GDP)."""
+    plan = _privacy_plan(cfg["privacy-unit"], epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),
+                         rounds=int(cfg["num-server-rounds"]), clip_norm=float(cfg["clip-norm"]),
+                         lr=float(cfg["lr"]), batch_size=int(cfg["batch-size"]), local_size=local_size)
+    return {"sample_rate": plan.sample_rate, "mu_round": plan.mu_round, "epsilon_round": plan.epsilon_round,
+            "value_sensitivity": plan.value_sensitivity, "party_clip": plan.party_clip}

@@ -1,0 +1,454 @@
+"""``simulate``: the round loop.
+
+Each round, in this order (charge first, then do anything that can fail):
+
+1. who is available (across-round availability) and who takes part (``fraction`` of them);
+2. the mixer's plan: for IncA a fresh execution trace (topology and in-round dropouts; it does not
+   depend on any value) certified against the threat;
+3. the ledger is charged the plan's cost; a round whose charge would exceed the budget releases
+   nothing, and training stops, saying why;
+4. the participants train locally from the current global model (Ray actors, vectorized);
+5. the mixer computes the round's update, which is applied (released) and evaluated.
+
+Steps 4 and 5 release nothing until the update is applied, so they overlap steps 2 and 3: training
+starts on the actors before the driver certifies, and the charge (the accountant's composition) runs
+in a thread beside the wait for training and the mix. The update is applied only after its charge
+succeeded; a refused charge discards it.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..privacy.ledger import BudgetExceededError, PrivacyLedger
+from ..privacy.plan import PrivacyPlan, privacy_plan
+from . import seeding
+from .availability import AlwaysAvailable, AvailabilityTable, MarkovAvailability
+from .backend import TrainingFailure, WorkPlanner, create_backend
+from .config import SimulationConfig
+from .history import History, RoundRecord
+from .mixers import MixContext, Mixer, RoundPlan, create_mixer
+from .partitions import Partitions
+from .training import LossFn, ParamSpec, cross_entropy, evaluate
+
+__all__ = ["simulate", "RoundContext", "charge_resolution"]
+
+Progress = Callable[[RoundRecord, History], None]
+
+
+@dataclass
+class RoundContext:
+    """Handed to ``on_round`` after each round that trained: for analyses and tests."""
+
+    round: int
+    participants: np.ndarray  # client ids, ascending; row i of ``updates`` is participants[i]
+    params_before: np.ndarray  # the global model the participants started from
+    updates: np.ndarray  # (participants, d) clipped updates
+    update: np.ndarray  # the released update (NaN if the round produced none)
+    plan: RoundPlan
+
+
+def charge_resolution(mu: float, resolution: float) -> float:
+    """``mu`` rounded *up* to the grid ``(1 + resolution)^k`` (unchanged for 0, inf or resolution 0)."""
+    if resolution <= 0 or mu <= 0 or not math.isfinite(mu):
+        return float(mu)
+    step = math.log1p(resolution)
+    charged = math.exp(math.ceil(math.log(mu) / step - 1e-12) * step)
+    while charged < mu:  # float safety: never charge less than the cost
+        charged *= 1.0 + resolution
+    return charged
+
+
+def _expected_participants(config: SimulationConfig, clients: int) -> int:
+    availability = config.availability
+    share = 1.0
+    if isinstance(availability, MarkovAvailability):
+        share = availability.stationary
+    elif isinstance(availability, AvailabilityTable):
+        share = float(availability.table.mean())
+    available = max(2, int(round(share * clients)))
+    return min(clients, max(config.min_clients, int(config.fraction * available)))
+
+
+def _stderr_progress(record: RoundRecord, history: History) -> None:
+    total = history.config["rounds"]
+    if record.round == 0:
+        acc = "n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
+        print(
+            f"[flwr-inca simulate] {history.mixer}; {history.backend}; initial accuracy {acc}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    if record.failed:
+        print(f"round {record.round:>4}/{total}  {record.failed}", file=sys.stderr, flush=True)
+        return
+    acc = "   n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
+    eps = "inf" if not math.isfinite(record.epsilon) else f"{record.epsilon:.4f}"
+    mark = "" if record.certified or not math.isfinite(record.mu) else "*"
+    mu = "-" if not math.isfinite(record.mu) else f"{record.mu:.4g}{mark}"
+    bar_len = 20
+    done = int(bar_len * record.round / total)
+    print(
+        f"[{'#' * done}{'.' * (bar_len - done)}] round {record.round:>4}/{total}  acc {acc}  eps {eps}  "
+        f"mu {mu}  {record.participants} clients  {record.seconds:.2f} s/round "
+        f"(certify {record.seconds_plan:.2f} | train {record.seconds_train:.2f}, "
+        f"ledger {record.seconds_charge:.2f}, mix {record.seconds_mix:.2f})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def simulate(
+    model_fn: Callable[[], nn.Module],
+    partitions: Partitions,
+    test_set: tuple[np.ndarray, np.ndarray] | None,
+    config: SimulationConfig | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    mixer: Mixer | None = None,
+    progress: bool | Progress = True,
+    on_round: Callable[[RoundContext], None] | None = None,
+    dataset: str = "",
+) -> History:
+    """Train ``model_fn()`` on ``partitions`` for ``config.rounds`` rounds of decentralized SGD.
+
+    Args:
+        model_fn: builds the model (a torch ``nn.Module`` with floating-point parameters); called once
+            here under ``torch.manual_seed(config.seed)`` for the initial model, and once per trainer.
+            It must be picklable for Ray (a function of an importable module, a ``functools.partial``,
+            or a function defined in your script).
+        partitions: the training data and each client's rows (``iid``, ``dirichlet``,
+            ``from_indices``).
+        test_set: ``(x_test, y_test)`` to evaluate the global model on, or None.
+        config: a :class:`SimulationConfig` (default: its defaults).
+        loss_fn: per-example loss ``loss_fn(outputs, targets) -> (batch,)`` (default cross-entropy).
+        mixer: a :class:`Mixer` instance instead of ``config.mode`` (e.g. a custom mechanism).
+        progress: True prints one line per round to stderr; a callable gets each ``RoundRecord``.
+        on_round: called with a :class:`RoundContext` after each round that trained.
+        dataset: a name for the data in the output.
+
+    Returns:
+        The :class:`History`; also written to ``config.output_dir`` after every round when set.
+    """
+    config = config if config is not None else SimulationConfig()
+    if not isinstance(config, SimulationConfig):
+        raise ValueError(f"config must be a SimulationConfig, got {type(config).__name__}")
+    if not isinstance(partitions, Partitions):
+        raise ValueError(
+            "partitions must be a Partitions (see flwr_inca.simulation.iid / dirichlet / "
+            f"from_indices), got {type(partitions).__name__}"
+        )
+    if not callable(model_fn):
+        raise ValueError("model_fn must be a callable returning a torch nn.Module")
+    if test_set is not None and (len(test_set) != 2 or len(test_set[0]) != len(test_set[1])):
+        raise ValueError("test_set must be (x_test, y_test) with as many labels as rows, or None")
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model_fn must return a torch nn.Module, got {type(model).__name__}")
+    spec = ParamSpec.of(model)
+    params = spec.vector(model)
+    # before anything is spent: a model that does not fit the data fails here, saying which data
+    _check_fits(model, loss_fn, *partitions.client(0), "partitions (the training data)")
+    if test_set is not None:
+        _check_fits(model, loss_fn, test_set[0], test_set[1], "test_set")
+
+    plan = privacy_plan(
+        config.privacy_unit,
+        epsilon=config.epsilon,
+        delta=config.delta,
+        rounds=config.budget_rounds or config.rounds,
+        clip_norm=config.clip_norm,
+        lr=config.learning_rate,
+        batch_size=config.batch_size,
+        local_size=float(partitions.sizes().mean()),
+        accountant=config.accountant,
+    )
+    mixer = mixer if mixer is not None else create_mixer(config)
+    if not isinstance(mixer, Mixer):
+        raise ValueError(f"mixer must be a Mixer, got {type(mixer).__name__}")
+    if not mixer.private and config.epsilon is not None:
+        raise ValueError(
+            f"mode {mixer.name!r} adds no noise (its epsilon is infinite): run it with epsilon=None"
+        )
+    out_dir = Path(config.output_dir) if config.output_dir else None
+    ledger = _open_ledger(config, plan, out_dir) if mixer.private else None
+
+    clients = partitions.clients
+    availability = config.availability or AlwaysAvailable()
+    if isinstance(availability, AvailabilityTable) and availability.table.shape[0] < config.rounds:
+        raise ValueError(
+            f"availability: the table covers {availability.table.shape[0]} round(s), fewer than "
+            f"rounds = {config.rounds}"
+        )
+    availability.reset(clients, seeding.stream(config.seed, seeding.AVAILABILITY, 0))
+    # the ledger charges mu rounded up to the resolution: calibrate so that the rounded charge fits
+    target = None if plan.mu_round is None else plan.mu_round / (1.0 + config.mu_resolution)
+    mixer.prepare(
+        MixContext(
+            plan.value_sensitivity,
+            target,
+            plan.delta,
+            _expected_participants(config, clients),
+            spec.dimension,
+            config.seed,
+            config.precision,
+        )
+    )
+    trainer_kwargs: dict[str, Any] = dict(
+        unit=config.privacy_unit,
+        lr=config.learning_rate,
+        clip_norm=config.clip_norm,
+        batch_size=config.batch_size,
+        party_clip=plan.party_clip,
+        loss_fn=loss_fn,
+    )
+    backend = create_backend(
+        config.backend,
+        model_fn,
+        partitions,
+        trainer_kwargs,
+        num_actors=config.num_actors,
+        address=config.ray_address,
+    )
+    planner = WorkPlanner(
+        partitions,
+        backend.cohorts,
+        unit=config.privacy_unit,
+        sample_rate=plan.sample_rate,
+        batch_size=config.batch_size,
+        local_steps=config.local_steps,
+        local_epochs=config.local_epochs,
+        seed=config.seed,
+    )
+    history = History(
+        config.to_dict(), plan.to_dict(), mixer.describe(), backend.describe(), dataset or partitions.name
+    )
+    if ledger is not None and ledger.rounds:
+        history.notes.append(
+            f"resumed ledger {ledger.path}: {ledger.rounds} round(s) already spent, "
+            f"epsilon = {ledger.epsilon():.4g}"
+        )
+    report = _stderr_progress if progress is True else (progress or None)
+    dtype = np.float64 if config.precision == "float64" else np.float32
+
+    def evaluate_into(record: RoundRecord) -> None:
+        if test_set is None:
+            return
+        start = time.perf_counter()
+        record.loss, record.accuracy = evaluate(model, spec, params, test_set[0], test_set[1], loss_fn)
+        if math.isnan(record.accuracy):
+            record.accuracy = None
+        record.seconds_eval = time.perf_counter() - start
+
+    def save() -> None:
+        if out_dir is not None:
+            history.parameters = params
+            history.save(out_dir, plot=False)
+
+    charger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inca-ledger")
+    actors_replaced = 0
+    initial = RoundRecord(0, epsilon=ledger.epsilon() if ledger is not None else 0.0)
+    evaluate_into(initial)
+    history.records.append(initial)
+    if report:
+        report(initial, history)
+    try:
+        for rnd in range(1, config.rounds + 1):
+            start = time.perf_counter()
+            record = RoundRecord(rnd)
+            available = np.flatnonzero(
+                availability.available(rnd, clients, seeding.stream(config.seed, seeding.AVAILABILITY, rnd))
+            )
+            record.available = int(available.size)
+            if available.size < config.min_clients:
+                record.failed = (
+                    f"skipped: {available.size} client(s) available (min_clients = "
+                    f"{config.min_clients}); the model is unchanged, nothing was spent"
+                )
+                record.epsilon = history.records[-1].epsilon
+                record.seconds = time.perf_counter() - start
+                history.records.append(record)
+                if report:
+                    report(record, history)
+                continue
+            count = min(available.size, max(config.min_clients, int(config.fraction * available.size)))
+            participants = np.sort(
+                seeding.stream(config.seed, seeding.SAMPLING, rnd).choice(
+                    available, size=count, replace=False
+                )
+            )
+            record.participants = int(count)
+
+            # local training starts now on the actors: it releases nothing, so it may run while the
+            # round is certified and charged; only the mixer's output is released, and only after
+            t_train = time.perf_counter()
+            collect = backend.submit(params, participants, planner.plan(rnd, participants))
+            t = time.perf_counter()
+            round_plan = mixer.plan(rnd, int(count))
+            record.seconds_plan = time.perf_counter() - t
+            record.mu, record.certified = float(round_plan.mu), bool(round_plan.certified)
+            record.cost = str(round_plan.info.get("cost", "certified" if round_plan.certified else ""))
+            record.finalists = round_plan.info.get("finalists")
+            record.noise = {
+                k: float(v)
+                for k, v in round_plan.info.items()
+                if k in ("sigma_star", "sigma_delta", "noise_multiplier", "noise_std")
+            }
+
+            # the charge runs beside the wait for training and the mix: the mix's output is released
+            # (applied to the model) only once the charge has succeeded; a refused charge discards it
+            charge = None
+            if ledger is not None:
+                record.charged_mu = charge_resolution(record.mu, config.mu_resolution)
+                charge = charger.submit(
+                    _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}"
+                )
+            else:
+                record.charged_mu, record.epsilon = math.inf, math.inf
+            if out_dir is not None and config.save_traces and round_plan.trace is not None:
+                round_plan.trace.meta["round"] = rnd
+                round_plan.trace.save(out_dir / "traces" / f"round-{rnd:04d}.json")
+
+            t = time.perf_counter()
+            failure: BaseException | None = None
+            try:
+                updates = collect()
+                record.seconds_train = time.perf_counter() - t_train
+                record.seconds_train_wait = time.perf_counter() - t
+                _zero_diverged(updates, participants, rnd, history)
+                t = time.perf_counter()
+                update = np.asarray(mixer.mix(updates.astype(dtype, copy=False), round_plan))
+                record.seconds_mix = time.perf_counter() - t
+            except BaseException as exc:  # noqa: BLE001  (re-raised once the charge is recorded)
+                failure = exc
+            if charge is not None:
+                try:
+                    record.epsilon, record.seconds_charge = charge.result()
+                except BudgetExceededError as exc:
+                    mixer.abandon(round_plan)
+                    history.stopped = (
+                        f"stopped before round {rnd}: its cost would exceed the budget "
+                        f"(nothing of it was released or spent). {exc}"
+                    )
+                    break
+            now = getattr(backend, "replaced", 0)
+            replaced, actors_replaced = now - actors_replaced, now
+            if replaced:
+                history.notes.append(
+                    f"round {rnd}: {replaced} Ray actor(s) died and were replaced; their clients trained "
+                    "again with the same seeds"
+                )
+            if isinstance(failure, TrainingFailure):  # a lost trainer: this round only, training goes on
+                mixer.abandon(round_plan)
+                record.failed = (
+                    f"local training was lost ({failure}); the model is unchanged, the round's cost was "
+                    "charged (privacy that was planned is counted as spent)"
+                )
+                record.seconds = time.perf_counter() - start
+                history.records.append(record)
+                if report:
+                    report(record, history)
+                save()
+                continue
+            if failure is not None:
+                raise failure
+            before = params
+            if update.shape != params.shape or not np.all(np.isfinite(update)):
+                record.failed = (
+                    "the mixer produced no finite update (e.g. every party dropped out); model unchanged"
+                )
+            else:
+                params = (params + update).astype(np.float32)
+                record.update_norm = float(np.linalg.norm(update))
+            if rnd % config.eval_every == 0 or rnd == config.rounds:
+                evaluate_into(record)
+            record.seconds = time.perf_counter() - start
+            history.records.append(record)
+            if on_round is not None:
+                on_round(RoundContext(rnd, participants, before, updates, update, round_plan))
+            if report:
+                report(record, history)
+            save()
+    finally:
+        charger.shutdown(wait=True)
+        try:
+            history.memory = {"driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                              "actors_peak_mb": backend.peak_memory_mb()}
+        except Exception:  # noqa: BLE001  (memory figures are informative only)
+            pass
+        backend.close()
+        history.parameters = params
+        if out_dir is not None:
+            history.save(out_dir)
+    if history.stopped and report:
+        print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
+    return history
+
+
+def _check_fits(model: nn.Module, loss_fn: LossFn | None, x: np.ndarray, y: np.ndarray, what: str) -> None:
+    """Run the model and the loss on two examples of ``(x, y)``; ``ValueError`` naming ``what`` if they
+    do not fit (wrong input width, classes, dtypes) or the loss is not one value per example."""
+    x, y = np.ascontiguousarray(x[:2]), np.ascontiguousarray(y[:2])
+    try:
+        with torch.no_grad():
+            losses = (loss_fn or cross_entropy)(model(torch.from_numpy(x)), torch.from_numpy(y))
+    except Exception as exc:  # noqa: BLE001  (any failure is reported with what it was run on)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ValueError(
+            f"{what} does not fit the model of model_fn (or loss_fn): on 2 of its examples "
+            f"(x {x.dtype} {x.shape[1:]}, y {y.dtype}), {type(exc).__name__}: {first}"
+        ) from None
+    if tuple(getattr(losses, "shape", ())) != (len(y),):
+        raise ValueError(
+            f"loss_fn must return one loss per example (shape ({len(y)},)), got "
+            f"{tuple(getattr(losses, 'shape', ()))}"
+        )
+
+
+def _zero_diverged(updates: np.ndarray, participants: np.ndarray, rnd: int, history: History) -> None:
+    """A client whose update is not finite (its training diverged) contributes a zero update, said in
+    the notes. Sound: the replacement depends on that client's own update only and stays within the
+    clip, so the sensitivity bound the round was certified for still holds."""
+    bad = ~np.isfinite(updates).all(axis=1)
+    if bad.any():
+        updates[bad] = 0.0
+        ids = participants[bad].tolist()
+        history.notes.append(
+            f"round {rnd}: client(s) {ids[:10]}{' ...' if len(ids) > 10 else ''} produced a non-finite "
+            "update (diverged?): counted as a zero update"
+        )
+
+
+def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str) -> tuple[float, float]:
+    """Spend one round in the ledger: ``(composed epsilon, seconds)``; raises BudgetExceededError."""
+    start = time.perf_counter()
+    epsilon = ledger.spend(mu, sample_rate, note=note)
+    return epsilon, time.perf_counter() - start
+
+
+def _open_ledger(config: SimulationConfig, plan: PrivacyPlan, out_dir: Path | None) -> PrivacyLedger:
+    path = config.ledger_path or (out_dir / "ledger.json" if out_dir is not None else None)
+    ledger = PrivacyLedger(path, delta=plan.delta, max_epsilon=config.epsilon, accountant=plan.accountant)
+    ledger.accountant.check_sample_rate(plan.sample_rate)
+    if ledger.rounds and config.epsilon is not None and ledger.epsilon() >= config.epsilon:
+        raise ValueError(
+            f"epsilon: the budget is already spent: the ledger {path} records epsilon = "
+            f"{ledger.epsilon():.4g} >= epsilon = {config.epsilon:g} over {ledger.rounds} round(s); "
+            "choose another output_dir / ledger_path for a new run"
+        )
+    return ledger
