@@ -499,7 +499,8 @@ class IncaStrategy(FedAvg):
         return joined
 
     def _mix(self, server_round: int, grid: Grid, joined: _Joined, d: int) -> _Mixed:
-        """Run the round's mixing through the relay: iterations 1..T, then the final reports."""
+        """Run the round's mixing through the relay: iterations 1..T, the certificate before the finals,
+        then the final reports, unless that certificate does not fit the budget (``stopped``)."""
         roster = joined.roster
         n = len(roster)
         s_star, s_delta = self._sigmas(n)
