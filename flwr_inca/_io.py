@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "file_lock", "remove_temp_files"]
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
@@ -55,13 +61,14 @@ def _replace_quickly(target: str, data: bytes) -> None:
     # plain strings: this runs on every mixing step of a node, where pathlib costs more than the I/O
     head, name = os.path.split(target)
     tmp = os.path.join(head, f".{name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
-        fh = open(tmp, "wb")
+        fd = os.open(tmp, flags, 0o600)  # private, as mkstemp's: node data is secret
     except FileNotFoundError:  # the directory does not exist yet
-        os.makedirs(head or ".", exist_ok=True)
-        fh = open(tmp, "wb")
+        os.makedirs(head or ".", mode=0o700, exist_ok=True)
+        fd = os.open(tmp, flags, 0o600)
     try:
-        with fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, target)
     except BaseException:
@@ -70,3 +77,50 @@ def _replace_quickly(target: str, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+@contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive OS lock (``flock``) on the sidecar file ``<path>.lock`` (created if needed, mode
+    0600, never removed: removing it would let two processes lock two different files).
+
+    The lock belongs to the open file, so it excludes other processes and other threads alike, and the
+    OS releases it when its holder dies, even by ``kill -9``.
+    """
+    lock = os.fspath(path) + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    except FileNotFoundError:  # the directory does not exist yet
+        os.makedirs(os.path.dirname(lock) or ".", exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def remove_temp_files(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary files that :func:`atomic_write_bytes` left beside ``path`` when its writer was
+    killed between creating and renaming one; returns them.
+
+    Call it only while no writer of ``path`` can be active (e.g. holding :func:`file_lock` when every
+    writer writes under it): a temporary file of a writer in progress would be removed too. Only names
+    of the two forms the writers use (``.<name>.<8 random chars>.tmp``, ``.<name>.<pid>-<thread>.tmp``)
+    are touched.
+    """
+    target = Path(path)
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.([a-z0-9_]{{8}}|\d+-\d+)\.tmp$")
+    removed = []
+    try:
+        names = os.listdir(target.parent)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if pattern.match(name):
+            try:
+                os.unlink(target.parent / name)
+                removed.append(target.parent / name)
+            except FileNotFoundError:
+                pass
+    return removed

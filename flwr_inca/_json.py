@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["InfinityEncoder", "dumps", "jsonable", "float_from_json"]
+__all__ = ["InfinityEncoder", "dumps", "float_from_json", "jsonable", "loads"]
 
 _SPELLING = {math.inf: "inf", -math.inf: "-inf"}
 _READING = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -48,6 +48,20 @@ class InfinityEncoder(json.JSONEncoder):
 def dumps(obj: Any, **kwargs: Any) -> str:
     """``json.dumps`` with :class:`InfinityEncoder` (and ``allow_nan=False``: nothing non-standard)."""
     return json.dumps(obj, cls=InfinityEncoder, allow_nan=False, **kwargs)
+
+
+def loads(text: str | bytes, what: str) -> Any:
+    """``json.loads`` whose every failure is a one-line ``ValueError`` starting with ``what`` (e.g. the
+    file's name): invalid JSON, and nesting too deep for the parser (a crafted file of ``[[[[...``
+    would otherwise raise ``RecursionError``)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{what}: not valid JSON (nested too deeply)") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what}: not valid JSON (not UTF-8: {exc.reason} at byte {exc.start})") from None
 
 
 def float_from_json(value: Any, name: str) -> float:

@@ -71,6 +71,13 @@ def _positive_int(v: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}") from None
 
 
+def _seed(v: str) -> int:
+    try:
+        return check_int("value", int(v), 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}") from None
+
+
 def _table(rows: list[list[Any]], header: list[str]) -> str:
     cells = [header] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -86,7 +93,11 @@ def cmd_mean(args: argparse.Namespace) -> int:
     n, d, C = args.parties, args.dim, args.clip
     rng = np.random.default_rng(args.seed)
     # random vectors in the L2 ball of radius C (the setting of clipped model updates)
-    x = rng.standard_normal((n, d))
+    try:
+        x = rng.standard_normal((n, d))
+    except MemoryError:
+        print(f"error: --parties x --dim = {n} x {d} values do not fit in memory", file=sys.stderr)
+        return 2
     x *= (C * rng.random(n) ** (1.0 / d) / np.linalg.norm(x, axis=1))[:, None]
     sensitivity = 2 * C  # replace-one on an L2 ball of radius C
     if args.sigma_star is not None and args.sigma_delta is not None:
@@ -136,6 +147,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .privacy import calibrate
 
     procedures = ["paper", "exact"] if args.procedure == "both" else [args.procedure]
+    if procedures == ["paper"] and args.epsilon >= 1:
+        print(f"error: --procedure paper needs --epsilon < 1 (the paper's classic Gaussian bound), got "
+              f"{args.epsilon:g}; use --procedure exact", file=sys.stderr)
+        return 2
     results = []
     for proc in procedures:
         if proc == "paper" and args.epsilon >= 1:
@@ -179,8 +194,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     try:
         trace = ExecutionTrace.load(args.trace)
-    except (OSError, ValueError) as exc:
-        print(f"error: cannot read trace {args.trace}: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"error: cannot read trace {args.trace}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except (ValueError, MemoryError) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else "too large for this machine's memory"
+        print(f"error: cannot read trace {args.trace}: {why}", file=sys.stderr)
         return 2
     kw = dict(value_sensitivity=args.value_sensitivity, delta=args.delta)
     if args.adversarial is not None:
@@ -189,6 +208,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
     elif args.corrupted is not None:
         try:
             corrupted = [int(v) for v in args.corrupted.split(",") if v.strip()]
+        except ValueError:
+            print(f"error: --corrupted must be comma-separated party indices, e.g. 3,7,9, got "
+                  f"{args.corrupted!r}", file=sys.stderr)
+            return 2
+        try:
             view = collusion_view(trace, corrupted)
         except ValueError as exc:
             print(f"error: --corrupted: {exc}", file=sys.stderr)
@@ -338,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="none | permanent:<gamma> | temporary:<p> | markov:<rate>[,<corr>] "
                              "(default permanent:0.1)")
         sp.add_argument("--runs", type=_positive_int, default=20, help="simulated runs for calibration")
-        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--seed", type=_seed, default=0)
         sp.add_argument("--json", action="store_true", help="machine-readable output")
 
     m = sub.add_parser("mean", help="privately average random vectors among simulated parties (demo)")
@@ -368,10 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--observed-fraction", type=float, help="Eavesdrop DP: fraction of intercepted messages")
     g.add_argument("--adversarial", type=float, metavar="FRACTION",
                    help="search for the corrupted set (of this fraction) that hurts the weakest party")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=_seed, default=0)
     a.add_argument("--delta", type=float, default=1e-5)
     a.add_argument("--value-sensitivity", type=float, default=1.0)
-    a.add_argument("--top", type=int, default=5, help="weakest parties to list")
+    a.add_argument("--top", type=_positive_int, default=5, help="weakest parties to list (>= 1)")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_audit)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -10,10 +11,13 @@ from flwr.clientapp import ClientApp
 
 from flwr_inca.flower import IncaClient
 from flwr_inca.flower.shared import INCA_KEY, MIX_ACTION
-from flwr_inca.flower.wire import FIELD, peek_request
+from flwr_inca.flower.wire import FIELD, decode_reply, encode_reply, peek_request
 
 FIXED_SEED = 11
 FAULTS_ENV = "INCA_TEST_FAULTS"  # "party:round:commit;..." mixing exchanges at which a node raises
+# a JSON file (written by the test's ServerApp, read at every message) of how nodes misbehave:
+# {"join": {"<partition>": kind}, "nan": [partitions], "final": {"<round>:<partition>": kind}}
+HOSTILE_ENV = "INCA_TEST_HOSTILE"
 
 
 def local_update(arrays: list[np.ndarray], pid: int, rnd: int) -> list[np.ndarray]:
@@ -34,6 +38,49 @@ def faults(msg: Message, context: Context, call_next):
     return call_next(msg, context)
 
 
+def _plan() -> dict:
+    path = os.environ.get(HOSTILE_ENV)
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def hostile(msg: Message, context: Context, call_next):
+    """App-level mod: the node's replies misbehave as the plan in ``INCA_TEST_HOSTILE`` says. Join replies:
+    ``no-key``, ``str-key``, ``long-key`` (33 bytes), ``wrong-dim``; final messages: ``huge`` (times
+    1e300, finite), ``negative-omega``."""
+    plan = _plan()
+    reply = call_next(msg, context)
+    if not plan or reply.has_error() or INCA_KEY not in reply.content.config_records:
+        return reply
+    pid, record = str(context.node_config["partition-id"]), reply.content.config_records[INCA_KEY]
+    if msg.metadata.message_type == f"train.{MIX_ACTION}" and FIELD in record:
+        rnd, _, party = peek_request(msg.content.config_records[INCA_KEY][FIELD])
+        kind = plan.get("final", {}).get(f"{rnd}:{pid}")
+        rep, keeps = decode_reply(record[FIELD], party)
+        if kind and rep.final is not None:
+            if kind == "huge":
+                rep.final = rep.final * 1e300
+            elif kind == "negative-omega":
+                rep.final_omega = -rep.final_omega
+            record[FIELD] = encode_reply(rep, keeps)
+    elif "public-key" in record:
+        kind = plan.get("join", {}).get(pid)
+        if kind == "no-key":
+            del record["public-key"]
+        elif kind == "str-key":
+            record["public-key"] = "a public key"
+        elif kind == "long-key":
+            record["public-key"] = record["public-key"] + b"\x00"
+        elif kind == "wrong-dim":
+            record["dim"] = int(record["dim"]) + 1
+    return reply
+
+
 def tag(msg: Message, context: Context, call_next):
     """Function-level mod of the train function: marks its reply (forwarded metrics show it ran)."""
     reply = call_next(msg, context)
@@ -46,7 +93,7 @@ client = ClientApp(mods=[faults])
 inca = IncaClient(client, insecure_fixed_seed=FIXED_SEED)
 
 
-secure_client = ClientApp()  # secrets from the OS CSPRNG, as in a deployment
+secure_client = ClientApp(mods=[hostile])  # secrets from the OS CSPRNG, as in a deployment
 secure_inca = IncaClient(secure_client)
 
 
@@ -54,10 +101,15 @@ secure_inca = IncaClient(secure_client)
 @inca.train(mods=[tag])
 def train(msg: Message, context: Context) -> Message:
     pid = int(context.node_config["partition-id"])
-    rnd = int(msg.content["config"]["server-round"])
+    config = msg.content["config"]
+    rnd = int(config["server-round"])
     new = local_update(msg.content["arrays"].to_numpy_ndarrays(), pid, rnd)
-    return Message(RecordDict({"arrays": ArrayRecord(new),
-                               "metrics": MetricRecord({"num-examples": 1, "partition-id": pid})}), reply_to=msg)
+    if pid in _plan().get("nan", []):
+        new = [np.full_like(a, np.nan) for a in new]
+    metrics = MetricRecord({"num-examples": 1, "partition-id": pid})
+    if int(config.get("omit-num-examples", -1)) == pid:  # metrics that FedAvg's aggregation cannot weigh
+        del metrics["num-examples"]
+    return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
 
 
 @client.evaluate()

@@ -219,7 +219,7 @@ def test_ledger_write_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         led.spend(0.1)
     assert path.read_bytes() == before and led.rounds == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]  # no temp file left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ledger.json", "ledger.json.lock"]  # no temp file
 
 
 def test_ledger_rejects_mismatched_or_broken_files(tmp_path):

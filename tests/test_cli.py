@@ -1,6 +1,7 @@
 import argparse
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -112,3 +113,127 @@ def test_audit_json_writes_an_unbounded_party_as_inf(tmp_path, capsys):
     assert main(["audit", str(path), "--corrupted", "0,1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)  # standard JSON: no Infinity
     assert out["max_mu"] == "inf" and out["epsilon"] == "inf" and "inf" in out["mu"].values()
+
+
+# ------------------------------------------------------------------------------ crafted files and bad arguments
+def _crafted_traces():
+    """Small files that each claim something huge or are malformed in a way JSON allows."""
+    base = run_inca(np.random.default_rng(0).random((4, 1)),
+                    IncaConfig(iterations=2, sigma_star=0.5, sigma_delta=1.0), seed=0).trace.to_dict()
+
+    def variant(**changes):
+        return json.dumps({**base, **changes})
+
+    deep = "[" * 200_000 + "]" * 200_000
+    step = base["steps"][0]
+    return {
+        "iterations 1e9": variant(iterations=10**9),
+        "iterations 1e9 float": variant(iterations=1e9),
+        "parties 1e12": variant(parties=10**12),
+        "parties 1e30": variant(parties=10**30),
+        "parties 1e30 float": variant(parties=1e30),
+        "parties true": variant(parties=True),
+        "negative iterations": variant(iterations=-1),
+        "deeply nested document": deep,
+        "deeply nested steps": json.dumps(base)[:-1] + ', "extra": ' + deep + "}",
+        "deeply nested meta": variant(meta={"a": 1}).replace('{"a": 1}', deep),
+        "online index 1e30": variant(steps=[{**step, "online": [10**30]}, base["steps"][1]]),
+        "online index -1": variant(steps=[{**step, "online": [-1]}, base["steps"][1]]),
+        "sender 1e30": variant(steps=[{**step, "messages": [[10**30, 1, 0.5]]}, base["steps"][1]]),
+        "weight NaN": variant(steps=[{**step, "messages": [[0, 1, float("nan")]]}, base["steps"][1]]),
+        "weight Infinity": variant(steps=[{**step, "messages": [[0, 1, float("inf")]]}, base["steps"][1]]),
+        "steps not a list": variant(steps={"1": step}),
+        "too few steps": variant(steps=base["steps"][:1]),
+        "custom schedule of another length": variant(schedule={"c": [0.5, 0.5], "Z": [[1.0], [-1.0]]}),
+        "sigma_star inf": variant(sigma_star="inf"),
+        "empty file": "",
+        "not UTF-8": b"\xff\xfe\x00garbage",
+        "not an object": "[1, 2, 3]",
+    }
+
+
+_AUDIT_ALL = """
+import contextlib, io, json, sys
+from flwr_inca.cli import main
+from flwr_inca.protocol import ExecutionTrace
+out = {}
+for path in sys.argv[1:]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(["audit", path])
+        except BaseException as exc:
+            code = f"raised {type(exc).__name__}"
+    try:
+        ExecutionTrace.load(path)
+        loader = "loaded"
+    except ValueError as exc:
+        loader = "ValueError" if "\\n" not in str(exc) else "multi-line ValueError"
+    except BaseException as exc:
+        loader = f"raised {type(exc).__name__}"
+    out[path] = [code, err.getvalue(), loader]
+print(json.dumps(out))
+"""
+
+
+def test_crafted_traces_get_a_one_line_error_and_exit_2_within_2_gib(tmp_path):
+    # in a child process whose address space is capped at 2 GiB: a file claiming 10^9 iterations must be
+    # refused before anything of that size is allocated
+    import resource
+    import subprocess
+    import sys
+
+    files = {}
+    for k, (name, text) in enumerate(_crafted_traces().items()):
+        path = tmp_path / f"crafted-{k}.json"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        files[str(path)] = name
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    done = subprocess.run([sys.executable, "-c", _AUDIT_ALL, *files], capture_output=True, text=True,
+                          preexec_fn=cap, timeout=300, check=False, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    assert len(results) == len(files) == 22
+    wrong = [f"{files[path]}: exit {code}, loader {loader}, stderr {err[-200:]!r}"
+             for path, (code, err, loader) in results.items()
+             if code != 2 or loader != "ValueError" or not err.startswith("error: cannot read trace")
+             or err.count("\n") != 1]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_calibrate_paper_procedure_needs_epsilon_below_one(capsys):
+    assert main(["calibrate", "--procedure", "paper", "--epsilon", "1.5", "--json", "-n", "20", "--runs", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "epsilon < 1" in captured.err and "--procedure exact" in captured.err
+    assert captured.err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["audit", "TRACE", "--top", "-1"], "--top"),
+    (["audit", "TRACE", "--top", "0"], "--top"),
+    (["audit", "TRACE", "--top", "x"], "--top"),
+])
+def test_bad_audit_arguments_are_rejected(trace_file, capsys, argv, words):
+    path, _ = trace_file
+    with pytest.raises(SystemExit) as info:
+        main([str(path) if a == "TRACE" else a for a in argv])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["mean", "-n", "10", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["audit", "TRACE", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["mean", "-n", "10", "--dim", "100000000000"], "do not fit in memory"),
+    (["audit", "TRACE", "--corrupted", "a,b"], "--corrupted must be comma-separated party indices"),
+])
+def test_more_bad_arguments_name_the_option(trace_file, capsys, argv, words):
+    path, _ = trace_file
+    try:
+        code = main([str(path) if a == "TRACE" else a for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err

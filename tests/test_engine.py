@@ -354,7 +354,7 @@ def _valid_trace_dict():
     [
         (lambda d: d.update(format="inca-trace/9"), "format"),
         (lambda d: d.pop("steps"), "missing"),
-        (lambda d: d.update(parties=1), "parties must be an integer >= 2"),
+        (lambda d: d.update(parties=1), r"parties must be an integer in \[2, 10000000\]"),
         (lambda d: d.update(iterations=0), "iterations must be an integer >= 1"),
         (lambda d: d.update(sigma_star=-2), "sigma_star"),
         (lambda d: d["steps"].pop(), "expected 2 steps"),
@@ -421,3 +421,28 @@ def test_noise_std_matches_the_replayed_noise_with_lost_finals(schedule):
             assert noise_std(trace, finalists) == pytest.approx(float(np.sqrt(np.sum(est**2))), rel=1e-9)
     with pytest.raises(ValueError, match="finalists"):
         noise_std(trace, [i for i in range(n) if i not in set(online_T.tolist())][:1] or [n + 5])
+
+
+@pytest.mark.parametrize("x, words", [
+    (np.zeros(0), "x is empty"),
+    (np.zeros((0, 3)), "x is empty"),
+    (np.zeros((5, 0)), "d >= 1 columns"),
+    ([], "x is empty"),
+    (np.full((4, 2), 1e308), r"overflow.*float64"),
+    (np.full((40, 2), 1e37, dtype=np.float32), r"overflow.*float32"),
+    (np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.complex128), "real numbers"),
+])
+def test_empty_huge_and_complex_values_get_clear_errors(x, words):
+    config = IncaConfig(iterations=2, sigma_star=1.0, sigma_delta=1.0)
+    with pytest.raises(ValueError, match=words):
+        run_inca(x, config, seed=0)
+
+
+def test_torch_bfloat16_and_half_values_are_accepted_as_float32():
+    torch = pytest.importorskip("torch")
+    x = torch.arange(12, dtype=torch.bfloat16).reshape(6, 2)
+    config = IncaConfig(iterations=3, sigma_star=0.0, sigma_delta=1.0)
+    result = run_inca(x, config, seed=0)
+    assert result.estimate.dtype == np.float32
+    assert np.allclose(result.estimate, x.float().numpy().mean(axis=0), atol=1e-4)
+    assert run_inca(x.half(), config, seed=0).estimate.dtype == np.float32

@@ -7,7 +7,9 @@ row: a restart, a round with too few finals, budget exhaustion and a resumed led
 outcome does not depend on timing: a node that "times out" is one whose request the grid drops.
 """
 
+import json
 import logging
+import math
 import os
 
 import numpy as np
@@ -293,11 +295,22 @@ def _run(out: dict, name: str, fn) -> None:
         out[name] = exc
 
 
+# how nodes misbehave in the "hostile" scenario (flower_apps.hostile; partitions 0-4 never join)
+HOSTILE = {"join": {"0": "no-key", "1": "str-key", "2": "long-key", "3": "wrong-dim"}, "nan": [4],
+           "final": {"2:5": "huge", "3:6": "negative-omega"}}
+OMIT_NUM_EXAMPLES = 7  # the partition whose train metrics lack "num-examples" in the "post_charge" scenario
+
+
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scenarios")
     out: dict = {}
     app = ServerApp()
+    plan = tmp / "hostile.json"
+    plan.write_text("{}")
+    os.environ[flower_apps.HOSTILE_ENV] = str(plan)
+    node_state = tmp / "node-state"
+    os.environ["FLWR_INCA_STATE_DIR"] = str(node_state)
     common = {"fraction_evaluate": 0.0, "min_available_nodes": NODES, "min_train_nodes": NODES,
               "exchange_timeout": 120}
 
@@ -347,13 +360,53 @@ def scenarios(tmp_path_factory):
             result = strategy.start(grid=recording, initial_arrays=ArrayRecord(INITIAL), num_rounds=2)
             return strategy, result, recording
 
+        def keeping(models):
+            def keep(rnd, arrays):
+                models[rnd] = arrays
+            return keep
+
+        def hostile():
+            plan.write_text(json.dumps(HOSTILE))
+            try:
+                strategy = IncaStrategy(iterations=3, sigma_star=0.2, sigma_delta=1.0, precision="float64",
+                                        ledger_path=tmp / "hostile-ledger.json", forward_client_metrics=True,
+                                        max_noise_inflation=float("inf"), seed=5, **common)
+                models: dict = {}
+                result = strategy.start(grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=3,
+                                        evaluate_fn=keeping(models))
+                return strategy, result, models
+            finally:
+                plan.write_text("{}")
+
+        def post_charge():
+            # after each round is charged: its trace cannot be saved (a directory under a file) and the
+            # nodes' train metrics cannot be aggregated (one lacks "num-examples")
+            blocker = tmp / "a-file"
+            blocker.write_text("")
+            strategy = IncaStrategy(iterations=3, sigma_star=0.2, sigma_delta=1.0, precision="float64",
+                                    ledger_path=tmp / "post-ledger.json", trace_dir=blocker / "traces",
+                                    forward_client_metrics=True, seed=6, **common)
+            models: dict = {}
+            result = strategy.start(grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=2,
+                                    train_config=ConfigRecord({"omit-num-examples": OMIT_NUM_EXAMPLES}),
+                                    evaluate_fn=keeping(models))
+            return strategy, result, models
+
+        _run(out, "hostile", hostile)
+        _run(out, "post_charge", post_charge)
         _run(out, "started_twice", started_twice)
         _run(out, "too_few_finals", too_few_finals)
         _run(out, "budget", lambda: budget("first run"))
         _run(out, "restart", lambda: budget("restart"))  # a new ServerApp on the same ledger file
         _run(out, "no_training", no_training)
 
-    _simulate(app, flower_apps.secure_client)
+    try:
+        _simulate(app, flower_apps.secure_client)
+    finally:
+        os.environ.pop(flower_apps.HOSTILE_ENV, None)
+        os.environ.pop("FLWR_INCA_STATE_DIR", None)
+    out["node_files"] = sorted(str(p.relative_to(node_state)) for p in node_state.rglob("*") if p.is_file())
+    out["node_dirs"] = sorted(str(p.relative_to(node_state)) for p in node_state.rglob("*") if p.is_dir())
     return out
 
 
@@ -430,3 +483,59 @@ def test_budget_exhaustion_stops_cleanly_and_restart_resumes(scenarios, resume):
 def test_fraction_train_zero_skips_training_as_fedavg_does(scenarios):
     strategy, result, recording = _outcome(scenarios, "no_training")
     assert result.train_metrics_clientapp == {} and strategy.rounds == {} and recording.pushed == 0
+
+
+def _partitions(record):
+    return sorted(int(m["partition-id"]) for m in record.client_metrics.values())
+
+
+def test_hostile_nodes_are_excluded_and_never_stop_training_or_poison_the_model(scenarios):
+    strategy, result, models = _outcome(scenarios, "hostile")
+    assert sorted(strategy.rounds) == [1, 2, 3]
+    for rnd, record in strategy.rounds.items():
+        # the four bad join replies and the NaN model: excluded, named, every round; the others go on
+        assert _partitions(record) == [5, 6, 7, 8, 9] and len(record.excluded) == 5
+        reasons = sorted(record.excluded.values())
+        for words in ("no public key", "must be bytes, got str", "32 bytes (X25519), got 33",
+                      "dimension 18, the model has 17", "NaN or infinite values"):
+            assert sum(words in r for r in reasons) == 1, (words, reasons)
+        assert strategy.train_metrics_serverapp[rnd]["inca-excluded-nodes"] == 5
+    # round 2: a final message times 1e300 (finite): the guard fails the round, the model is kept, the
+    # round is charged
+    two = strategy.rounds[2]
+    assert "max_update_norm" in two.failed and strategy.train_metrics_serverapp[2]["inca-round-failed"] == 1
+    assert np.array_equal(flatten_arrays(models[2])[0], flatten_arrays(models[1])[0])
+    # round 3: a final message with a negative weight is refused by the relay: left out of the average
+    three = strategy.rounds[3]
+    sender = next(i for i, node in enumerate(three.roster)
+                  if three.client_metrics[node]["partition-id"] == 6)
+    assert not three.failed and sender not in three.finalists and len(three.finalists) == 4
+    # refused at the final report and at both retries (it recomputes the same final each time)
+    assert strategy.train_metrics_serverapp[3]["inca-invalid-replies"] == 3
+    assert strategy.ledger.rounds == 3 and all(e.mu > 0 for e in strategy.ledger.entries)
+    final = flatten_arrays(result.arrays)[0]
+    assert np.all(np.isfinite(final)) and np.linalg.norm(final - flatten_arrays(models[2])[0]) < 2.0
+
+
+def test_failures_after_the_charge_lose_neither_the_charge_nor_the_model(scenarios):
+    strategy, result, models = _outcome(scenarios, "post_charge")
+    assert sorted(strategy.rounds) == [1, 2] and strategy.ledger.rounds == 2  # training went on
+    previous = flatten_arrays(ArrayRecord(INITIAL))[0]
+    for rnd, record in strategy.rounds.items():
+        assert not record.failed and strategy.ledger.entries[rnd - 1].mu == record.mu > 0
+        errors = record.post_charge_errors
+        assert len(errors) == 2 and strategy.train_metrics_serverapp[rnd]["inca-post-charge-errors"] == 2
+        assert "saving the trace failed: NotADirectoryError" in errors[0]
+        assert "aggregating the nodes' train metrics failed: KeyError" in errors[1]
+        # the round's model was applied: previous global model + the averaged update
+        current = flatten_arrays(models[rnd])[0]
+        assert np.allclose(current, (previous + record.update).astype(np.float32))
+        previous = current
+    assert np.array_equal(flatten_arrays(result.arrays)[0], previous)
+    assert math.isfinite(strategy.ledger.epsilon())
+
+
+def test_nodes_remove_their_run_data_when_the_run_is_over(scenarios):
+    # every strategy.start ended by telling its nodes; they removed their data of the run (the value,
+    # the noise drawn ahead, the states), and the last one the run's directory
+    assert scenarios["node_files"] == [] and scenarios["node_dirs"] == []

@@ -24,13 +24,14 @@ ROUND = 3
 
 def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental", fault=None, tamper=None,
               seed=0, log=None, final_retries=2, precision="float64", lost_replies=None, wipe=None,
-              stores=None, ahead=False, on_start=None):
+              stores=None, ahead=False, on_start=None, corrupt=None):
     """Run one relayed round in process.
 
     ``fault(i, e)``: party i fails exchange e before doing anything; ``lost_replies(i, e)``: it does
     the work (and stores its state) but the reply never arrives; ``wipe(i, e)``: its storage is lost
     before exchange e. ``stores``: the parties' node-local stores (fresh ones by default).
     ``ahead``: parties draw their noise into storage when they join; ``on_start()`` runs after that.
+    ``corrupt(i, commit, reply)``: what party i's reply becomes on its way to the relay.
     """
     n, d = values.shape
     sched = InjectionSchedule.resolve(schedule, T)
@@ -64,7 +65,7 @@ def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental",
                 log.append((req, rep))
             if lost_replies is not None and lost_replies(i, e):
                 continue  # computed and stored, but the relay never hears about it
-            replies[i] = rep
+            replies[i] = rep if corrupt is None else corrupt(i, commit, rep)
         return replies
 
     drive(relay, exchange, final_retries=final_retries)
@@ -368,6 +369,24 @@ def test_relay_never_sees_plaintext():
         chunk = y.astype(np.float64).tobytes()
         for j in range(0, len(chunk) - 16, 8):
             assert chunk[j:j + 16] not in blob
+
+
+@pytest.mark.parametrize("omega, y", [(-1.0, None), (0.0, None), (100.0, None), (float("nan"), None),
+                                      (None, float("inf")), (None, float("nan"))])
+def test_a_final_message_with_a_bad_weight_or_value_is_refused(omega, y):
+    values = np.random.default_rng(5).random((6, 3))
+    T = 4
+
+    def corrupt(i, commit, rep):
+        if i == 2 and rep.final is not None:
+            final = rep.final.copy() if y is None else np.full_like(rep.final, y)
+            return replace(rep, final=final, final_omega=rep.final_omega if omega is None else omega)
+        return rep
+
+    relay, noise = run_local(values, T=T, corrupt=corrupt, final_retries=0)
+    assert sorted(relay.finals) == [0, 1, 3, 4, 5] and relay.invalid_replies == 1
+    assert all(0 < omega <= 6 for _, omega in relay.finals.values())
+    _check_replay(relay, noise, values)  # the others' finals are exactly the replayed ones
 
 
 def test_malformed_commit_is_refused():

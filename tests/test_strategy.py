@@ -2,6 +2,7 @@
 bookkeeping, the exchange loop's deadline, and the client's mods."""
 
 import math
+import os
 import time
 import warnings
 
@@ -24,6 +25,7 @@ from flwr_inca.flower import (  # noqa: E402
     PrivacyTarget,
     RelayConfig,
 )
+from flwr_inca.flower.shared import flatten_arrays  # noqa: E402
 from flwr_inca.privacy import BudgetExceededError, PrivacyLedger, RoundCost  # noqa: E402
 from flwr_inca.protocol import sample_trace  # noqa: E402
 
@@ -266,12 +268,12 @@ def test_overrun_budget_stops_the_next_round(tmp_path, task_identity):
 
 
 def test_server_metrics_in_train_metrics_are_deprecated():
-    from flwr_inca.flower.strategy import _Joined
+    from flwr_inca.flower.strategy import _client_side_metrics, _Joined
 
     strategy = IncaStrategy(**SIGMAS, forward_client_metrics=True)
     joined = _Joined(metrics={1: MetricRecord({"num-examples": 1, "loss": 2.0}),
                               2: MetricRecord({"num-examples": 1, "loss": 4.0})})
-    record = strategy._train_metrics(MetricRecord({"inca-epsilon": 0.5}), joined)
+    record = _client_side_metrics(MetricRecord({"inca-epsilon": 0.5}), strategy._train_metrics(joined))
     with pytest.warns(FutureWarning, match="train_metrics_serverapp"):
         assert record["inca-epsilon"] == 0.5
     with warnings.catch_warnings():
@@ -395,3 +397,278 @@ def test_flowers_result_has_no_field_for_server_side_train_metrics():
 
     assert {f.name for f in fields(Result)} == {
         "arrays", "train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp"}
+
+
+# ------------------------------------------------------------------------------ charge first; hostile nodes
+def _fake_reply(node, inca=None, metrics=None, error=None):
+    """A join reply as ``aggregate_train`` reads it (``inca``: the IncA ConfigRecord's fields)."""
+    from types import SimpleNamespace
+
+    configs = {} if inca is None else {"inca": ConfigRecord(inca)}
+    content = SimpleNamespace(config_records=configs, metric_records={"metrics": metrics} if metrics else {})
+    return SimpleNamespace(metadata=SimpleNamespace(src_node_id=node), has_error=lambda: error is not None,
+                           error=SimpleNamespace(reason=error, code=0), content=content)
+
+
+def _aggregate(strategy, monkeypatch, replies, n=6, d=4, round_=1, corrupt=None):
+    """``aggregate_train`` of one round whose mixing runs in process (test_relay.run_local) among the
+    first ``n`` nodes that joined; ``corrupt(relay)`` may alter the relay's record before the strategy
+    reads it. Returns (new arrays, server-side metrics, the model the round started from)."""
+    from types import SimpleNamespace
+
+    from test_relay import run_local
+
+    from flwr_inca.flower.strategy import _Mixed, _PendingRound
+
+    values = np.random.default_rng(round_).normal(0, 0.2, (n, d))
+    relay, _ = run_local(values, T=3, s_star=0.1, s_delta=1.0)
+    if corrupt is not None:
+        corrupt(relay)
+
+    def mix(server_round, grid, joined, dim):
+        assert len(joined.roster) == n and dim == d
+        params = SimpleNamespace(sigma_star=0.1, sigma_delta=1.0)
+        return _Mixed(relay, params, {"errors": 0, "malformed": 0, "timeouts": 0})
+
+    monkeypatch.setattr(strategy, "_mix", mix)
+    model = ArrayRecord([np.full(d, 0.5, dtype=np.float32)])
+    strategy._pending[round_] = _PendingRound(None, model, time.time())
+    arrays, _ = strategy.aggregate_train(round_, replies)
+    return arrays, strategy.train_metrics_serverapp[round_], model
+
+
+def _good_replies(n=6, d=4, metrics=True):
+    from flwr_inca.flower.crypto import KeyPair
+
+    return [_fake_reply(100 + i, {"public-key": KeyPair().public, "dim": d},
+                        MetricRecord({"num-examples": 1, "loss": 1.0}) if metrics else None) for i in range(n)]
+
+
+def test_invalid_join_replies_exclude_only_their_node_named_in_the_log(monkeypatch, caplog):
+    from flwr_inca.flower.crypto import KeyPair
+
+    strategy = IncaStrategy(**SIGMAS)
+    twin = KeyPair().public
+    bad = [
+        _fake_reply(201, {"dim": 4}),  # no public key
+        _fake_reply(202, {"public-key": "not bytes", "dim": 4}),
+        _fake_reply(203, {"public-key": KeyPair().public + b"x", "dim": 4}),  # 33 bytes
+        _fake_reply(204, {"public-key": bytes(32), "dim": 4}),  # a low-order point
+        _fake_reply(205, {"public-key": KeyPair().public, "dim": 5}),  # not the model's dimension
+        _fake_reply(206, {"public-key": KeyPair().public}),  # no dimension
+        _fake_reply(207, {"public-key": KeyPair().public, "dim": True}),
+        _fake_reply(208, {"public-key": twin, "dim": 4}), _fake_reply(209, {"public-key": twin, "dim": 4}),
+        _fake_reply(210, error="ValueError: the train function returned a model with NaN"),
+        _fake_reply(211),  # no IncA data
+    ]
+    with caplog.at_level("INFO", logger="flwr"):
+        arrays, metrics, _ = _aggregate(strategy, monkeypatch, _good_replies() + bad)
+    record = strategy.rounds[1]
+    assert record.roster == [100 + i for i in range(6)] and not record.failed and arrays is not None
+    assert sorted(record.excluded) == list(range(201, 212))
+    for node, words in [(201, "no public key"), (202, "must be bytes, got str"), (203, "32 bytes"),
+                        (204, "low-order"), (205, "dimension 5, the model has 4"), (206, "no integer 'dim'"),
+                        (207, "no integer 'dim'"), (208, "[209]"), (209, "[208]"), (210, "NaN"),
+                        (211, "no IncA data")]:
+        assert words in record.excluded[node]
+        assert any(f"node {node} " in line for line in caplog.messages)
+    assert metrics["inca-excluded-nodes"] == 11 and strategy.ledger.rounds == 1
+
+
+def test_a_huge_final_message_fails_the_round_keeping_the_model_and_the_charge(monkeypatch):
+    strategy = IncaStrategy(**SIGMAS)
+
+    def corrupt(relay):
+        y, omega = relay.finals[2]
+        relay.finals[2] = (y * 1e300, omega)  # finite, so it passes the relay
+
+    arrays, metrics, _ = _aggregate(strategy, monkeypatch, _good_replies(), corrupt=corrupt)
+    record = strategy.rounds[1]
+    assert arrays is None and "max_update_norm" in record.failed and metrics["inca-round-failed"] == 1
+    assert strategy.ledger.rounds == 1 and strategy.ledger.entries[0].mu == record.mu > 0
+
+
+def test_the_update_guard_is_generous_and_configurable(monkeypatch):
+    strategy = IncaStrategy(**SIGMAS, clip_norm=2.0)
+    assert strategy.update_norm_bound(0.5, 16) == pytest.approx(10 * (2.0 + 4 * 0.5))
+    assert IncaStrategy(**SIGMAS, max_update_norm=3.0).update_norm_bound(0.5, 16) == 3.0
+    assert strategy._update_check(np.full(16, 0.5), 0.5) == ""
+    assert "not finite" in strategy._update_check(np.array([1.0, np.inf]), 0.5)
+    assert "max_update_norm" in IncaStrategy(**SIGMAS, max_update_norm=0.1)._update_check(np.ones(4), 0.0)
+    with pytest.raises(ValueError, match="max_update_norm"):
+        IncaStrategy(**SIGMAS, max_update_norm=0.0)
+    # an honest round passes the default guard (and is applied)
+    arrays, metrics, model = _aggregate(strategy, monkeypatch, _good_replies())
+    assert arrays is not None and metrics["inca-round-failed"] == 0
+
+
+def test_an_unwritable_trace_dir_loses_neither_the_charge_nor_the_model(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    strategy = IncaStrategy(**SIGMAS, trace_dir=blocker / "traces")  # a directory under a file
+    with caplog.at_level("ERROR", logger="flwr"):
+        arrays, metrics, model = _aggregate(strategy, monkeypatch, _good_replies())
+    record = strategy.rounds[1]
+    assert strategy.ledger.rounds == 1 and strategy.ledger.entries[0].mu == record.mu > 0
+    assert arrays is not None and not record.failed
+    expected = (flatten_arrays(model)[0] + record.update).astype(np.float32)
+    assert np.allclose(flatten_arrays(arrays)[0], expected)
+    assert metrics["inca-post-charge-errors"] == 1 and "saving the trace" in record.post_charge_errors[0]
+    assert any("saving the trace failed" in m and "charged" in m for m in caplog.messages)
+
+
+def test_unaggregatable_client_metrics_lose_neither_the_charge_nor_the_model(monkeypatch, caplog):
+    strategy = IncaStrategy(**SIGMAS, forward_client_metrics=True)
+    replies = _good_replies()
+    del replies[3].content.metric_records["metrics"]["num-examples"]  # a node's metrics lack the weight
+    with caplog.at_level("ERROR", logger="flwr"):
+        arrays, metrics, _ = _aggregate(strategy, monkeypatch, replies)
+    assert arrays is not None and strategy.ledger.rounds == 1
+    assert metrics["inca-post-charge-errors"] == 1 and metrics["inca-epsilon"] > 0
+    assert "aggregating the nodes' train metrics" in strategy.rounds[1].post_charge_errors[0]
+    assert any("num-examples" in m for m in caplog.messages)
+
+
+def test_a_nan_certificate_is_charged_as_unbounded(monkeypatch):
+    from types import SimpleNamespace
+
+    import flwr_inca.flower.strategy as module
+
+    strategy = IncaStrategy(**SIGMAS)
+    monkeypatch.setattr(module, "certify", lambda *a, **k: SimpleNamespace(max_mu=float("nan")))
+    mu, eps = strategy._certify_and_spend(_trace(), 1)
+    assert mu == math.inf and strategy.ledger.entries[0].mu == math.inf and math.isinf(eps)
+
+
+def test_a_ledger_kept_for_another_training_is_refused_before_any_node_is_contacted(tmp_path, task_identity):
+    from flwr_inca.privacy.ledger import LedgerOwnerError
+
+    path = tmp_path / "ledger.json"
+    PrivacyLedger(path, delta=1e-5, owner="flwrlabs/other-app").spend(0.1)
+    grid = FakeGrid()
+    strategy = IncaStrategy(**{**SIGMAS, "ledger_path": path})  # default owner: this process's main module
+    with pytest.raises(LedgerOwnerError, match="belongs to 'flwrlabs/other-app'"):
+        strategy.configure_train(1, ArrayRecord([np.ones(3)]), ConfigRecord(), grid)
+    assert grid.pushed == []
+    with pytest.raises(LedgerOwnerError):  # named explicitly: refused at once
+        IncaStrategy(**{**SIGMAS, "ledger_path": path}, ledger_owner="mine")
+    resumed = IncaStrategy(**{**SIGMAS, "ledger_path": path}, ledger_owner="flwrlabs/other-app")
+    assert resumed.ledger.rounds == 1
+    shared = IncaStrategy(**{**SIGMAS, "ledger_path": path}, share_ledger=True)
+    assert len(list(shared.configure_train(2, ArrayRecord([np.ones(3)]), ConfigRecord(), grid))) == 10
+    assert shared.ledger.owner.startswith("python:")  # the main module, lacking a Flower app id
+
+
+# ------------------------------------------------------------------------------ node storage
+def _client(tmp_path, **kwargs):
+    from flwr.clientapp import ClientApp
+
+    from flwr_inca.flower import IncaClient
+
+    app = ClientApp()
+    inca = IncaClient(app, **kwargs)
+    inca.train()(_train)
+    return app, inca
+
+
+def _context(run_id=1):
+    return Context(run_id=run_id, node_id=5, node_config={}, state=RecordDict(), run_config={})
+
+
+def test_a_node_whose_model_is_not_finite_does_not_join(task_identity, tmp_path):
+    from flwr.clientapp import ClientApp
+
+    from flwr_inca.flower import IncaClient
+
+    def poisoned(msg, context):
+        new = [np.array([np.nan, 1.0, 0.0], dtype=np.float32)]
+        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": MetricRecord({"num-examples": 1})}),
+                       reply_to=msg)
+
+    app = ClientApp()
+    IncaClient(app, state_dir=tmp_path / "state").train()(poisoned)
+    with pytest.raises(ValueError, match=r"NaN or infinite values \(in '0'\): this node does not join round 1"):
+        app._registered_funcs["train.default"](_join_message(), _context())
+    assert not any((tmp_path / "state").rglob("value.f64"))  # nothing kept
+
+
+def test_everything_a_node_stores_is_private(task_identity, tmp_path):
+    import stat
+
+    app, inca = _client(tmp_path, state_dir=tmp_path / "state")
+    context = _context()
+    app._registered_funcs["train.default"](_join_message(), context)
+    store = inca.store(context)
+    store.save_blob(1, "roster", b"x" * 40)
+    store.save_state(1, 0, b"y" * 16)
+    paths = list((tmp_path / "state").rglob("*"))
+    assert {p.name for p in paths} >= {"value.f64", "noise.bin", "roster.bin", "states.bin"}
+    for path in [tmp_path / "state", *paths]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o700 if path.is_dir() else 0o600), f"{path} has mode {mode:o}"
+
+
+@pytest.mark.parametrize("problem", ["group-writable", "world-writable", "other-owner"])
+def test_a_state_root_others_control_is_refused(task_identity, tmp_path, monkeypatch, problem):
+    root = tmp_path / "state"
+    root.mkdir()
+    root.chmod({"group-writable": 0o770, "world-writable": 0o777, "other-owner": 0o700}[problem])
+    if problem == "other-owner":
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    app, inca = _client(tmp_path, state_dir=root)
+    words = {"group-writable": "writable by its group", "world-writable": "writable by its group and others",
+             "other-owner": "belongs to user id"}[problem]
+    with pytest.raises(PermissionError, match=words) as info:
+        app._registered_funcs["train.default"](_join_message(), _context())
+    assert str(root) in str(info.value) and "FLWR_INCA_STATE_DIR" in str(info.value)
+    assert list(root.iterdir()) == []
+
+
+def test_the_default_root_is_private_and_a_planted_link_is_refused(task_identity, tmp_path, monkeypatch):
+    import stat
+    import tempfile
+
+    monkeypatch.delenv("FLWR_INCA_STATE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    default = tmp_path / f"flwr-inca-{os.getuid()}"
+    app, inca = _client(tmp_path)
+    assert inca.state_root == str(default)
+    app._registered_funcs["train.default"](_join_message(), _context())
+    assert stat.S_IMODE(default.stat().st_mode) == 0o700 and any(default.rglob("value.f64"))
+    for path in default.rglob("*"):  # the run and node directories too (makedirs would give 0755)
+        assert stat.S_IMODE(path.stat().st_mode) in (0o700, 0o600)
+    default.rename(tmp_path / "elsewhere")
+    default.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(PermissionError, match="symbolic link"):
+        app._registered_funcs["train.default"](_join_message(), _context())
+    monkeypatch.setenv("FLWR_INCA_STATE_DIR", str(tmp_path / "from-env"))
+    assert inca.state_root == str(tmp_path / "from-env")
+
+
+def test_run_data_is_removed_when_the_run_ends_and_stale_runs_when_joining(task_identity, tmp_path):
+    import time as time_
+
+    root = tmp_path / "state"
+    app, inca = _client(tmp_path, state_dir=root, stale_after=3600)
+    context = _context(run_id=7)
+    app._registered_funcs["train.default"](_join_message(), context)
+    assert (root / "run-7" / "node-5" / "round-1" / "value.f64").exists()
+    # another run's data: one idle for two hours (a killed run), one written a minute ago (in progress)
+    for run, age in (("run-3", 7200), ("run-4", 60)):
+        stale = root / run / "node-9" / "round-2"
+        stale.mkdir(parents=True)
+        (stale / "value.f64").write_bytes(b"0" * 8)
+        past = time_.time() - age
+        for path in [stale / "value.f64", stale, stale.parent, stale.parent.parent]:
+            os.utime(path, (past, past))
+    app._registered_funcs["train.default"](_join_message(), _context(run_id=8))
+    assert sorted(p.name for p in root.iterdir()) == ["run-4", "run-7", "run-8"]
+    # the strategy's end-of-run message: the node removes its data of the run and forgets its secrets
+    end = Message(RecordDict({"inca": ConfigRecord({"end": True})}), dst_node_id=5, message_type="query.inca_end")
+    assert "inca-secrets" in context.state.config_records
+    reply = app._registered_funcs["query.inca_end"](end, context)
+    assert reply.content.config_records["inca"]["removed"]
+    assert not (root / "run-7").exists() and "inca-secrets" not in context.state.config_records
+    with pytest.raises(ValueError, match="stale_after"):
+        _client(tmp_path, stale_after=-1)

@@ -22,9 +22,14 @@ Message API's ``"arrays"`` record (``fixedclipping_mod`` moreover needs the clip
 the strategy's ``clip_norm`` itself, and the noise IncA adds and cancels gives central-DP accuracy,
 certified per round, where ``LocalDpMod`` would add n times the variance, unaccounted by the strategy.
 
-Round data (the update, the roster, the states computed during mixing) lives in node-local storage,
-by default a private directory under the system's temp dir (``state_dir`` to choose another); the
-round's secrets live in the node's ``context.state``.
+Round data (the update, the roster, the states computed during mixing, the noise drawn ahead) lives in
+node-local storage: ``<root>/run-<run id>/node-<node id>``, where the root is ``state_dir``, else the
+environment variable ``FLWR_INCA_STATE_DIR``, else ``<temp dir>/flwr-inca-<uid>``. Directories are 0700
+and files 0600; a root that belongs to another user or that others can write to is refused. Joining a
+round replaces the node's data of earlier rounds; the strategy tells the nodes when a run is over
+(a ``query.inca_end`` message), and they remove that run's data; data of runs that ended without a word
+(killed) is removed when the node joins another run and it is older than ``stale_after``. The round's
+secrets live in the node's ``context.state``.
 """
 
 from __future__ import annotations
@@ -32,15 +37,19 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
+from logging import INFO, WARNING
+
+import numpy as np
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable, Mod
+from flwr.supercore import log
 
-from .._checks import check_int
+from .._checks import check_int, check_real
 from .node import RoundSecrets, draw_noise_ahead, handle_exchange
-from .shared import INCA_KEY, MIX_ACTION, clip, flatten_arrays, unflatten_arrays
-from .storage import DirectoryStore
+from .shared import END_ACTION, INCA_KEY, MIX_ACTION, clip, flatten_arrays, unflatten_arrays
+from .storage import DirectoryStore, check_private_root, remove_stale_runs
 from .wire import FIELD, MissingRoster, decode_request, encode_reply, pack_roster, unpack_roster
 
 __all__ = ["IncaClient",
@@ -49,6 +58,7 @@ __all__ = ["IncaClient",
 
 _STATE_SECRETS = "inca-secrets"
 _DEFAULT_ACTION = "default"  # Flower's action of a plain ``@app.train()``
+STATE_DIR_ENV = "FLWR_INCA_STATE_DIR"
 
 TrainFn = Callable[[Message, Context], Message]
 
@@ -58,26 +68,40 @@ class IncaClient:
 
     Args:
         app: the ClientApp.
-        state_dir: node-local directory for round data (default: ``<tmp>/flwr-inca-<uid>``); each
-            node uses ``<state_dir>/run-<run id>/node-<node id>``.
+        state_dir: node-local directory for round data (default: ``$FLWR_INCA_STATE_DIR``, else
+            ``<tmp>/flwr-inca-<uid>``); each node uses ``<state_dir>/run-<run id>/node-<node id>``. It must
+            belong to this user and not be writable by others.
         insecure_fixed_seed: derive every secret from this seed instead of the OS CSPRNG. Makes runs
             reproducible for tests; never use it in a deployment (anyone knowing it knows the noise).
         noise_ahead_bytes: draw the round's unit noise ((T + 1) * d float64 values) into node storage
             while joining, beside local training, when it takes at most this many bytes; otherwise
             (or with 0) each mixing step draws its own. Same numbers either way.
+        stale_after: seconds; when the node joins a round, the data of *other* runs under the root that
+            has not changed for this long is removed (runs that ended without telling the node). Runs
+            that end normally are removed at once.
     """
 
     def __init__(self, app: ClientApp, *, state_dir: str | os.PathLike[str] | None = None,
-                 insecure_fixed_seed: int | None = None, noise_ahead_bytes: int = 64 * 2**20) -> None:
+                 insecure_fixed_seed: int | None = None, noise_ahead_bytes: int = 64 * 2**20,
+                 stale_after: float = 24 * 3600.0) -> None:
         self.noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
+        self.stale_after = check_real("stale_after (seconds)", stale_after, 0.0, finite=False)
         self.app = app
         self.fixed_seed = insecure_fixed_seed
         self.state_dir = os.fspath(state_dir) if state_dir is not None else None
         app.train(MIX_ACTION)(self._mix)
+        app.query(END_ACTION)(self._end)
+
+    @property
+    def state_root(self) -> str:
+        """Where the nodes of this ClientApp keep their data (see ``state_dir``)."""
+        return (self.state_dir or os.environ.get(STATE_DIR_ENV)
+                or os.path.join(tempfile.gettempdir(), f"flwr-inca-{os.getuid()}"))
 
     def store(self, context: Context) -> DirectoryStore:
-        """This node's storage for the current run."""
-        root = self.state_dir or os.path.join(tempfile.gettempdir(), f"flwr-inca-{os.getuid()}")
+        """This node's storage for the current run (its root checked: private to this user)."""
+        root = self.state_root
+        check_private_root(root, default=not (self.state_dir or os.environ.get(STATE_DIR_ENV)))
         node = f"node-{int(context.node_id) % 2**64}"
         return DirectoryStore(os.path.join(root, f"run-{context.run_id}", node))
 
@@ -113,9 +137,19 @@ class IncaClient:
         old, spec_old = flatten_arrays(msg.content.array_records[str(cfg["arrays-key"])])
         if [s[:2] for s in spec_new] != [s[:2] for s in spec_old]:
             raise ValueError("the returned model does not have the shapes of the global model")
+        if not np.all(np.isfinite(new)):  # it would poison every message of the round: do not join
+            model = next(iter(arrays.values()))
+            bad = [key for key, arr in model.items()
+                   if arr.numpy().dtype.kind == "f" and not np.all(np.isfinite(arr.numpy()))]
+            raise ValueError(f"the train function returned a model with NaN or infinite values (in "
+                             f"{', '.join(map(repr, bad))}): this node does not join round {round_}")
         value = clip(new - old, float(cfg["clip-norm"]))
         secrets = RoundSecrets.generate(round_, self.fixed_seed, node=int(context.node_id) % 2**64)
         store = self.store(context)
+        removed = remove_stale_runs(self.state_root, f"run-{context.run_id}", self.stale_after)
+        if removed:
+            log(INFO, "IncA: removed the node data of %d run(s) idle for over %.0f s under %s", len(removed),
+                self.stale_after, self.state_root)
         store.save_value(round_, value)
         iterations = int(cfg.get("iterations", 0))
         if 0 < (iterations + 1) * value.size * 8 <= self.noise_ahead_bytes:
@@ -151,6 +185,23 @@ class IncaClient:
         reply = handle_exchange(req, params, req.party, secrets, store)
         return Message(RecordDict({INCA_KEY: ConfigRecord({FIELD: encode_reply(reply, has_roster=True)})}),
                        reply_to=msg)
+
+
+    def _end(self, msg: Message, context: Context) -> Message:
+        """The run is over: remove this node's data of the run and forget the round's secrets."""
+        try:
+            store = self.store(context)
+        except OSError as exc:  # nothing of ours can be there
+            log(WARNING, "IncA: end of run %s: %s", context.run_id, exc)
+        else:
+            store.remove()
+            try:
+                os.rmdir(store.root.parent)  # the run's directory, once its last node is gone
+            except OSError:
+                pass
+        if _STATE_SECRETS in context.state.config_records:
+            del context.state[_STATE_SECRETS]
+        return Message(RecordDict({INCA_KEY: ConfigRecord({"removed": True})}), reply_to=msg)
 
 
 def _kept_roster(blob: bytes | None) -> tuple[list[int], list[bytes]] | None:

@@ -32,8 +32,9 @@ class PrivacyTarget:
         epsilon: per-round target; when the mixing noise is not given, it is calibrated for
             (``epsilon``, ``delta``) per round against the threat below.
         delta: of the per-round target and of the total reported by the ledger, in (0, 1).
-        max_epsilon: total budget at ``delta``; training stops (``IncaBudgetExhausted``) before a round
-            that would exceed it. None: unlimited.
+        max_epsilon: total budget at ``delta``, never exceeded; training stops (``IncaBudgetExhausted``)
+            before a round that would exceed it, or before the final messages of a round whose
+            certificate would (docs/privacy.md). None: unlimited.
         clip_norm: L2 bound C of each node's update (new model - global model), in model units.
         value_sensitivity: how much one protected unit can change a node's value; default 2C
             (party-level, replace-one). For record-level DP give the per-record sensitivity of your
@@ -47,8 +48,9 @@ class PrivacyTarget:
             (Eavesdrop DP) instead of colluders.
         threat_draws: random corrupted sets (or intercepted message sets) per certification.
         budget_check_runs: simulated executions whose worst certified cost is the predicted cost of the
-            next round when checking ``max_epsilon``. The certified cost of the actual round may still
-            exceed it (its topology is random); it is then recorded exactly, and training stops.
+            next round when checking ``max_epsilon``. The actual round may cost more (its topology is
+            random): it is then stopped before its final messages, charged what was observed without
+            them, and training stops; ``max_epsilon`` is never exceeded.
         calibration_runs: simulated executions the noise is calibrated over.
         calibration_dropout: dropout model of those executions (None: nobody drops out).
     """
@@ -129,6 +131,12 @@ class MixingConfig:
         max_noise_inflation: a node online at the last iteration whose final message is lost takes its
             share of the others' cancelling noise with it; the round fails if that makes the noise of the
             update more than this factor larger than with every final (``inca-noise-std``).
+        max_update_norm: robustness guard: the round fails (model kept, cost charged) if the L2 norm of
+            the averaged update exceeds it, in model units. None (default): 10 * (``clip_norm`` + the
+            expected norm of the update's noise, ``sqrt(d) * inca-noise-std``), which an honest round
+            exceeds with probability below 1e-20; ``math.inf``: no guard (a non-finite update still
+            fails the round). Nodes are assumed to follow the protocol (a deviating node is outside the
+            threat model); the guard only bounds what one can do to the model.
     """
 
     iterations: int = 10
@@ -139,6 +147,7 @@ class MixingConfig:
     precision: str = "float32"
     min_finalists: int = 2
     max_noise_inflation: float = 2.0
+    max_update_norm: float | None = None
 
     def __post_init__(self) -> None:
         if (self.sigma_star is None) != (self.sigma_delta is None):
@@ -151,6 +160,8 @@ class MixingConfig:
             raise ValueError(f"precision must be 'float32' or 'float64', got {self.precision!r}")
         check_int("min_finalists", self.min_finalists)
         check_real("max_noise_inflation", self.max_noise_inflation, 1.0, finite=False)
+        if self.max_update_norm is not None:
+            check_real("max_update_norm (or None)", self.max_update_norm, 0.0, low_open=True, finite=False)
 
     @property
     def calibrated(self) -> bool:
@@ -186,18 +197,30 @@ class PersistenceConfig:
 
     Attributes:
         ledger_path: the privacy ledger (JSON); a restarted ServerApp resumes the budget it spent.
-            None: memory only.
+            None: memory only. Several processes may charge one file safely (it is locked).
         trace_dir: if set, each round's ``inca-trace/1`` is saved there as ``round-<r>.json``.
+        ledger_owner: the training the ledger accounts for, recorded in the file; a ledger recorded for
+            another owner is refused (before any node is contacted) unless ``share_ledger``. None
+            (default): the Flower app's id (``<publisher>/<name>``, under ``flwr run``), else the main
+            module's name (``python:<module>``, e.g. for ``run_simulation`` from a script).
+        share_ledger: accept a ledger recorded for another owner: both trainings then charge one budget
+            (right when they train on the same data); each entry records who spent it.
     """
 
     ledger_path: str | os.PathLike[str] | None = "inca_ledger.json"
     trace_dir: str | os.PathLike[str] | None = None
+    ledger_owner: str | None = None
+    share_ledger: bool = False
 
     def __post_init__(self) -> None:
         for name in ("ledger_path", "trace_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"{name} must be a path or None, got {value!r}")
+        if self.ledger_owner is not None and (not isinstance(self.ledger_owner, str) or not self.ledger_owner):
+            raise ValueError(f"ledger_owner must be a non-empty string or None, got {self.ledger_owner!r}")
+        if not isinstance(self.share_ledger, bool):
+            raise ValueError(f"share_ledger must be True or False, got {self.share_ledger!r}")
 
     @property
     def trace_path(self) -> Path | None:

@@ -23,7 +23,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-__all__ = ["KeyPair", "PayloadRejected", "associated_data", "seal", "open_sealed", "pair_key", "hkdf_sha256"]
+__all__ = ["KeyPair", "PayloadRejected", "associated_data", "check_public_key", "seal", "open_sealed", "pair_key",
+           "hkdf_sha256"]
 
 NONCE = 12
 _INFO = b"flwr-inca/pairwise/1"
@@ -47,6 +48,20 @@ class KeyPair:
         if len(peer_public) != 32:
             raise PayloadRejected("peer public key must be 32 bytes")
         return self._sk.exchange(X25519PublicKey.from_public_bytes(peer_public))
+
+
+def check_public_key(key: object) -> bytes:
+    """``key`` if it is a usable X25519 public key (32 bytes, not a low-order point, with which every
+    shared secret would be zero); ``ValueError`` saying what is wrong otherwise."""
+    if not isinstance(key, bytes):
+        raise ValueError(f"public key must be bytes, got {type(key).__name__}")
+    if len(key) != 32:
+        raise ValueError(f"public key must be 32 bytes (X25519), got {len(key)}")
+    try:  # OpenSSL refuses the exchange with a low-order point
+        X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(key))
+    except ValueError:
+        raise ValueError("public key is not a valid X25519 key (low-order point)") from None
+    return key
 
 
 def pair_key(keys: KeyPair, peer_public: bytes, round: int) -> bytes:

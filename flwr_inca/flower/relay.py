@@ -203,10 +203,7 @@ class RoundRelay:
         if commit <= self.T:
             self._check_commit(commit, i, rep.outgoing)
         elif req.final:
-            y = None if rep.final is None else np.asarray(rep.final, dtype=np.float64)
-            if y is None or y.shape != (self.d,) or not np.all(np.isfinite(y)) \
-                    or rep.final_omega is None or not np.isfinite(rep.final_omega):
-                raise ValueError("missing or malformed final message")
+            self._check_final(rep)
         if computed:
             self.version[i] = req.task
             self.pending[i] = None
@@ -220,6 +217,17 @@ class RoundRelay:
             self.pending[i] = commit
         elif req.final and computed:
             self.finals[i] = (np.asarray(rep.final, dtype=np.float64), float(rep.final_omega))
+
+    def _check_final(self, rep: Reply) -> None:
+        """A final message must be finite, of the round's dimension, with a weight omega in (0, n]: the
+        weights of all messages add up to the injected shares, at most one per party (Eq. (9)), and a
+        finalist's is positive. A zero or negative omega would silently shrink or flip the average."""
+        y = None if rep.final is None else np.asarray(rep.final, dtype=np.float64)
+        if y is None or y.shape != (self.d,) or not np.all(np.isfinite(y)):
+            raise ValueError("missing or malformed final message")
+        omega = rep.final_omega
+        if omega is None or not np.isfinite(omega) or not 0.0 < omega <= self.n * (1 + 1e-9):
+            raise ValueError(f"final message with weight omega = {omega}, outside (0, {self.n}]")
 
     def _check_commit(self, u: int, i: int, outgoing: list[Outgoing]) -> None:
         if not outgoing:

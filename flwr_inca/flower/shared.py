@@ -10,10 +10,12 @@ from flwr.app import Array, ArrayRecord
 
 from ..protocol.schedules import InjectionSchedule
 
-__all__ = ["INCA_KEY", "MIX_ACTION", "ArraySpec", "RoundParams", "clip", "flatten_arrays", "unflatten_arrays"]
+__all__ = ["INCA_KEY", "MIX_ACTION", "END_ACTION", "ArraySpec", "RoundParams", "clip", "flatten_arrays",
+           "unflatten_arrays"]
 
 INCA_KEY = "inca"  # the ConfigRecord holding IncA's part of a message
 MIX_ACTION = "inca_mix"  # message type "train.inca_mix": one mixing exchange
+END_ACTION = "inca_end"  # message type "query.inca_end": the run is over, remove its node data
 
 ArraySpec = list[tuple[str, tuple[int, ...], str]]  # (key, shape, dtype) of each array of a record
 

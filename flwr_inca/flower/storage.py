@@ -4,12 +4,19 @@ A party keeps its value (written once, when it joins the round) and every state 
 immutable version per iteration, so that retries and stragglers are harmless. :class:`DirectoryStore`
 is the deployment's store (files private to the node); :class:`MemoryStore` serves tests and
 single-process simulations; :class:`StoredNoise` reads the noise drawn ahead row by row.
+
+Everything a node stores is private: directories 0700, files 0600 (:func:`make_private_dirs`), under a
+root that :func:`check_private_root` accepts only if it belongs to this user and nobody else can write
+to it (a predictable name under a shared temp directory could otherwise be prepared by another user).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Protocol
@@ -18,7 +25,84 @@ import numpy as np
 
 from .._io import atomic_write_bytes
 
-__all__ = ["NodeStore", "MemoryStore", "DirectoryStore", "StoredNoise"]
+__all__ = ["NodeStore", "MemoryStore", "DirectoryStore", "StoredNoise", "make_private_dirs",
+           "check_private_root", "remove_stale_runs"]
+
+
+def make_private_dirs(path: str | os.PathLike[str]) -> None:
+    """Create ``path`` and each missing parent with mode 0700 (``os.makedirs`` gives the parents it creates
+    the default mode, usually 0755)."""
+    missing = []
+    current = os.path.abspath(os.fspath(path))
+    while not os.path.isdir(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+
+
+def check_private_root(path: str | os.PathLike[str], *, default: bool = False) -> None:
+    """Make sure node secrets may live under ``path``: create it (0700) if missing; refuse, with a
+    ``PermissionError`` naming the path and what is wrong, a path that is not a directory, belongs to
+    another user, or is writable by group or others. ``default``: the predictable default root under the
+    shared temp directory, which only this package uses: a symbolic link there is refused too (it could
+    have been planted), and group and others lose their read and search bits."""
+    path = os.fspath(path)
+    make_private_dirs(path)
+    st = os.lstat(path) if default else os.stat(path)
+    where = f"node state directory {path}"
+    if stat.S_ISLNK(st.st_mode):
+        raise PermissionError(f"{where} is a symbolic link: refusing to keep node secrets there; remove it, or "
+                              "choose a directory with IncaClient(state_dir=...) or FLWR_INCA_STATE_DIR")
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{where} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{where} belongs to user id {st.st_uid}, not to this user ({os.getuid()}): "
+                              "refusing to keep node secrets there; choose another with "
+                              "IncaClient(state_dir=...) or FLWR_INCA_STATE_DIR")
+    if st.st_mode & 0o022:
+        who = " and ".join(w for bit, w in ((0o020, "its group"), (0o002, "others")) if st.st_mode & bit)
+        raise PermissionError(f"{where} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): refusing to "
+                              f"keep node secrets there; run chmod 700 {path} or choose another directory "
+                              "(IncaClient(state_dir=...) or FLWR_INCA_STATE_DIR)")
+    if default and st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def remove_stale_runs(root: str | os.PathLike[str], keep: str, older_than: float) -> list[str]:
+    """Remove the ``run-*`` directories under ``root`` other than ``keep`` whose newest file is more than
+    ``older_than`` seconds old (the data of runs that ended without telling their nodes, e.g. killed);
+    returns their names. Runs in progress write every mixing step, so they are never that old."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return removed
+    cutoff = time.time() - older_than
+    for entry in entries:
+        if not entry.name.startswith("run-") or entry.name == keep or not entry.is_dir(follow_symlinks=False):
+            continue
+        if _newest_mtime(entry.path) < cutoff:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def _newest_mtime(path: str) -> float:
+    newest = os.lstat(path).st_mtime
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            try:
+                newest = max(newest, os.lstat(os.path.join(top, name)).st_mtime)
+            except FileNotFoundError:
+                pass
+    return newest
 
 
 class NodeStore(Protocol):
@@ -97,14 +181,17 @@ class DirectoryStore:
         return os.path.join(self._root, f"round-{round}", name)
 
     def save_value(self, round: int, value: np.ndarray) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dirs(self.root)
         os.chmod(self.root, 0o700)  # also when it existed: the round data is the node's secret
         for old in self.root.glob("round-*"):  # every earlier round, this number included
-            for f in old.iterdir():
-                f.unlink(missing_ok=True)
-            old.rmdir()
+            shutil.rmtree(old, ignore_errors=True)
         value = np.ascontiguousarray(value, dtype=np.float64)
+        make_private_dirs(os.path.join(self._root, f"round-{round}"))
         atomic_write_bytes(self._file(round, "value.f64"), value.tobytes())
+
+    def remove(self) -> None:
+        """Remove everything this store holds (the node's data of this run)."""
+        shutil.rmtree(self._root, ignore_errors=True)
 
     def load_value(self, round: int) -> np.ndarray | None:
         data = self._read(self._file(round, "value.f64"))
@@ -121,7 +208,7 @@ class DirectoryStore:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except FileNotFoundError:  # the round's directory does not exist yet
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            make_private_dirs(os.path.dirname(path))
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             slot = self._SLOT_HEAD.size + len(data)

@@ -13,14 +13,23 @@ IncA runs inside Flower's own ``Strategy.start``, through the hooks every Flower
   the final messages (public in the threat model). The round's execution trace is certified exactly
   under the configured threat model and charged to a persistent privacy ledger.
 
-Training stops before a round that would take the privacy spent past ``max_epsilon``: the strategy
-raises :class:`IncaBudgetExhausted`, a ``flwr.serverapp.exception.PrivacyBudgetExhausted`` as Flower's
-own DP strategies raise, which carries the global model.
+``max_epsilon`` is a hard limit (the *pre-final rule*): the trace of iterations 1..T is certified
+before any final message is asked for, as if every final were revealed (an upper bound whatever then
+arrives). If charging that would exceed ``max_epsilon``, the finals are never collected: the round
+is charged the exact cost of what was observed without them, the model is kept, and training stops.
+Otherwise the finals are collected and the round is charged the exact cost of those that arrived. A
+round starts only if both its predicted cost and the most a round stopped before its finals can cost
+(:func:`flwr_inca.privacy.prefinal.no_finals_bound`) fit. Training stops by raising
+:class:`IncaBudgetExhausted`, a ``flwr.serverapp.exception.PrivacyBudgetExhausted`` as Flower's own DP
+strategies raise, which carries the global model.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -32,13 +41,14 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, PrivacySpent
 from flwr.serverapp.exception import PrivacyBudgetExhausted
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.certificate import certify
-from ..privacy.ledger import BudgetExceededError, PrivacyLedger
+from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
+from ..privacy.prefinal import no_finals_bound
 from ..privacy.views import random_collusion, random_eavesdrop
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
@@ -46,8 +56,9 @@ from ..protocol.schedules import InjectionSchedule
 from ..protocol.trace import ExecutionTrace
 from ..protocol.utility import noise_std
 from .config import MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig, build_groups
+from .crypto import check_public_key
 from .relay import Reply, Request, RoundRelay, collect_finals, run_iterations
-from .shared import INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
+from .shared import END_ACTION, INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
 from .wire import FIELD, decode_reply, encode_request
 
 __all__ = ["IncaStrategy", "IncaBudgetExhausted", "RoundRecord"]
@@ -57,25 +68,32 @@ _CERTIFY, _PREDICT = 0, 1
 
 
 class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
-    """The next round would take the privacy spent past ``max_epsilon``: training stops before it.
+    """A round would take the privacy spent past ``max_epsilon``: training stops.
 
-    Raised by ``configure_train`` before any node is contacted, hence out of ``Strategy.start``, like
-    Flower's ``PrivacyBudgetExhausted`` (which it is; also a :class:`flwr_inca.privacy.BudgetExceededError`).
+    Raised by ``configure_train`` before any node is contacted (the next round is predicted not to fit),
+    or by ``aggregate_train`` when a round's certificate before its final messages does not fit: that
+    round's finals are never collected (``stopped_before_finals``), it is charged what was observed
+    without them, and the model is unchanged. Either way it leaves ``Strategy.start``, like Flower's
+    ``PrivacyBudgetExhausted`` (which it is; also a :class:`flwr_inca.privacy.BudgetExceededError`).
 
     Attributes:
-        server_round: the round that did not start.
+        server_round: the round that did not start, or that was stopped before its finals.
         arrays: the global model when training stopped (what ``start`` would have returned).
-        epsilon: privacy spent so far, at ``delta``.
-        predicted_epsilon: what it would have been after the round (``inf`` if the budget was overrun).
+        epsilon: privacy spent so far, at ``delta`` (the stopped round's charge included).
+        predicted_epsilon: what it would have been after the round (``inf`` if the budget was overrun;
+            for a round stopped before its finals, its certified cost with every final revealed).
         max_epsilon, delta: the budget.
+        stopped_before_finals: the round ran its mixing but was stopped before its final messages.
     """
 
     def __init__(self, reason: str, *, server_round: int, arrays: ArrayRecord, epsilon: float,
-                 predicted_epsilon: float, max_epsilon: float, delta: float) -> None:
+                 predicted_epsilon: float, max_epsilon: float, delta: float,
+                 stopped_before_finals: bool = False) -> None:
         super().__init__(reason)
         self.server_round, self.arrays = server_round, arrays
         self.epsilon, self.predicted_epsilon = epsilon, predicted_epsilon
         self.max_epsilon, self.delta = max_epsilon, delta
+        self.stopped_before_finals = stopped_before_finals
 
 
 @dataclass
@@ -93,6 +111,8 @@ class RoundRecord:
     client_metrics: dict[int, MetricRecord] = field(default_factory=dict)  # by node id (if forwarded)
     noise_std: float = math.nan  # of the update, per coordinate (inf without finals)
     seconds: float = 0.0
+    excluded: dict[int, str] = field(default_factory=dict)  # sampled nodes that did not join, and why
+    post_charge_errors: list[str] = field(default_factory=list)  # what failed after the round was charged
 
 
 @dataclass
@@ -106,11 +126,12 @@ class _PendingRound:
 
 @dataclass
 class _Joined:
-    """The nodes that joined a round: their public keys, value dimensions and metrics (by node id)."""
+    """The nodes that joined a round: their public keys and metrics (by node id), and the sampled nodes
+    that did not join, with the reason."""
 
     keys: dict[int, bytes] = field(default_factory=dict)
-    dims: dict[int, int] = field(default_factory=dict)
     metrics: dict[int, MetricRecord] = field(default_factory=dict)
+    excluded: dict[int, str] = field(default_factory=dict)
 
     @property
     def roster(self) -> list[int]:
@@ -124,6 +145,9 @@ class _Mixed:
     relay: RoundRelay
     params: RoundParams
     counters: dict[str, int]
+    prefinal_mu: float | None = None  # certified before the finals (None: not certified yet)
+    prefinal_epsilon: float = math.nan  # what the ledger would hold after charging prefinal_mu
+    stopped: str = ""  # why the finals were not collected ("" if they were)
 
 
 class _TrainMetrics(MetricRecord):
@@ -205,14 +229,21 @@ class IncaStrategy(FedAvg):
         self.forward_client_metrics = bool(forward_client_metrics)
         self.seed = (int(np.random.SeedSequence().entropy) if seed is None
                      else check_int("seed (or None)", seed, 0))
+        # bound to its owner here when ledger_owner is given, else when the first round starts (the
+        # default owner is the Flower app, known from the grid)
         self.ledger = PrivacyLedger(self.persistence.ledger_path, delta=self.privacy.delta,
                                     max_epsilon=self.privacy.max_epsilon,
-                                    accountant=self.privacy.accountant_name)
+                                    accountant=self.privacy.accountant_name,
+                                    owner=self.persistence.ledger_owner,
+                                    shared=self.persistence.share_ledger and self.persistence.ledger_owner is not None)
         self.calibrations: dict[int, Calibration] = {}
         self.rounds: dict[int, RoundRecord] = {}
         self.train_metrics_serverapp: dict[int, MetricRecord] = {}
         self._predicted: dict[int, float] = {}
         self._pending: dict[int, _PendingRound] = {}
+        self._ended: set[int] = set()  # nodes told that the run is over
+        self._no_finals_mu: dict[int, float] = {}  # no_finals_bound by number of parties
+        self._stopped_round: int | None = None  # a round stopped before its finals: no round after it
 
     # ----------------------------------------------------------------------------- summary
     def summary(self) -> None:
@@ -234,6 +265,46 @@ class IncaStrategy(FedAvg):
             log(INFO, "IncA: resuming privacy ledger %s: %d round(s), epsilon = %.4g", self.ledger.path,
                 self.ledger.rounds, self.ledger.epsilon())
 
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start`` (same arguments, same ``Result``). Afterwards, also when it stops
+        by :class:`IncaBudgetExhausted` or an error, the nodes that took part are told the run is over
+        (``query.inca_end``) and remove their data of the run."""
+        try:
+            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                 evaluate_fn)
+        finally:
+            self._end_run(grid)
+
+    def _end_run(self, grid: Grid) -> None:
+        """Tell the nodes of this strategy's rounds that the run is over, so that they remove its data.
+        Best effort, and not waiting for nodes that stopped answering in the last round they were in
+        (gone, most likely): such a node removes the data later (``IncaClient(stale_after=...)``)."""
+        answering: dict[int, bool] = {}
+        for _, record in sorted(self.rounds.items()):
+            finalists = set(record.finalists)
+            if record.trace is not None and record.trace.meta.get("finals-collected") is False:
+                finalists = set(record.trace.steps[-1].online.tolist())  # answered up to T; no final asked
+            for i, node in enumerate(record.roster):
+                answering[node] = i in finalists
+            for node in record.excluded:
+                answering[node] = True  # it replied to the join
+        nodes = sorted(node for node, ok in answering.items() if ok and node not in self._ended)
+        if not nodes:
+            return
+        self._ended.update(nodes)
+        content = RecordDict({INCA_KEY: ConfigRecord({"end": True})})
+        messages = [Message(content, dst_node_id=node, message_type=f"{MessageType.QUERY}.{END_ACTION}")
+                    for node in nodes]
+        try:
+            replies = self._send_and_receive(grid, messages, min(self.relay.exchange_timeout, 15.0))
+        except Exception as exc:  # noqa: BLE001 - the run is over; the nodes clean up later instead
+            log(WARNING, "IncA: could not tell the nodes that the run is over: %s", exc)
+            return
+        done = sum(1 for r in replies if not r.has_error())
+        log(INFO, "IncA: run over: %d/%d node(s) removed their round data", done, len(nodes))
+
     def privacy_spent(self) -> PrivacySpent:
         """Privacy spent so far by the rounds in the ledger, at the target's delta (as Flower's DP
         strategies report it)."""
@@ -251,6 +322,7 @@ class IncaStrategy(FedAvg):
         messages = list(super().configure_train(server_round, arrays, config, grid))
         if not messages:  # fraction_train == 0: no training, as in FedAvg
             return messages
+        self._bind_ledger(grid)
         self._check_budget(server_round, len(messages), arrays)
         inca = ConfigRecord({"round": server_round, "clip-norm": self.privacy.clip_norm,
                              "iterations": self.mixing.iterations, "arrays-key": self.arrayrecord_key,
@@ -260,22 +332,53 @@ class IncaStrategy(FedAvg):
         self._pending[server_round] = _PendingRound(grid, arrays, time.time())
         return messages
 
+    def _bind_ledger(self, grid: Grid) -> None:
+        """Claim the ledger for this training (``ledger_owner``, or the Flower app) before the first round:
+        a ledger kept for another training is refused, with a one-line error, before any node is
+        contacted (unless ``share_ledger``)."""
+        if self.ledger.owner is not None:
+            return
+        owner = self.persistence.ledger_owner or _default_ledger_owner(grid)
+        try:
+            self.ledger.claim(owner, shared=self.persistence.share_ledger)
+        except LedgerOwnerError as exc:
+            log(ERROR, "IncA: %s", exc)
+            raise
+
     def _check_budget(self, server_round: int, n: int, arrays: ArrayRecord) -> None:
+        """Raise :class:`IncaBudgetExhausted` unless the round may start: no round was stopped before its
+        finals, and both the round's predicted cost and the most it can cost if stopped before its finals
+        (``no_finals_bound``) fit the budget. The second makes the budget a hard limit: a round that then
+        certifies too costly before its finals is stopped there, and what it is charged fits."""
         budget, delta = self.privacy.max_epsilon, self.privacy.delta
+        self.ledger.refresh()  # another process sharing the ledger may have spent
         if budget is None:
             return
         spent = self.ledger.epsilon()
-        if spent > budget:
+        if self._stopped_round is not None:
+            after = math.inf
+            reason = (f"IncA: not starting round {server_round}: round {self._stopped_round} was stopped "
+                      f"before its final messages because they would have taken epsilon past max_epsilon = "
+                      f"{budget:.4g}; spent: epsilon = {spent:.4g} (delta = {delta:.1e})")
+        elif spent > budget:
             after = math.inf
             reason = (f"IncA: stopping before round {server_round}: the certified cost of the rounds so "
                       f"far brought epsilon to {spent:.4g} > max_epsilon = {budget:.4g} "
                       f"(delta = {delta:.1e})")
         else:
-            after = self.ledger.epsilon_after(self.predicted_mu(max(n, 2)), self.privacy.sample_rate)
+            n = max(n, 2)
+            predicted, ceiling = self.predicted_mu(n), self.no_finals_mu(n)
+            after = self.ledger.epsilon_after(max(predicted, ceiling), self.privacy.sample_rate)
             if after <= budget:
                 return
-            reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from {spent:.4g} "
-                      f"to about {after:.4g} > max_epsilon = {budget:.4g} (delta = {delta:.1e})")
+            if predicted >= ceiling:
+                reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from "
+                          f"{spent:.4g} to about {after:.4g} > max_epsilon = {budget:.4g} "
+                          f"(delta = {delta:.1e})")
+            else:
+                reason = (f"IncA: stopping before round {server_round}: even stopped before its final "
+                          f"messages it could cost mu = {ceiling:.4g}, bringing epsilon from {spent:.4g} to "
+                          f"{after:.4g} > max_epsilon = {budget:.4g} (delta = {delta:.1e})")
         log(WARNING, "%s", reason)
         raise IncaBudgetExhausted(reason, server_round=server_round, arrays=arrays, epsilon=spent,
                                   predicted_epsilon=after, max_epsilon=budget, delta=self.privacy.delta)
@@ -284,7 +387,10 @@ class IncaStrategy(FedAvg):
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Mix the updates of the nodes that joined (relayed, end to end encrypted), certify and charge
-        the round, and return the new model (None if the round failed) with the round's metrics."""
+        the round, and return the new model (None if the round failed) with the round's metrics.
+
+        Raises :class:`IncaBudgetExhausted` (after charging the round) if the round was stopped before its
+        final messages because they would have taken the privacy spent past ``max_epsilon``."""
         replies = list(replies)
         pending = self._pending.pop(server_round, None)
         if pending is None:
@@ -292,50 +398,109 @@ class IncaStrategy(FedAvg):
                 raise ValueError(f"round {server_round} was not configured by this strategy's "
                                  "configure_train")
             return None, None  # nothing was sent (fraction_train == 0)
-        joined = self._join(replies)
-        record = RoundRecord(server_round, joined.roster, client_metrics=joined.metrics)
-        self.rounds[server_round] = record
         vector, spec = flatten_arrays(pending.arrays)
+        joined = self._join(server_round, replies, vector.size)
+        record = RoundRecord(server_round, joined.roster, client_metrics=joined.metrics, excluded=joined.excluded)
+        self.rounds[server_round] = record
         minimum = self.mixing.min_finalists
         if len(record.roster) < max(2, minimum):
             record.failed = f"only {len(record.roster)} node(s) joined (min_finalists = {minimum})"
             log(ERROR, "IncA round %d failed: %s; the global model is unchanged", server_round, record.failed)
             return None, None
-        dims = sorted(set(joined.dims.values()))
-        if dims != [vector.size]:
-            raise ValueError(f"nodes report value dimensions {dims}, the model has {vector.size}")
         mixed = self._mix(server_round, pending.grid, joined, vector.size)
-        new_arrays = self._certify_charge_and_apply(record, mixed, vector, spec, pending.arrays)
+        # the messages were exchanged: the round's privacy is spent. Charge it first; nothing after the
+        # charge may lose it or the new model: what fails there is logged and counted
+        # (inca-post-charge-errors), and the round goes on
+        self._certify_and_charge(record, mixed)
+        if mixed.stopped:
+            record.failed = mixed.stopped
+            new_arrays = None
+        else:
+            new_arrays = self._after_charge(record, "applying the update", None,
+                                            self._apply, record, mixed, vector, spec, pending.arrays)
+        self._after_charge(record, "saving the trace", None, self._save_trace, record)
         record.seconds = time.time() - pending.started
-        metrics = self._round_metrics(record, mixed)
+        metrics = self._after_charge(record, "computing IncA's metrics", None, self._round_metrics, record, mixed)
+        forwarded = self._after_charge(record, "aggregating the nodes' train metrics", None,
+                                       self._train_metrics, joined)
+        if metrics is None:
+            metrics = MetricRecord({"inca-epsilon": float(record.epsilon), "inca-mu": float(record.mu)})
+        metrics["inca-post-charge-errors"] = len(record.post_charge_errors)
+        metrics["inca-stopped-before-finals"] = int(bool(mixed.stopped))
         self.train_metrics_serverapp[server_round] = metrics
         log(INFO, "\t└──> IncA: epsilon = %.4g (round mu = %.4g), %d/%d finals", record.epsilon, record.mu,
             len(record.finalists), len(record.roster))
-        return new_arrays, self._train_metrics(metrics, joined)
+        if mixed.stopped:
+            self._stop_before_finals(record, mixed, pending.arrays)
+        return new_arrays, _client_side_metrics(metrics, forwarded)
 
-    def _join(self, replies: list[Message]) -> _Joined:
-        """The nodes that joined: a reply with a public key and the value's dimension."""
+    def _stop_before_finals(self, record: RoundRecord, mixed: _Mixed, arrays: ArrayRecord) -> None:
+        """Stop training after a round stopped before its finals (already charged): no later round starts."""
+        self._stopped_round = record.round
+        budget = float(self.privacy.max_epsilon)  # a round is stopped only under a budget
+        reason = (f"IncA: round {record.round} stopped before its final messages: certified before them, "
+                  f"it would have brought epsilon to {mixed.prefinal_epsilon:.4g} > max_epsilon = "
+                  f"{budget:.4g} (delta = {self.privacy.delta:.1e}). The finals were not collected; the "
+                  f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
+                  f"now {record.epsilon:.4g}; the global model is unchanged and training stops")
+        log(WARNING, "%s", reason)
+        raise IncaBudgetExhausted(reason, server_round=record.round, arrays=arrays, epsilon=record.epsilon,
+                                  predicted_epsilon=mixed.prefinal_epsilon, max_epsilon=budget,
+                                  delta=self.privacy.delta, stopped_before_finals=True)
+
+    def _after_charge(self, record: RoundRecord, what: str, default: Any, fn: Callable[..., Any],
+                      *args: Any) -> Any:
+        """``fn(*args)``, for a step after the round was charged: an error is logged and recorded (the
+        round, its charge and its model stand), and ``default`` is returned instead."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - reported, never lost
+            why = f"{what} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            record.post_charge_errors.append(why)
+            log(ERROR, "IncA round %d: %s (the round was charged to the ledger; training goes on)", record.round,
+                why)
+            return default
+
+    def _join(self, server_round: int, replies: list[Message], d: int) -> _Joined:
+        """The nodes that joined: a reply with a valid X25519 public key and a value of the model's
+        dimension ``d``. Any other reply excludes its node from the round (logged by node id), never the
+        round: a node cannot stop training or break the roster for the others."""
         joined = _Joined()
         for msg in replies:
             node = int(msg.metadata.src_node_id)
             if msg.has_error():
-                log(INFO, "\t> node %d did not join the round: %s", node,
-                    msg.error.reason.splitlines()[0][:200] if msg.error.reason else msg.error.code)
+                joined.excluded[node] = "error: " + _error_summary(msg.error.reason, msg.error.code)
+                log(INFO, "\t> node %d did not join round %d: %s", node, server_round, joined.excluded[node])
                 continue
             recs = msg.content.config_records
             if INCA_KEY not in recs:
+                joined.excluded[node] = "no IncA data in its reply"
                 log(WARNING, "\t> node %d replied without IncA data: is its train function registered with "
                     "IncaClient.train()?", node)
                 continue
+            why = _join_problem(recs[INCA_KEY], d)
+            if why:
+                joined.excluded[node] = why
+                log(WARNING, "\t> node %d excluded from round %d: %s", node, server_round, why)
+                continue
             joined.keys[node] = recs[INCA_KEY]["public-key"]
-            joined.dims[node] = int(recs[INCA_KEY]["dim"])
             if self.forward_client_metrics:
                 for rec in msg.content.metric_records.values():
                     joined.metrics[node] = rec
+        by_key: dict[bytes, list[int]] = {}
+        for node, key in joined.keys.items():
+            by_key.setdefault(key, []).append(node)
+        for nodes in (v for v in by_key.values() if len(v) > 1):  # a copied key: who is the culprit?
+            for node in nodes:
+                joined.excluded[node] = f"its public key is also the key of node(s) {[m for m in nodes if m != node]}"
+                log(WARNING, "\t> node %d excluded from round %d: %s", node, server_round, joined.excluded[node])
+                del joined.keys[node]
+                joined.metrics.pop(node, None)
         return joined
 
     def _mix(self, server_round: int, grid: Grid, joined: _Joined, d: int) -> _Mixed:
-        """Run the round's mixing through the relay: iterations 1..T, then the final reports."""
+        """Run the round's mixing through the relay: iterations 1..T, the certificate before the finals,
+        then the final reports, unless that certificate does not fit the budget (``stopped``)."""
         roster = joined.roster
         n = len(roster)
         s_star, s_delta = self._sigmas(n)
@@ -355,32 +520,105 @@ class IncaStrategy(FedAvg):
             what = f"iteration {u}/{mix.iterations}" if u <= mix.iterations else "final report"
             log(INFO, "\t> IncA %s: %d/%d nodes", what, online, n)
 
+        mixed = _Mixed(relay, params, counters)
         run_iterations(relay, exchange, progress=progress)
-        collect_finals(relay, exchange, final_retries=self.relay.final_retries, progress=progress)
-        return _Mixed(relay, params, counters)
+        # the pre-final rule: certify iterations 1..T as if every final were revealed, before any is
+        self._certify_before_finals(server_round, mixed)
+        if mixed.stopped:
+            log(WARNING, "IncA round %d: %s", server_round, mixed.stopped)
+            return mixed
+        try:
+            collect_finals(relay, exchange, final_retries=self.relay.final_retries, progress=progress)
+        except BaseException:
+            # some finals may have been revealed: charge the bound that holds whatever arrived
+            self.ledger.spend(float(mixed.prefinal_mu), self.privacy.sample_rate, force=True,
+                              note=f"round {server_round}: final exchange failed (pre-final bound charged)")
+            raise
+        return mixed
 
-    def _certify_charge_and_apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
-                                  arrays: ArrayRecord) -> ArrayRecord | None:
-        """Certify and charge the round (its messages were exchanged: its privacy is spent whatever happens
-        next), then the new model, or None if the round fails."""
-        relay, server_round = mixed.relay, record.round
-        trace = relay.trace(meta={"round": server_round})
+    def _certify_before_finals(self, server_round: int, mixed: _Mixed) -> None:
+        """Certify the round before its finals (``mixed.prefinal_mu``, every final counted as revealed) and
+        decide whether they may be collected (``mixed.stopped`` says why not). Its messages up to T were
+        exchanged: without a certificate the round is charged as unbounded before the error surfaces."""
+        rate = self.privacy.sample_rate
+        try:
+            trace = mixed.relay.trace(meta={"round": server_round})
+            mu = self._certify(trace, self._certify_seeds(server_round))
+        except Exception:
+            self.ledger.spend(math.inf, rate, force=True, note=f"round {server_round}: not certified")
+            raise
+        mixed.prefinal_mu = mu
+        budget = self.privacy.max_epsilon
+        if budget is None:
+            return
+        self.ledger.refresh()  # another process sharing the ledger may have spent during the mixing
+        mixed.prefinal_epsilon = self.ledger.epsilon_after(mu, rate)
+        if not mixed.prefinal_epsilon <= budget:
+            mixed.stopped = (f"its final messages would bring epsilon to {mixed.prefinal_epsilon:.4g} > "
+                             f"max_epsilon = {budget:.4g} (certified before them: mu = {mu:.4g}); they are "
+                             "not collected")
+
+    def _certify_and_charge(self, record: RoundRecord, mixed: _Mixed) -> None:
+        """Certify what the round revealed and charge it to the ledger (``record.mu``, ``record.epsilon``):
+        the final messages that arrived (none if the round was stopped before them). Its messages were
+        exchanged, so its privacy is spent whatever happens next: without a certificate the round is
+        charged as unbounded (mu = inf) before the error surfaces."""
+        server_round, relay = record.round, mixed.relay
+        try:
+            trace = relay.trace(meta={"round": server_round})
+        except Exception:
+            self.ledger.spend(math.inf, self.privacy.sample_rate, force=True,
+                              note=f"round {server_round}: no trace")
+            raise
+        if mixed.stopped:
+            trace.meta["finals-collected"] = False  # meta["finalists"] is [], none was asked for
         record.trace, record.finalists = trace, sorted(relay.finals)
-        if self.persistence.trace_path is not None:
-            trace.save(self.persistence.trace_path / f"round-{server_round:04d}.json")
-        record.mu, record.epsilon = self._certify_and_spend(trace, server_round)
+        record.mu, record.epsilon = self._certify_and_spend(trace, server_round, mixed.prefinal_mu,
+                                                            record.finalists)
+
+    def _apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
+               arrays: ArrayRecord) -> ArrayRecord | None:
+        """The new model from the final messages, or None (the round fails, the model is kept): too few
+        finals, too much uncancelled noise, or an update that is not finite or exceeds the guard."""
+        relay, server_round = mixed.relay, record.round
         estimate = relay.estimate()
-        record.noise_std, lost_finals = self._noise_check(trace, record.finalists, record.roster)
+        record.noise_std, lost_finals = self._noise_check(record.trace, record.finalists, record.roster)
         if estimate is None or len(relay.finals) < self.mixing.min_finalists:
             record.failed = (f"only {len(relay.finals)} final message(s) reported "
                              f"(min_finalists = {self.mixing.min_finalists})")
         elif lost_finals:
             record.failed = lost_finals
+        else:
+            record.failed = self._update_check(estimate, record.noise_std)
         if record.failed:
             log(ERROR, "IncA round %d failed: %s; the global model is unchanged", server_round, record.failed)
             return None
         record.update = estimate
         return unflatten_arrays(vector + estimate, spec, keep=arrays)
+
+    def update_norm_bound(self, noise_std: float, d: int) -> float:
+        """The largest L2 norm an averaged update may have (``max_update_norm``, or its default: 10 times
+        ``clip_norm`` plus the expected norm ``sqrt(d) * noise_std`` of the update's noise)."""
+        if self.mixing.max_update_norm is not None:
+            return float(self.mixing.max_update_norm)
+        return 10.0 * (self.privacy.clip_norm + math.sqrt(d) * noise_std)
+
+    def _update_check(self, update: np.ndarray, noise_std: float) -> str:
+        """Why the averaged update must not be applied ("" if it may be)."""
+        if not np.all(np.isfinite(update)):
+            return "the averaged update is not finite"
+        with np.errstate(over="ignore"):
+            norm = float(np.linalg.norm(update))
+        bound = self.update_norm_bound(noise_std, update.size)
+        if not norm <= bound:
+            return (f"the averaged update has L2 norm {norm:.4g} > max_update_norm = {bound:.4g} (an honest "
+                    f"round stays far below: updates are clipped to {self.privacy.clip_norm:g}); a node may "
+                    "have sent a corrupted final message")
+        return ""
+
+    def _save_trace(self, record: RoundRecord) -> None:
+        if self.persistence.trace_path is not None and record.trace is not None:
+            record.trace.save(self.persistence.trace_path / f"round-{record.round:04d}.json")
 
     def _round_metrics(self, record: RoundRecord, mixed: _Mixed) -> MetricRecord:
         """IncA's server-side metrics of a round that mixed."""
@@ -395,18 +633,15 @@ class IncaStrategy(FedAvg):
             "inca-sigma-star": float(mixed.params.sigma_star),
             "inca-sigma-delta": float(mixed.params.sigma_delta),
             "inca-noise-std": float(record.noise_std), "inca-round-failed": int(bool(record.failed)),
+            "inca-excluded-nodes": len(record.excluded),
         })
 
-    def _train_metrics(self, server_metrics: MetricRecord, joined: _Joined) -> MetricRecord:
-        """What Flower records in ``Result.train_metrics_clientapp``: the forwarded client metrics,
-        aggregated, and (deprecated) the server-side metrics."""
-        out = _TrainMetrics(dict(server_metrics))
-        if self.forward_client_metrics and joined.metrics:
-            agg = self.train_metrics_aggr_fn([RecordDict({"metrics": m}) for m in joined.metrics.values()],
-                                             self.weighted_by_key)
-            for key, value in agg.items():
-                out[key] = value
-        return out
+    def _train_metrics(self, joined: _Joined) -> MetricRecord | None:
+        """The nodes' forwarded train metrics, aggregated as FedAvg does (None if none are forwarded)."""
+        if not (self.forward_client_metrics and joined.metrics):
+            return None
+        return self.train_metrics_aggr_fn([RecordDict({"metrics": m}) for m in joined.metrics.values()],
+                                          self.weighted_by_key)
 
     # ----------------------------------------------------------------------------- sigmas and privacy
     def _sigmas(self, n: int) -> tuple[float, float]:
@@ -427,32 +662,59 @@ class IncaStrategy(FedAvg):
         cal = self.calibrations[n]
         return cal.sigma_star, cal.sigma_delta
 
-    def _certify(self, trace: ExecutionTrace, seeds: np.random.SeedSequence) -> float:
-        """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``."""
+    def _certify(self, trace: ExecutionTrace, seeds: np.random.SeedSequence,
+                 finals: list[int] | None = None) -> float:
+        """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``, observing the final
+        messages of ``finals`` (None: of every party online at T). The same seeds draw the same
+        adversaries whatever ``finals`` is, so fewer finals never certify a larger mu."""
         priv = self.privacy
         worst = 0.0
-        for draw in seeds.spawn(priv.threat_draws):
+        # spawn from a copy: spawning advances a SeedSequence, and each call must draw the same adversaries
+        fresh = np.random.SeedSequence(seeds.entropy, spawn_key=seeds.spawn_key, pool_size=seeds.pool_size)
+        for draw in fresh.spawn(priv.threat_draws):
             seed = _int_seed(draw)
             if priv.observed_fraction is not None:
-                view = random_eavesdrop(trace, priv.observed_fraction, seed)
+                view = random_eavesdrop(trace, priv.observed_fraction, seed, finals=finals)
             else:
-                view = random_collusion(trace, priv.collusion, seed)
-            worst = max(worst, certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
+                view = random_collusion(trace, priv.collusion, seed, finals=finals)
+            mu = float(certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
+            # NaN (a numerical failure) is no bound at all: unbounded, never 0 through max()
+            worst = max(worst, math.inf if math.isnan(mu) else mu)
         return worst
 
-    def _certify_and_spend(self, trace: ExecutionTrace, server_round: int) -> tuple[float, float]:
+    def _certify_seeds(self, server_round: int) -> np.random.SeedSequence:
+        return np.random.SeedSequence(self.seed, spawn_key=(_CERTIFY, server_round))
+
+    def _certify_and_spend(self, trace: ExecutionTrace, server_round: int, prefinal_mu: float | None = None,
+                           finals: list[int] | None = None) -> tuple[float, float]:
         """Certify a round whose messages were exchanged and record its cost: ``(mu, epsilon)``.
 
+        ``finals``: the parties whose final messages were revealed (None: every party online at T);
+        ``prefinal_mu``: the round's certificate with every final revealed, if already known. Fewer finals
+        are certified anew; both certificates bound what was observed, and the smaller is charged (so
+        the charge never exceeds the pre-final one, which the budget was checked against).
+
         The cost is spent whatever happens: without a certificate (an error while certifying) the
-        round is recorded as unbounded (mu = inf) before the error surfaces.
+        round is recorded as unbounded (mu = inf), or at its pre-final bound if known, before the error
+        surfaces.
         """
         rate = self.privacy.sample_rate
+        seeds = self._certify_seeds(server_round)
+        online = trace.steps[-1].online.tolist()
+        partial = finals is not None and sorted(finals) != sorted(online)
+        note = f"round {server_round}"
+        if partial:
+            note += (": stopped before its final messages" if not finals
+                     else f": {len(finals)} of {len(online)} final messages revealed")
         try:
-            mu = self._certify(trace, np.random.SeedSequence(self.seed, spawn_key=(_CERTIFY, server_round)))
+            if prefinal_mu is None:
+                prefinal_mu = self._certify(trace, seeds)
+            mu = min(prefinal_mu, self._certify(trace, seeds, finals=finals)) if partial else prefinal_mu
         except Exception:
-            self.ledger.spend(math.inf, rate, force=True, note=f"round {server_round}: not certified")
+            bound = math.inf if prefinal_mu is None else prefinal_mu
+            self.ledger.spend(bound, rate, force=True, note=f"{note}: not certified")
             raise
-        return mu, self.ledger.spend(mu, rate, force=True, note=f"round {server_round}")
+        return mu, self.ledger.spend(mu, rate, force=True, note=note)
 
     def _noise_check(self, trace: ExecutionTrace, finalists: list[int],
                      roster: list[int]) -> tuple[float, str]:
@@ -472,6 +734,15 @@ class IncaStrategy(FedAvg):
         return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the "
                        f"update's noise std is {noise:.3g} per coordinate instead of {full:.3g} "
                        f"(max_noise_inflation = {limit})")
+
+    def no_finals_mu(self, n: int) -> float:
+        """The most a round of n parties can cost if stopped before its final messages, on any execution
+        (:func:`flwr_inca.privacy.prefinal.no_finals_bound` at this round's sigmas; cached per n)."""
+        if n not in self._no_finals_mu:
+            s_star, s_delta = self._sigmas(n)
+            schedule = InjectionSchedule.resolve(self.mixing.schedule, self.mixing.iterations)
+            self._no_finals_mu[n] = no_finals_bound(schedule, s_star, s_delta, self.privacy.sensitivity)
+        return self._no_finals_mu[n]
 
     def predicted_mu(self, n: int) -> float:
         """Predicted cost of a round with n parties: the worst certified mu over ``budget_check_runs``
@@ -549,6 +820,64 @@ class IncaStrategy(FedAvg):
                       payload: bytes) -> bytes:
         """Hook on every peer payload the relay forwards (identity; subclasses may observe it)."""
         return payload
+
+
+def _client_side_metrics(server_metrics: MetricRecord, forwarded: MetricRecord | None) -> _TrainMetrics:
+    """What Flower records in ``Result.train_metrics_clientapp``: the forwarded client metrics and
+    (deprecated there) IncA's server-side metrics."""
+    out = _TrainMetrics(dict(server_metrics))
+    for key, value in (forwarded or {}).items():
+        out[key] = value
+    return out
+
+
+def _error_summary(reason: str | None, code: int) -> str:
+    """One line of a node's error reply. Flower writes ``<class 'ValueError'>:<'message'>``, and wraps an
+    exception in the train function as ``... ClientAppException occurred. Message: message`` (after the
+    Ray traceback, in a simulation): the message is what says what went wrong."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", reason or "")
+    wrapped = re.findall(r"occurred\. Message: ([^\n]*)", text)
+    plain = re.match(r"<class '([\w.]+)'>:<'([^\n]*)", text)
+    if wrapped:
+        line = wrapped[-1]
+    elif plain:
+        line = f"{plain.group(1).rsplit('.', 1)[-1]}: {plain.group(2)}"
+    else:
+        line = next((x.strip() for x in text.splitlines() if x.strip()), f"error code {code}")
+    line = line.removesuffix("'>")
+    return line[:300]
+
+
+def _join_problem(reply: ConfigRecord, d: int) -> str:
+    """Why a join reply is unusable ("" if it is fine): a missing or invalid public key, or a value whose
+    dimension is not the model's."""
+    if "public-key" not in reply:
+        return "its join reply has no public key"
+    try:
+        check_public_key(reply["public-key"])
+    except ValueError as exc:
+        return str(exc)
+    dim = reply.get("dim")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return f"its join reply has no integer 'dim', got {dim!r}"
+    if dim != d:
+        return f"it reports a value of dimension {dim}, the model has {d}"
+    return ""
+
+
+def _default_ledger_owner(grid: Grid) -> str:
+    """The training a ledger belongs to when ``ledger_owner`` is not given: the Flower app (its FAB id,
+    under ``flwr run``), else the main module (``run_simulation`` from a script or ``python -m``)."""
+    try:
+        fab_id = grid.run.fab_id
+    except Exception:  # noqa: BLE001 - a grid without run information (tests, custom grids)
+        fab_id = ""
+    if fab_id:
+        return fab_id
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None) or os.path.splitext(os.path.basename(getattr(main, "__file__", "") or ""))[0]
+    return f"python:{name or 'interactive'}"
 
 
 def _int_seed(seed: np.random.SeedSequence) -> int:

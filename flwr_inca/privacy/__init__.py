@@ -31,7 +31,15 @@ from .conversions import (
 )
 from .ledger import BudgetExceededError, PrivacyLedger
 from .structure import StructureReport, analyze_structure
-from .views import AdversaryView, collusion_view, eavesdrop_view, random_collusion, random_eavesdrop
+from .views import (
+    AdversaryView,
+    collusion_view,
+    eavesdrop_view,
+    random_collusion,
+    random_eavesdrop,
+    recorded_finals,
+    with_finals,
+)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -67,6 +75,8 @@ __all__ = [
     "profile",
     "random_collusion",
     "random_eavesdrop",
+    "recorded_finals",
+    "with_finals",
 ]
 
 

@@ -2,7 +2,9 @@
 
 Both threat models know every ``W_t`` and every online set (they are in the trace). A view is a bool
 mask ``observed`` (T+1, n): ``observed[t, i]`` means the adversary knows ``y_i^(t)``. Final messages
-of parties online at T are always observed (they are the output).
+of parties online at T are observed (they are the output): by default all of them (the *pre-final*
+view, an upper bound whatever finals then arrive), or only ``finals``, the parties whose final
+messages were actually revealed (``finals=()``: a round stopped before its finals).
 
 * Collusion DP: a corrupted set C; the adversary knows the corrupted parties' values and noise, all
   their messages, and every message delivered to one of them.
@@ -26,6 +28,8 @@ __all__ = [
     "eavesdrop_view",
     "random_collusion",
     "random_eavesdrop",
+    "recorded_finals",
+    "with_finals",
 ]
 
 
@@ -66,10 +70,51 @@ class AdversaryView:
         return f"eavesdropping; {obs} honest messages observed"
 
 
-def _finals(trace: ExecutionTrace) -> np.ndarray:
+def _finals(trace: ExecutionTrace, finals: Iterable[int] | None = None) -> np.ndarray:
+    """(T+1, n) mask with the observed final messages: ``finals`` (default: every party online at T)."""
     observed = np.zeros((trace.iterations + 1, trace.parties), dtype=bool)
-    observed[trace.iterations, trace.steps[-1].online] = True
+    observed[trace.iterations, _check_finals(trace, finals)] = True
     return observed
+
+
+def _check_finals(trace: ExecutionTrace, finals: Iterable[int] | None) -> np.ndarray:
+    online = trace.steps[-1].online
+    if finals is None:
+        return online
+    chosen = np.unique(np.asarray(list(finals), dtype=np.int64))
+    if not np.isin(chosen, online).all():
+        extra = sorted(set(chosen.tolist()) - set(online.tolist()))
+        raise ValueError(f"finals must be parties online at the last iteration; {extra[:10]} are not")
+    return chosen
+
+
+def with_finals(view: AdversaryView, trace: ExecutionTrace, finals: Iterable[int] | None) -> AdversaryView:
+    """``view`` with only the final messages of ``finals`` observed (None: every party online at T).
+
+    Build views with :func:`collusion_view` or :func:`eavesdrop_view` (all finals), then restrict them
+    here; only the last row changes, the messages before it and the corrupted set are ``view``'s. Fewer
+    observed finals can only lower every party's mu, so the pre-final view (``finals=None``) bounds
+    the view of any subset of finals that then arrives.
+    """
+    if view.observed.shape != (trace.iterations + 1, trace.parties):
+        raise ValueError("adversary view does not match the trace (parties or iterations differ)")
+    observed = view.observed.copy()
+    observed[-1] = _finals(trace, finals)[-1]
+    observed[-1, view.corrupted] = True  # the colluders know their own messages
+    return AdversaryView(view.threat, view.corrupted, observed)
+
+
+def recorded_finals(trace: ExecutionTrace) -> np.ndarray | None:
+    """The parties whose final messages a deployment recorded as revealed (``trace.meta["finalists"]``,
+    written by the relay: the finals that arrived; empty for a round stopped before its finals), or None
+    when the trace does not say (then every party online at T counts as revealed)."""
+    recorded = trace.meta.get("finalists")
+    if recorded is None:
+        return None
+    if not isinstance(recorded, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                 for i in recorded):
+        raise ValueError("trace meta 'finalists' must be a list of party indices")
+    return _check_finals(trace, recorded)
 
 
 def collusion_view(trace: ExecutionTrace, corrupted: Iterable[int]) -> AdversaryView:
@@ -112,25 +157,29 @@ def coalition_size(fraction: float, total: int) -> int:
     return min(math.ceil(fraction * total - 1e-9), total)
 
 
-def random_collusion(trace: ExecutionTrace, fraction: float, seed: int | None = None) -> AdversaryView:
+def random_collusion(trace: ExecutionTrace, fraction: float, seed: int | None = None, *,
+                     finals: Iterable[int] | None = None) -> AdversaryView:
     """Corrupt ``ceil(fraction * n)`` parties chosen uniformly (seeded); rounding up keeps the
-    certificate conservative (0.1 of 5 parties is one corrupted party, not none)."""
+    certificate conservative (0.1 of 5 parties is one corrupted party, not none). The same seed draws
+    the same parties whatever ``finals`` (see :func:`with_finals`) is."""
     f = float(fraction)
     if not (0.0 <= f < 1.0):
         raise ValueError(f"collusion fraction rho must be in [0, 1), got {fraction!r}")
     n = trace.parties
     count = min(coalition_size(f, n), n - 1)
     C = np.random.default_rng(seed).choice(n, size=count, replace=False)
-    return collusion_view(trace, C)
+    return with_finals(collusion_view(trace, C), trace, finals)
 
 
-def random_eavesdrop(trace: ExecutionTrace, fraction: float, seed: int | None = None) -> AdversaryView:
-    """Intercept ``ceil(fraction * m_t)`` of the ``m_t`` delivered messages of every iteration."""
+def random_eavesdrop(trace: ExecutionTrace, fraction: float, seed: int | None = None, *,
+                     finals: Iterable[int] | None = None) -> AdversaryView:
+    """Intercept ``ceil(fraction * m_t)`` of the ``m_t`` delivered messages of every iteration (the same
+    ones for a seed, whatever ``finals``, see :func:`with_finals`, is)."""
     f = float(fraction)
     if not (0.0 <= f <= 1.0):
         raise ValueError(f"observed fraction must be in [0, 1], got {fraction!r}")
     rng = np.random.default_rng(seed)
-    observed = _finals(trace)
+    observed = _finals(trace, finals)
     for t, step in enumerate(trace.steps):
         m = step.messages
         count = coalition_size(f, len(m))

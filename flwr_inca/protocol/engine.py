@@ -337,21 +337,35 @@ def _add_matvec(W, y: np.ndarray, out: np.ndarray) -> None:
 def _as_values(x: Any) -> tuple[np.ndarray, bool]:
     """(n, d) float array from the input, and whether the input was (n,) scalars."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        try:
+            x = x.numpy()
+        except TypeError:  # a dtype NumPy lacks (bfloat16): float32 holds every such value exactly
+            x = x.float().numpy()
     arr = np.asarray(x)
     if arr.dtype.kind not in "fiub":
         raise ValueError(f"x must hold real numbers, got dtype {arr.dtype}")
     if arr.ndim not in (1, 2):
         raise ValueError(f"x must have shape (n, d) or (n,), got {arr.shape}")
+    if arr.shape[0] == 0:
+        raise ValueError(f"x is empty (shape {arr.shape}): give one row per party, n >= 2")
     scalar = arr.ndim == 1
     if arr.dtype not in (np.float32, np.float64):
         arr = arr.astype(np.float32 if arr.dtype == np.float16 else np.float64)
-    arr = np.ascontiguousarray(arr.reshape(arr.shape[0], -1))
     if arr.shape[0] < 2:
         raise ValueError(f"x must have n >= 2 rows (parties), got {arr.shape[0]}")
-    if arr.shape[1] < 1:
+    if arr.ndim == 2 and arr.shape[1] < 1:
         raise ValueError("x must have d >= 1 columns")
+    arr = np.ascontiguousarray(arr.reshape(arr.shape[0], -1))
     if not np.all(np.isfinite(arr)):
         bad = np.argwhere(~np.isfinite(arr))[0]
         raise ValueError(f"x must be finite: x[{bad[0]}, {bad[1]}] is {arr[bad[0], bad[1]]}")
+    # every message is a combination of the values with weights in [0, 1], and the output sums the finals:
+    # n * max|x| bounds what is ever summed
+    n, largest = arr.shape[0], float(np.max(np.abs(arr)))
+    limit = float(np.finfo(arr.dtype).max) / n
+    if largest > limit:
+        raise ValueError(f"x is too large to average in {arr.dtype}: values up to {largest:.3g} among "
+                         f"n = {n} parties can overflow {arr.dtype} when summed (at most {limit:.3g}); "
+                         "rescale them" + (" or pass float64" if arr.dtype == np.float32 else ""))
     return arr, scalar

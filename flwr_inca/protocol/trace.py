@@ -10,6 +10,7 @@ besides the messages it observes, so the privacy accountant and external auditor
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +20,16 @@ import scipy.sparse as sp
 
 from .._checks import check_int, check_real
 from .._io import atomic_write_text
+from .._json import loads
 from .schedules import InjectionSchedule
 from .topology import Messages, check_column_stochastic
 
-__all__ = ["TRACE_FORMAT", "TraceStep", "ExecutionTrace"]
+__all__ = ["TRACE_FORMAT", "MAX_TRACE_PARTIES", "TraceStep", "ExecutionTrace"]
 
 TRACE_FORMAT = "inca-trace/1"
+# a loaded trace's party count: checking a trace allocates O(parties) per step, so a crafted file must not
+# claim more than any real execution (10^4 - 10^6 parties)
+MAX_TRACE_PARTIES = 10**7
 
 
 @dataclass(frozen=True)
@@ -136,18 +141,21 @@ class ExecutionTrace:
         missing = {"parties", "iterations", "schedule", "sigma_star", "sigma_delta", "steps"} - set(data)
         if missing:
             raise ValueError(f"trace: missing field(s) {sorted(missing)}")
-        n = _check_int("parties", data["parties"], 2)
+        # sizes first, checked against what the file holds, before anything of that size is allocated
+        n = check_int("trace: parties", data["parties"], 2, MAX_TRACE_PARTIES)
         T = _check_int("iterations", data["iterations"], 1)
-        schedule = InjectionSchedule.from_json(data["schedule"], T)
         raw_steps = data["steps"]
         if not isinstance(raw_steps, list):
             raise ValueError("trace: 'steps' must be a list")
+        if len(raw_steps) != T:
+            raise ValueError(f"trace: expected {T} steps (iterations), got {len(raw_steps)}")
+        schedule = InjectionSchedule.from_json(data["schedule"], T)
         steps = []
         for t, raw in enumerate(raw_steps, start=1):
             if not isinstance(raw, dict) or "online" not in raw or "messages" not in raw:
                 raise ValueError(f"trace step {t}: expected {{'online': [...], 'messages': [...]}}")
-            steps.append(TraceStep(_int_array(raw["online"], f"trace step {t}: online"),
-                                   _messages(raw["messages"], t)))
+            steps.append(TraceStep(_int_array(raw["online"], f"trace step {t}: online", n),
+                                   _messages(raw["messages"], t, n)))
         meta = data.get("meta", {})
         trace = cls(n, T, schedule, _check_sigma("sigma_star", data["sigma_star"]),
                     _check_sigma("sigma_delta", data["sigma_delta"]), steps,
@@ -159,12 +167,8 @@ class ExecutionTrace:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> ExecutionTrace:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"trace: not valid JSON ({exc})") from None
-        return cls.from_dict(data)
+    def from_json(cls, text: str | bytes) -> ExecutionTrace:
+        return cls.from_dict(loads(text, "trace"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trace as JSON, atomically (validated first: nothing half-written on error)."""
@@ -173,7 +177,8 @@ class ExecutionTrace:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ExecutionTrace:
-        with open(path, encoding="utf-8") as fh:
+        """Read a trace written by :meth:`save`; every malformed file raises a one-line ``ValueError``."""
+        with open(path, "rb") as fh:
             return cls.from_json(fh.read())
 
     def __eq__(self, other: object) -> bool:
@@ -190,27 +195,30 @@ def _check_sigma(name: str, value: Any) -> float:
     return check_real(f"trace: {name}", value, 0.0)
 
 
-def _int_array(values: Any, where: str) -> np.ndarray:
-    if not isinstance(values, list) or not all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values
-    ):
-        raise ValueError(f"{where} must be a list of integers")
+def _party(v: Any, n: int) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and 0 <= v < n
+
+
+def _int_array(values: Any, where: str, n: int) -> np.ndarray:
+    if not isinstance(values, list) or not all(_party(v, n) for v in values):
+        raise ValueError(f"{where} must be a list of party indices in [0, {n - 1}]")
     return np.sort(np.asarray(values, dtype=np.int64))
 
 
-def _messages(raw: Any, t: int) -> Messages:
+def _messages(raw: Any, t: int, n: int) -> Messages:
     where = f"trace step {t}: messages"
     if not isinstance(raw, list):
         raise ValueError(f"{where} must be a list of [sender, receiver, weight]")
     if not raw:
         return Messages(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     ok = all(
-        isinstance(m, list) and len(m) == 3
-        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in m[:2])
-        and isinstance(m[2], (int, float)) and not isinstance(m[2], bool)
+        isinstance(m, list) and len(m) == 3 and _party(m[0], n) and _party(m[1], n)
+        and isinstance(m[2], (int, float)) and not isinstance(m[2], bool) and math.isfinite(m[2])
         for m in raw
     )
     if not ok:
-        raise ValueError(f"{where} must be a list of [sender, receiver, weight] (ints, ints, number)")
-    arr = np.asarray(raw, dtype=np.float64)
-    return Messages(arr[:, 0].astype(np.int64), arr[:, 1].astype(np.int64), arr[:, 2].copy())
+        raise ValueError(f"{where} must be a list of [sender, receiver, weight]: party indices in "
+                         f"[0, {n - 1}] and a finite weight")
+    senders = np.array([m[0] for m in raw], dtype=np.int64)  # exact: no detour through float64
+    receivers = np.array([m[1] for m in raw], dtype=np.int64)
+    return Messages(senders, receivers, np.array([m[2] for m in raw], dtype=np.float64))

@@ -47,11 +47,13 @@ from .._checks import check_int, check_probability, check_real
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.certificate import certify
 from ..privacy.conversions import epsilon_for_delta
+from ..privacy.prefinal import no_finals_bound
 from ..privacy.views import random_collusion, random_eavesdrop
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel
 from ..protocol.engine import replay, sample_trace
 from ..protocol.noise import NoiseSource
+from ..protocol.schedules import InjectionSchedule
 from ..protocol.trace import ExecutionTrace
 from . import seeding
 from .noise import NoiseAhead
@@ -150,6 +152,17 @@ class Mixer(ABC):
 
     def abandon(self, plan: RoundPlan) -> None:
         """The planned round will not be mixed (its charge was refused): release what it holds."""
+
+    def stopped_cost(self, plan: RoundPlan) -> float:
+        """What a round whose charge was refused has spent anyway (GDP mu): 0 for a mechanism that reveals
+        nothing before its release. A deployment learns a round's exact cost only as it runs (IncA: before
+        its final messages), so such a mechanism has spent what it revealed until then."""
+        return 0.0
+
+    def stopped_ceiling(self, participants: int) -> float:
+        """The most :meth:`stopped_cost` can be for any plan of ``participants`` clients (0 by default).
+        The runner starts a round only if this fits the budget, so a refused round never overruns it."""
+        return 0.0
 
     def describe(self) -> str:
         return self.name
@@ -420,20 +433,36 @@ class IncaMixer(Mixer):
         """The root of the threat draws of a simulation with ``seed``."""
         return seeding.seed_of(seed, seeding.THREAT)
 
-    def certify(self, trace: ExecutionTrace, round: int, seed: int) -> float:
+    def certify(self, trace: ExecutionTrace, round: int, seed: int, finals: list[int] | None = None) -> float:
         """Worst certified mu over ``threat_draws`` random corrupted sets (or eavesdropped message
         sets), drawn from ``SeedSequence(seed, spawn_key=(0, round))``: the same draws as ``IncaStrategy``
-        for its seed (tests/test_simulation_flower.py checks it)."""
+        for its seed (tests/test_simulation_flower.py checks it). ``finals``: the parties whose final
+        messages are observed (None: every party online at T; ``[]``: a round stopped before them)."""
         worst = 0.0
         # IncaStrategy's derivation (its _CERTIFY key is 0): SeedSequence(seed, spawn_key=(0, round))
         for draw in np.random.SeedSequence(int(seed), spawn_key=(0, int(round))).spawn(self.threat_draws):
             key = int(draw.generate_state(1, dtype=np.uint64)[0])
             if self.observed_fraction is not None:
-                view = random_eavesdrop(trace, self.observed_fraction, key)
+                view = random_eavesdrop(trace, self.observed_fraction, key, finals=finals)
             else:
-                view = random_collusion(trace, self.collusion, key)
+                view = random_collusion(trace, self.collusion, key, finals=finals)
             worst = max(worst, certify(trace, view, value_sensitivity=self.context.value_sensitivity).max_mu)
         return worst
+
+    def stopped_cost(self, plan: RoundPlan) -> float:
+        """IncaStrategy's pre-final rule: a round whose cost with its final messages does not fit is
+        stopped before them, having spent what its mixing revealed without them, certified exactly on
+        the same adversaries (and never above a certified plan's cost, which bounds it)."""
+        if plan.trace is None:
+            return 0.0
+        mu = self.certify(plan.trace, plan.round, self.threat_seed(self.context.seed), finals=[])
+        return min(mu, plan.mu) if plan.certified else mu
+
+    def stopped_ceiling(self, participants: int) -> float:
+        """:func:`flwr_inca.privacy.prefinal.no_finals_bound` at the sigmas of a round of this size."""
+        s_star, s_delta = self.sigmas(participants)
+        schedule = InjectionSchedule.resolve(self.schedule, self.iterations)
+        return no_finals_bound(schedule, s_star, s_delta, self.context.value_sensitivity)
 
     def plan(self, round: int, participants: int) -> RoundPlan:
         config = self.inca_config(participants)

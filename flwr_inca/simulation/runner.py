@@ -6,7 +6,10 @@ Each round, in this order (charge first, then do anything that can fail):
 2. the mixer's plan: for IncA a fresh execution trace (topology and in-round dropouts; it does not
    depend on any value) certified against the threat;
 3. the ledger is charged the plan's cost; a round whose charge would exceed the budget releases
-   nothing, and training stops, saying why;
+   nothing, and training stops, saying why. As in a deployment (IncaStrategy's pre-final rule), IncA
+   learns that only before the round's final messages: the round is charged what its mixing revealed
+   without them (``Mixer.stopped_cost``), and a round starts only if that cannot exceed the budget
+   either (``Mixer.stopped_ceiling``), so the ledger never does;
 4. the participants train locally from the current global model (Ray actors, vectorized);
 5. the mixer computes the round's update, which is applied (released) and evaluated.
 
@@ -293,6 +296,15 @@ def simulate(
                 )
             )
             record.participants = int(count)
+            if ledger is not None and ledger.max_epsilon is not None:
+                ceiling = charge_resolution(mixer.stopped_ceiling(int(count)), config.mu_resolution)
+                if ceiling > 0 and ledger.epsilon_after(ceiling, plan.sample_rate) > ledger.max_epsilon:
+                    history.stopped = (
+                        f"stopped before round {rnd}: stopped before its final messages it could still cost "
+                        f"mu = {ceiling:.4g}, which would take epsilon past max_epsilon = "
+                        f"{ledger.max_epsilon:g} (spent: {ledger.epsilon():.4g}); nothing of it was spent"
+                    )
+                    break
 
             # local training starts now on the actors: it releases nothing, so it may run while the
             # round is certified and charged; only the mixer's output is released, and only after
@@ -341,10 +353,31 @@ def simulate(
                     record.epsilon, record.seconds_charge = charge.result()
                 except BudgetExceededError as exc:
                     mixer.abandon(round_plan)
-                    history.stopped = (
-                        f"stopped before round {rnd}: its cost would exceed the budget "
-                        f"(nothing of it was released or spent). {exc}"
-                    )
+                    stopped_mu = charge_resolution(mixer.stopped_cost(round_plan), config.mu_resolution)
+                    if stopped_mu > 0:
+                        # the pre-final rule: its mixing ran, its finals are not revealed; charge the former
+                        record.epsilon = ledger.spend(
+                            stopped_mu,
+                            plan.sample_rate,
+                            force=True,
+                            note=f"round {rnd}: stopped before its final messages",
+                        )
+                        record.charged_mu = stopped_mu  # record.mu stays the cost with the finals
+                        record.cost = "stopped before its final messages: charged their no-finals certificate"
+                        record.failed = "stopped before its final messages (the model is unchanged)"
+                        record.seconds = time.perf_counter() - start
+                        history.records.append(record)
+                        history.stopped = (
+                            f"round {rnd} stopped before its final messages: with them it would exceed the "
+                            f"budget; it was charged what its mixing revealed without them "
+                            f"(mu = {stopped_mu:.4g}, epsilon = {record.epsilon:.4g}); the model is unchanged. "
+                            f"{exc}"
+                        )
+                    else:
+                        history.stopped = (
+                            f"stopped before round {rnd}: its cost would exceed the budget "
+                            f"(nothing of it was released or spent). {exc}"
+                        )
                     break
             now = getattr(backend, "replaced", 0)
             replaced, actors_replaced = now - actors_replaced, now

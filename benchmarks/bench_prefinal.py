@@ -1,0 +1,165 @@
+"""The pre-final rule's certification cost per round, against one mixing iteration's time.
+
+Per node count, side by side in one process:
+
+* **one mixing iteration**: a relayed round (IncaStrategy's relay, the real party code, wire encoding
+  and decoding, in-memory node storage; d = 7850 float32 parameters, T = 10, k = 1) run in process,
+  every node's call one after the other. An iteration is one exchange: the relay's requests, every
+  node's call (decode, ``handle_exchange``, encode) and the relay's ingest. Median over iterations
+  2..T. Serial in-process execution is the cheapest an iteration gets on this machine (a Flower
+  exchange adds the engine's ~5 ms per call), so the comparison is strict.
+* what IncaStrategy certifies, each the worst of its ``threat_draws`` = 3 random coalitions of 10%
+  (its own ``_certify``), on a round of the same n with 5% permanent dropouts (sigma* = 1,
+  sigma_Delta = 20, sensitivity 2):
+
+  - ``pre-final``: every final counted as observed. Before this rule it ran after the finals; it now
+    runs before them: the same work, moved, **not extra**;
+  - ``one final lost``: the extra certificate a round needs when some final does not arrive;
+  - ``stopped``: the extra certificate of a round stopped before its finals (at most once per training);
+  - ``no_finals_bound``: once per training and number of parties (cached).
+
+Ratios to the mixing iteration are per round. Repeats interleave the parts; the median is reported.
+
+    python benchmarks/bench_prefinal.py                       # n = 100 and 1000, 3 repeats
+    python benchmarks/bench_prefinal.py --nodes 100 --repeats 1
+    python benchmarks/bench_prefinal.py --ceiling             # the no-finals ceiling vs a round's cost
+
+``--ceiling`` (no timing): with the noise calibrated for (1, 1e-5)-DP per round against 10% colluders
+(n = 100, T = 10, k = 1, sensitivity 2, 10 calibration runs), the strategy's predicted round cost (worst
+of 10 simulated executions with their finals), the ceiling of a round stopped before its finals
+(``no_finals_bound``) and the certified cost of such rounds without their finals (10 executions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from flwr_inca import IncaConfig, PermanentDropout
+from flwr_inca.flower import IncaStrategy
+from flwr_inca.flower.node import MemoryStore, RoundParams, RoundSecrets, handle_exchange
+from flwr_inca.flower.relay import RoundRelay, collect_finals, run_iterations
+from flwr_inca.flower.wire import decode_reply, decode_request, encode_reply, encode_request
+from flwr_inca.protocol import sample_trace
+from flwr_inca.protocol.schedules import InjectionSchedule
+
+D, T, K = 7850, 10, 1
+S_STAR, S_DELTA = 1.0, 20.0
+
+
+def mixing_iteration(n: int, seed: int) -> float:
+    """Median seconds of one mixing iteration (exchanges 2..T) of an in-process relayed round."""
+    schedule = InjectionSchedule.incremental(T)
+    roster = [1000 + i for i in range(n)]
+    secrets = [RoundSecrets.generate(seed, fixed_seed=seed, node=node) for node in roster]
+    stores = [MemoryStore() for _ in range(n)]
+    values = np.random.default_rng(seed).normal(size=(n, D))
+    for i in range(n):
+        stores[i].save_value(seed, values[i])
+    keys = [s.public_key for s in secrets]
+    params = RoundParams(seed, T, K, S_STAR, S_DELTA, schedule, roster, keys, "float32")
+    relay = RoundRelay(n, T, D, schedule, S_STAR, S_DELTA, "float32")
+    times: list[float] = []
+
+    def exchange(commit, requests):
+        wire = [encode_request(req, params, with_roster=commit == 1) for req in requests]
+        answers = {}
+        for req, data in zip(requests, wire):
+            request, p = decode_request(data, (params.roster, params.public_keys))
+            answers[req.party] = encode_reply(handle_exchange(request, p, req.party, secrets[req.party],
+                                                              stores[req.party]), has_roster=True)
+        return {i: decode_reply(data, i)[0] for i, data in answers.items()}
+
+    started = [time.perf_counter()]
+
+    def progress(done, total):  # called after each exchange's ingest: one iteration ends here
+        now = time.perf_counter()
+        if done >= 2:
+            times.append(now - started[0])
+        started[0] = now
+
+    run_iterations(relay, exchange, progress)
+    collect_finals(relay, exchange)
+    if len(relay.finals) != n:
+        raise RuntimeError(f"{len(relay.finals)} of {n} finals")
+    return statistics.median(times)
+
+
+def certification(n: int, seed: int) -> dict[str, float]:
+    """Seconds of each certificate the rule computes, on one round of n parties."""
+    strategy = IncaStrategy(sigma_star=S_STAR, sigma_delta=S_DELTA, iterations=T, ledger_path=None, seed=seed)
+    config = IncaConfig(iterations=T, neighbors=K, sigma_star=S_STAR, sigma_delta=S_DELTA,
+                        dropout=PermanentDropout(0.05))
+    trace = sample_trace(n, config, seed=seed)
+    seeds = strategy._certify_seeds(1)
+    online = trace.steps[-1].online.tolist()
+    out, mu = {}, {}
+    for name, finals in (("pre-final", None), ("one final lost", online[1:]), ("stopped", [])):
+        start = time.perf_counter()
+        mu[name] = strategy._certify(trace, seeds, finals=finals)
+        out[name] = time.perf_counter() - start
+    start = time.perf_counter()
+    mu["no_finals_bound"] = strategy.no_finals_mu(n)
+    out["no_finals_bound"] = time.perf_counter() - start
+    if not mu["stopped"] <= mu["one final lost"] <= mu["pre-final"] * (1 + 1e-9):
+        raise RuntimeError(f"certificates not ordered: {mu}")
+    if not mu["stopped"] <= mu["no_finals_bound"] * (1 + 1e-9):
+        raise RuntimeError(f"no-finals certificate above its bound: {mu}")
+    out.update({f"mu {k}": v for k, v in mu.items()})
+    return out
+
+
+def ceiling() -> None:
+    from flwr_inca.privacy import certify, random_collusion
+
+    n = 100
+    strategy = IncaStrategy(epsilon=1.0, delta=1e-5, iterations=T, neighbors=K, collusion=0.1,
+                            ledger_path=None, seed=0, calibration_runs=10, budget_check_runs=10)
+    s_star, s_delta = strategy._sigmas(n)
+    config = IncaConfig(iterations=T, neighbors=K, sigma_star=s_star, sigma_delta=s_delta)
+    without = [certify(trace, random_collusion(trace, 0.1, seed, finals=()), value_sensitivity=2.0).max_mu
+               for seed, trace in ((s, sample_trace(n, config, seed=100 + s)) for s in range(10))]
+    print(f"n = {n}, (1, 1e-5)-DP per round, 10% colluders, T = {T}: sigma* = {s_star:.4g}, "
+          f"sigma_Delta = {s_delta:.4g}")
+    print(f"predicted round cost with its finals (mu): {strategy.predicted_mu(n):.4g}")
+    print(f"no_finals_bound (mu): {strategy.no_finals_mu(n):.4g}")
+    print(f"rounds without their finals (mu): median {statistics.median(without):.4g}, "
+          f"max {max(without):.4g}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[100, 1000])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ceiling", action="store_true",
+                   help="the no-finals ceiling vs a round's cost (no timing)")
+    args = p.parse_args()
+    if args.ceiling:
+        ceiling()
+        return
+    if min(args.nodes) < 2 or args.repeats < 1:
+        p.error("--nodes must be >= 2 and --repeats >= 1")
+    parts = ("pre-final", "one final lost", "stopped", "no_finals_bound")
+    print(f"d = {D}, T = {T}, k = {K}, sigma* = {S_STAR}, sigma_Delta = {S_DELTA}, 3 threat draws of 10% "
+          f"colluders, 5% permanent dropouts; medians over {args.repeats} repeats\n")
+    print(f"{'n':>5} {'iteration (s)':>14} " + " ".join(f"{p + ' (s)':>20} {'/ iter':>7}" for p in parts))
+    for n in args.nodes:
+        iters, certs = [], []
+        for r in range(args.repeats):
+            iters.append(mixing_iteration(n, seed=1 + r))
+            certs.append(certification(n, seed=1 + r))
+        it = statistics.median(iters)
+        row = f"{n:>5} {it:>14.3f} "
+        for part in parts:
+            c = statistics.median(x[part] for x in certs)
+            row += f"{c:>20.3f} {c / it:>7.2f} "
+        print(row)
+        mus = {k: statistics.median(x[f"mu {k}"] for x in certs) for k in parts}
+        print(f"{'':>5} mu: " + ", ".join(f"{k} {v:.4g}" for k, v in mus.items()))
+
+
+if __name__ == "__main__":
+    main()

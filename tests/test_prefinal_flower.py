@@ -1,0 +1,137 @@
+"""The pre-final rule through Flower's simulation engine (Ray backend): a budget tight enough that a
+round must be stopped before its final messages, and a restarted ServerApp resuming the ledger.
+
+Ten nodes, T = 4, sigma_star = 1, sigma_delta = 20, 10% colluders. Any round's certificate with its
+finals is at least the central-DP floor 2 / (sqrt(9) * sigma_star) = 0.67 (9 honest nodes, sensitivity
+2C = 2), while without its finals a round costs at most ``no_finals_bound`` = 0.11. The budget (1.3,
+between one round at mu = 0.3 and one at mu = 0.4) therefore fits no round with its finals. The
+first strategies' prediction is made to underestimate (as a prediction from simulated executions may):
+their rounds start, mix, are certified before the finals, and are stopped there.
+"""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("ray")
+
+import flower_apps
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+from test_flower_e2e import INITIAL, NODES, RecordingGrid, _simulate
+
+from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
+from flwr_inca.flower.shared import END_ACTION, INCA_KEY, flatten_arrays
+from flwr_inca.flower.wire import FIELD, peek_request
+from flwr_inca.privacy import PrivacyLedger
+
+pytestmark = pytest.mark.flower
+
+T, BUDGET = 4, 1.3
+SETTINGS = {"iterations": T, "sigma_star": 1.0, "sigma_delta": 20.0, "clip_norm": 1.0, "max_epsilon": BUDGET,
+            "fraction_evaluate": 0.0, "min_available_nodes": NODES, "min_train_nodes": NODES,
+            "exchange_timeout": 120, "ledger_owner": "test-prefinal"}
+
+
+class UnderestimatingStrategy(IncaStrategy):
+    """Predicts every round to cost no more than it would without its finals (too optimistic)."""
+
+    def predicted_mu(self, n: int) -> float:
+        return self.no_finals_mu(n)
+
+
+class CommitGrid(RecordingGrid):
+    """Also records the commit of every mixing request pushed (T + 1: a request for a final)."""
+
+    def __init__(self, grid):
+        super().__init__(grid)
+        self.commits: list[int] = []
+        self.types: list[str] = []
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        for m in messages:
+            self.types.append(m.metadata.message_type)
+            record = m.content.config_records.get(INCA_KEY) if m.has_content() else None
+            if record is not None and FIELD in record:
+                self.commits.append(peek_request(record[FIELD])[1])
+        return super().push_messages(messages)
+
+
+def _start(strategy, grid):
+    try:
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(INITIAL), num_rounds=3)
+    except IncaBudgetExhausted as stop:
+        return stop
+    raise AssertionError(f"training did not stop at the budget: {result}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefinal") / "ledger.json"
+    out: dict = {"ledger": path}
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        def run(name, cls):
+            recording = CommitGrid(grid)
+            strategy = cls(**SETTINGS, ledger_path=path, seed=len(out))
+            stop = _start(strategy, recording)
+            out[name] = (strategy, stop, recording, PrivacyLedger(path, delta=1e-5).entries)
+            return strategy
+
+        first = run("stopped", UnderestimatingStrategy)
+        again = CommitGrid(grid)  # the same strategy asked to go on: no round after the stopped one
+        out["again"] = (_start(first, again), again)
+        run("restart-stopped", UnderestimatingStrategy)  # a restarted ServerApp, same ledger
+        run("restart", IncaStrategy)  # restarted with an honest prediction
+
+    _simulate(app, flower_apps.client)
+    assert "restart" in out, "the ServerApp failed: see the log above"
+    return out
+
+
+def test_a_round_over_budget_is_stopped_before_its_finals_with_the_model_unchanged(runs):
+    strategy, stop, grid, entries = runs["stopped"]
+    assert stop.stopped_before_finals and stop.server_round == 1 and sorted(strategy.rounds) == [1]
+    record = strategy.rounds[1]
+    # the round mixed for T iterations, then no node was asked for its final message
+    assert set(grid.commits) == set(range(1, T + 1)) and T + 1 not in grid.commits
+    assert record.finalists == [] and record.trace.meta["finals-collected"] is False
+    assert record.trace.steps[-1].online.size == NODES  # everybody could have sent one
+    assert "not collected" in record.failed
+    # the model is the initial one, handed over by the exception
+    assert np.array_equal(flatten_arrays(stop.arrays)[0], flatten_arrays(ArrayRecord(INITIAL))[0])
+    # what it would have cost with its finals overran the budget; what it was charged did not
+    assert stop.predicted_epsilon > BUDGET >= stop.epsilon > 0
+    assert len(entries) == 1 and entries[0].note == "round 1: stopped before its final messages"
+    assert 0 < entries[0].mu <= strategy.no_finals_mu(NODES) < 0.3
+    metrics = strategy.train_metrics_serverapp[1]
+    assert metrics["inca-stopped-before-finals"] == 1 and metrics["inca-finalists"] == 0
+    # every node answered up to T: all are told that the run is over (and remove its data)
+    assert sum(t.endswith(END_ACTION) for t in grid.types) == NODES
+
+
+def test_no_round_starts_after_a_round_stopped_before_its_finals(runs):
+    stop, grid = runs["again"]
+    assert isinstance(stop, IncaBudgetExhausted) and not stop.stopped_before_finals
+    assert "round 1 was stopped before its final messages" in str(stop)
+    assert grid.pushed == 0
+
+
+def test_the_ledger_never_exceeds_the_budget_across_restarts(runs):
+    _, _, _, after_first = runs["stopped"]
+    strategy, stop, grid, after_second = runs["restart-stopped"]
+    # the restarted ServerApp resumed the ledger; its round started (the no-finals ceiling fits), and
+    # was stopped before its finals again
+    assert strategy.ledger.entries[:1] == after_first
+    assert stop.stopped_before_finals and T + 1 not in grid.commits and len(after_second) == 2
+    honest, honest_stop, honest_grid, final = runs["restart"]
+    # an honest prediction does not start a round at all
+    assert honest_stop.server_round == 1 and not honest_stop.stopped_before_finals
+    assert honest_grid.pushed == 0 and honest.rounds == {} and final == after_second
+    assert honest_stop.predicted_epsilon > BUDGET
+    for entries in (after_first, after_second, final):
+        assert all(e.epsilon <= BUDGET for e in entries)
+    assert PrivacyLedger(runs["ledger"], delta=1e-5).epsilon() <= BUDGET

@@ -1,0 +1,269 @@
+"""IncaStrategy's pre-final rule, in process: the strategy's own mixing loop (``_mix``) with the real
+party code answering each exchange (no Flower engine), so every exchange the strategy makes is seen.
+
+A round is certified before its final messages; if charging that would exceed ``max_epsilon`` the
+finals are never asked for, the round is charged what was observed without them, the model is kept
+and training stops; otherwise the finals are collected and the round charged for those that arrived.
+"""
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ArrayRecord, ConfigRecord
+
+from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
+from flwr_inca.flower.node import MemoryStore, RoundSecrets, handle_exchange
+from flwr_inca.flower.strategy import _PendingRound
+from flwr_inca.privacy import PrivacyLedger, certify, random_collusion
+from flwr_inca.privacy.prefinal import no_finals_bound
+from flwr_inca.protocol.schedules import InjectionSchedule
+
+N, D, T = 6, 4, 3
+SETTINGS = {"sigma_star": 1.0, "sigma_delta": 20.0, "iterations": T, "clip_norm": 1.0, "seed": 5,
+            "precision": "float64", "min_available_nodes": N, "min_train_nodes": N}
+
+
+class Nodes:
+    """N nodes answering the strategy's exchanges in process; ``lost(party, commit)`` drops a reply."""
+
+    def __init__(self, round_=1, lost=None):
+        self.round, self.lost = round_, lost
+        self.roster = [500 + 3 * i for i in range(N)]
+        self.secrets = [RoundSecrets.generate(round_, fixed_seed=9, node=node) for node in self.roster]
+        self.stores = [MemoryStore() for _ in range(N)]
+        values = np.random.default_rng(round_).normal(0, 0.2, (N, D))
+        for store, value in zip(self.stores, values):
+            store.save_value(round_, value)
+        self.commits: list[int] = []  # the commit of every exchange the strategy made
+
+    def join_replies(self):
+        from types import SimpleNamespace
+
+        replies = []
+        for node, secret in zip(self.roster, self.secrets):
+            inca = ConfigRecord({"public-key": secret.public_key, "dim": D})
+            content = SimpleNamespace(config_records={"inca": inca}, metric_records={})
+            replies.append(SimpleNamespace(metadata=SimpleNamespace(src_node_id=node),
+                                           has_error=lambda: False, error=None, content=content))
+        return replies
+
+    def exchange(self, grid, params, roster, requests, counters, has_roster):
+        commit = requests[0].commit if requests else -1
+        self.commits.append(commit)
+        replies = {}
+        for req in requests:
+            if self.lost is not None and self.lost(req.party, req.commit):
+                continue
+            replies[req.party] = handle_exchange(req, params, req.party, self.secrets[req.party],
+                                                 self.stores[req.party])
+        return replies
+
+
+def _round(strategy, monkeypatch, nodes, model=None):
+    """One ``aggregate_train`` of round ``nodes.round``, mixing among ``nodes``; returns (arrays, metrics)."""
+    model = model or ArrayRecord([np.full(D, 0.5)])
+    monkeypatch.setattr(strategy, "_mix_exchange", nodes.exchange)
+    strategy._pending[nodes.round] = _PendingRound(None, model, time.time())
+    return strategy.aggregate_train(nodes.round, nodes.join_replies())
+
+
+def _budget_between(low_mu, high_mu, delta=1e-5):
+    """A max_epsilon that one round of cost low_mu fits and one of cost high_mu does not."""
+    ledger = PrivacyLedger(None, delta=delta)
+    low, high = ledger.epsilon_after(low_mu), ledger.epsilon_after(high_mu)
+    assert low < high
+    return (low + high) / 2
+
+
+def test_within_budget_the_finals_are_collected_and_all_of_them_charged(monkeypatch):
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None)
+    nodes = Nodes()
+    arrays, _ = _round(strategy, monkeypatch, nodes)
+    record = strategy.rounds[1]
+    assert arrays is not None and not record.failed and record.finalists == list(range(N))
+    assert T + 1 in nodes.commits  # the finals were asked for
+    # all finals arrived: the charge is the pre-final certificate, the same adversaries as before
+    seeds = strategy._certify_seeds(1)
+    assert record.mu == strategy._certify(record.trace, seeds) > 0
+    assert strategy.ledger.entries[0].mu == record.mu and strategy.ledger.entries[0].note == "round 1"
+    assert strategy.train_metrics_serverapp[1]["inca-stopped-before-finals"] == 0
+
+
+def test_lost_finals_are_charged_exactly_below_the_prefinal_bound(monkeypatch):
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None, max_noise_inflation=math.inf)
+    nodes = Nodes(lost=lambda party, commit: party == 2 and commit == T + 1)  # its final never arrives
+    _round(strategy, monkeypatch, nodes)
+    record = strategy.rounds[1]
+    assert record.finalists == [0, 1, 3, 4, 5] and record.trace.meta["finalists"] == record.finalists
+    prefinal = strategy._certify(record.trace, strategy._certify_seeds(1))
+    # independently: the worst of the same three random coalitions, seeing five finals
+    draws = [int(s.generate_state(1, dtype=np.uint64)[0]) for s in strategy._certify_seeds(1).spawn(3)]
+    exact = max(certify(record.trace, random_collusion(record.trace, 0.1, seed, finals=record.finalists),
+                        value_sensitivity=2.0).max_mu for seed in draws)
+    assert record.mu == pytest.approx(exact, rel=1e-12) and record.mu < prefinal
+    assert strategy.ledger.entries[0].note == f"round 1: {N - 1} of {N} final messages revealed"
+
+
+def test_a_round_over_budget_before_its_finals_is_stopped_and_charged_without_them(monkeypatch, tmp_path,
+                                                                                    task_identity):
+    # the round's pre-final cost, from the same deterministic round without a budget
+    probe = IncaStrategy(**SETTINGS, ledger_path=None)
+    _round(probe, monkeypatch, Nodes())
+    prefinal = probe.rounds[1].mu
+    ceiling = probe.no_finals_mu(N)
+    assert ceiling < prefinal / 3  # withholding the finals is much cheaper
+    budget = _budget_between(ceiling, prefinal)
+    path = tmp_path / "ledger.json"
+    strategy = IncaStrategy(**SETTINGS, ledger_path=path, max_epsilon=budget)
+    monkeypatch.setattr(strategy, "predicted_mu", lambda n: ceiling)  # a prediction that underestimates
+    nodes = Nodes()
+    model = ArrayRecord([np.full(D, 0.5)])
+    with pytest.raises(IncaBudgetExhausted, match="stopped before its final messages") as info:
+        _round(strategy, monkeypatch, nodes, model)
+    stop = info.value
+    assert stop.stopped_before_finals and stop.server_round == 1 and stop.arrays is model
+    assert T + 1 not in nodes.commits and max(nodes.commits) == T  # no final was asked for
+    record = strategy.rounds[1]
+    assert record.finalists == [] and record.trace.meta["finalists"] == []
+    assert record.trace.meta["finals-collected"] is False and "not collected" in record.failed
+    # charged exactly what was observed without finals: below the ceiling, within the budget
+    draws = [int(s.generate_state(1, dtype=np.uint64)[0]) for s in strategy._certify_seeds(1).spawn(3)]
+    without = max(certify(record.trace, random_collusion(record.trace, 0.1, seed, finals=()),
+                          value_sensitivity=2.0).max_mu for seed in draws)
+    assert record.mu == pytest.approx(without, rel=1e-12) and 0 < record.mu <= ceiling
+    ledger = PrivacyLedger(path, delta=1e-5)  # what is on disk
+    assert ledger.rounds == 1 and ledger.entries[0].mu == record.mu
+    assert ledger.epsilon() == pytest.approx(stop.epsilon) and ledger.epsilon() <= budget
+    assert ledger.entries[0].note == "round 1: stopped before its final messages"
+    assert stop.predicted_epsilon == pytest.approx(PrivacyLedger(None, delta=1e-5).epsilon_after(prefinal))
+    assert stop.predicted_epsilon > budget
+    assert strategy.train_metrics_serverapp[1]["inca-stopped-before-finals"] == 1
+    # the next round does not start, and contacts nobody
+    grid = _Grid()
+    with pytest.raises(IncaBudgetExhausted, match="round 1 was stopped before its final messages"):
+        strategy.configure_train(2, model, ConfigRecord(), grid)
+    assert grid.pushed == 0 and strategy.ledger.rounds == 1
+
+
+def test_a_round_starts_only_if_the_no_finals_ceiling_fits(monkeypatch, task_identity):
+    ceiling = no_finals_bound(InjectionSchedule.incremental(T), 1.0, 20.0, 2.0)
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None, max_epsilon=_budget_between(ceiling / 2, ceiling))
+    assert strategy.no_finals_mu(N) == ceiling
+    monkeypatch.setattr(strategy, "predicted_mu", lambda n: 0.0)  # even a round predicted free
+    grid = _Grid()
+    with pytest.raises(IncaBudgetExhausted, match="even stopped before its final messages it could cost"):
+        strategy.configure_train(1, ArrayRecord([np.ones(D)]), ConfigRecord(), grid)
+    assert grid.pushed == 0
+
+
+def test_a_failed_final_exchange_is_charged_the_prefinal_bound(monkeypatch):
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None)
+    nodes = Nodes()
+    inner = nodes.exchange
+
+    def exchange(grid, params, roster, requests, counters, has_roster):
+        if requests and requests[0].commit == T + 1:
+            raise ConnectionError("the grid went away")
+        return inner(grid, params, roster, requests, counters, has_roster)
+
+    nodes.exchange = exchange
+    with pytest.raises(ConnectionError):
+        _round(strategy, monkeypatch, nodes)
+    entry = strategy.ledger.entries[0]
+    assert "final exchange failed" in entry.note
+    probe = IncaStrategy(**SETTINGS, ledger_path=None)
+    _round(probe, monkeypatch, Nodes())
+    assert entry.mu == probe.rounds[1].mu  # the pre-final certificate of the same round
+
+
+def test_a_round_not_certifiable_before_its_finals_is_charged_unbounded_and_asks_for_no_final(monkeypatch):
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None)
+    nodes = Nodes()
+
+    def broken(trace, seeds, finals=None):
+        raise np.linalg.LinAlgError("SVD did not converge")
+
+    monkeypatch.setattr(strategy, "_certify", broken)
+    with pytest.raises(np.linalg.LinAlgError):
+        _round(strategy, monkeypatch, nodes)
+    assert T + 1 not in nodes.commits
+    assert strategy.ledger.rounds == 1 and math.isinf(strategy.ledger.epsilon())
+
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    """Flower sets these in a running app; messages cannot be created without them."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_run_id", 1), ("_node_id", 5), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+
+
+class _Grid:
+    """Enough of a Grid for configure_train: ten nodes, and a count of what was pushed."""
+
+    def __init__(self):
+        self.pushed = 0
+
+    def get_node_ids(self):
+        return list(range(1, N + 1))
+
+    def push_messages(self, messages):
+        self.pushed += len(list(messages))
+        return []
+
+    def pull_messages(self, ids):
+        return []
+
+
+def test_every_certification_of_a_round_draws_the_same_adversaries():
+    """The pre-final certificate bounds a subset's only against the same adversaries: certifying twice
+    from one SeedSequence must not draw new ones (spawning advances a SeedSequence)."""
+    from flwr_inca import IncaConfig, PermanentDropout
+    from flwr_inca.protocol import sample_trace
+
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None, threat_draws=4, collusion=0.3)
+    trace = sample_trace(30, IncaConfig(iterations=4, neighbors=1, sigma_star=1.0, sigma_delta=20.0,
+                                        dropout=PermanentDropout(0.1)), seed=2)
+    seeds = strategy._certify_seeds(1)
+    online = trace.steps[-1].online.tolist()
+    first = strategy._certify(trace, seeds)
+    assert strategy._certify(trace, seeds) == first
+    for finals in (online[1:], online[::2], []):
+        assert strategy._certify(trace, seeds, finals=finals) <= first * (1 + 1e-9)
+    # and the charge with lost finals, from one call, is below the pre-final certificate
+    mu, _ = strategy._certify_and_spend(trace, 1, None, online[1:])
+    assert mu <= first * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ledger_never_exceeds_max_epsilon_whatever_the_prediction(monkeypatch, task_identity, seed):
+    """Random budgets and predictions off by a random factor (as low as 0): rounds run until training
+    stops, and no ledger entry ever exceeds max_epsilon (with dropouts: nodes miss random exchanges)."""
+    rng = np.random.default_rng(seed)
+    budget = float(rng.uniform(0.3, 3.0))
+    strategy = IncaStrategy(**{**SETTINGS, "seed": seed}, ledger_path=None, max_epsilon=budget,
+                            max_noise_inflation=math.inf, min_finalists=1)
+    factor = float(rng.choice([0.0, 0.3, 1.0]))
+    true_prediction = strategy.predicted_mu
+    monkeypatch.setattr(strategy, "predicted_mu", lambda n: factor * true_prediction(n))
+    model = ArrayRecord([np.full(D, 0.5)])
+    stopped = None
+    for rnd in range(1, 30):
+        try:
+            strategy.configure_train(rnd, model, ConfigRecord(), _Grid())
+            missed = rng.random((N, T + 3)) < 0.1  # a node misses an exchange (errors, timeouts)
+            nodes = Nodes(rnd, lost=lambda party, commit, m=missed: m[party, commit])
+            arrays, _ = _round(strategy, monkeypatch, nodes, model)
+        except IncaBudgetExhausted as stop:
+            stopped = stop
+            break
+        model = arrays or model
+    assert stopped is not None
+    assert all(e.epsilon <= budget for e in strategy.ledger.entries)
+    assert strategy.ledger.epsilon() <= budget
