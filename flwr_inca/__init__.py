@@ -11,7 +11,11 @@ Quick start::
     result.trace.save("trace.json")                          # what happened, no private value
 """
 
-from .protocol import (
+from . import _logging
+
+_logging.install()  # importing Opacus later must not configure the root logger
+
+from .protocol import (  # noqa: E402
     EdgeSchedule,
     ExecutionTrace,
     IncaConfig,

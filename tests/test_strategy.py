@@ -395,3 +395,16 @@ def test_flowers_result_has_no_field_for_server_side_train_metrics():
 
     assert {f.name for f in fields(Result)} == {
         "arrays", "train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp"}
+
+
+def test_start_returns_the_initial_model_when_no_round_changed_it(task_identity, caplog):
+    class Grid(FakeGrid):
+        def send_and_receive(self, messages, timeout=None):
+            return []
+
+    model = ArrayRecord([np.arange(3.0)])
+    for rounds in (0, 2):  # no round at all; rounds that trained nobody (fraction_train=0)
+        strategy = IncaStrategy(**SIGMAS, fraction_train=0.0, fraction_evaluate=0.0)
+        result = strategy.start(grid=Grid(), initial_arrays=model, num_rounds=rounds)
+        assert result.arrays is model
+    assert "Result.arrays is the initial model" in caplog.text
