@@ -15,7 +15,7 @@ from . import _logging
 
 _logging.install()  # importing Opacus later must not configure the root logger
 
-from .protocol import (  # noqa: E402
+from .protocol import (
     EdgeSchedule,
     ExecutionTrace,
     IncaConfig,

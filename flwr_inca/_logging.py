@@ -26,13 +26,13 @@ _CONFIGURING_MODULES = frozenset({"opacus.utils.module_utils"})
 _lock = threading.Lock()
 
 
-class quiet_root_handlers:  # noqa: N801 - used as a context manager, like contextlib's helpers
+class quiet_root_handlers:  # lower case: used like contextlib's helpers
     """Within the block, root handlers that appear are removed on exit (those present before stay)."""
 
     def __enter__(self) -> None:
         self._before = list(logging.getLogger().handlers)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         root = logging.getLogger()
         for handler in list(root.handlers):
             if handler not in self._before:
