@@ -4,6 +4,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import struct
 import sys
 from pathlib import Path
@@ -214,3 +215,29 @@ def test_example_runs_on_mnist(tmp_path, monkeypatch):
     assert out["dataset"].startswith("MNIST") and out["nodes"] == 10
     assert out["history"][-1]["epsilon"] <= 8.0 + 1e-9
     assert out["plan"]["value_sensitivity"] == 2.0
+
+
+def test_online_route_the_built_wheel_satisfies_the_apps_requirement(tmp_path):
+    """README's online route: Flower's installer (uv sync) finds flwr-inca[flower] in the wheel built from
+    the checkout. Offline, we check what uv would: name, version and extra against the app's requirement."""
+    import subprocess
+    import tomllib
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    root = EXAMPLE.parent.parent
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("flwr_inca-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        assert "flwr_inca/flower/strategy.py" in zf.namelist()
+    version = re.search(r"^Version: (.+)$", meta, re.MULTILINE).group(1)
+    deps = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "flwr-inca"]
+    assert req.specifier.contains(version) and "flower" in req.extras
+    assert "Provides-Extra: flower" in meta
+    assert req.specifier and not req.specifier.contains("0.0.1")  # never an unrelated flwr-inca from PyPI
