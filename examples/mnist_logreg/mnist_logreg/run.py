@@ -75,7 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ[ENV_CONFIG] = json.dumps(config)  # read by the apps (also in Ray workers)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # CPU-only: Ray's future default, no notice
     from flwr.simulation import run_simulation
 
     from .client_app import app as client_app
