@@ -241,3 +241,22 @@ def test_online_route_the_built_wheel_satisfies_the_apps_requirement(tmp_path):
     assert req.specifier.contains(version) and "flower" in req.extras
     assert "Provides-Extra: flower" in meta
     assert req.specifier and not req.specifier.contains("0.0.1")  # never an unrelated flwr-inca from PyPI
+
+
+@pytest.mark.parametrize("run_config, message", [({"epsilon": 0.0}, "epsilon must be a number > 0"),
+                                                 ({"privacy-unit": "foo"}, "privacy-unit must be 'record' or"),
+                                                 ({"epsilon": 0.001}, "epsilon = 0.001 is too small")])
+def test_serverapp_checks_its_run_config_before_waiting_for_nodes(run_config, message, monkeypatch):
+    pytest.importorskip("flwr")
+    from flwr.app import Context, RecordDict
+    from mnist_logreg import server_app
+
+    class NoGrid:  # the checks come first: the grid must not be used
+        def get_node_ids(self):
+            return [1, 2, 3, 4] if "epsilon" in run_config and run_config["epsilon"] == 0.001 else pytest.fail()
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setattr(server_app, "_wait_for_nodes", lambda grid: len(grid.get_node_ids()))
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(task.ConfigError, match=re.escape(message)):
+        server_app.main(NoGrid(), context)
