@@ -260,3 +260,16 @@ def test_serverapp_checks_its_run_config_before_waiting_for_nodes(run_config, me
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
     with pytest.raises(task.ConfigError, match=re.escape(message)):
         server_app.main(NoGrid(), context)
+
+
+def test_each_run_gets_its_own_folder_and_all_share_the_ledger(tmp_path):
+    pytest.importorskip("flwr")
+    from mnist_logreg.server_app import output_paths
+
+    cfg = task.load_config({"output-dir": str(tmp_path)})
+    ledger, first = output_paths(cfg)
+    assert not first.exists()  # created only once a round has run
+    first.mkdir(parents=True)
+    ledger2, second = output_paths(cfg)  # same second: a suffix, never the same folder
+    assert ledger2 == ledger == tmp_path / "mnist_logreg-record" / "inca_ledger.json"
+    assert second != first and second.parent == first.parent and second.name.startswith("run-")
