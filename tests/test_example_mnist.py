@@ -144,7 +144,7 @@ def test_example_runs_offline_on_digits_and_a_spent_budget_keeps_earlier_results
     _run_example(tmp_path, monkeypatch, expect=1, **{"num-server-rounds": 5, "epsilon": 2.0, "batch-size": 20})
     err = capsys.readouterr().err
     ledger = tmp_path / "mnist_logreg-record" / "inca_ledger.json"
-    assert f"rm {ledger}" in err and "no round ran and no results were written" in err
+    assert f"rm {ledger}" in err and "No round ran and no results were written" in err
     assert _results(tmp_path)[0] == runs and (runs[0] / "results.json").read_bytes() == before
 
 

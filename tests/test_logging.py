@@ -57,3 +57,18 @@ def test_without_the_guard_opacus_does_install_a_root_handler():
         print(len(logging.getLogger().handlers))
     """)
     assert out == "1"
+
+
+def test_the_prv_ledger_emits_no_notice_the_user_cannot_act_on():
+    # Opacus's PRV accountant sizes its domain with RDP and warned "Optimal order is the largest alpha"
+    # on every round of the example (20 nodes, q = 0.7)
+    import warnings
+
+    from flwr_inca.privacy import PrivacyLedger
+
+    ledger = PrivacyLedger(None, delta=1e-5, accountant="opacus-prv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(40):
+            ledger.spend(0.06, sample_rate=0.7)
+        assert 0.9 < ledger.epsilon() < ledger.epsilon_after(0.06, 0.7) < 1.1

@@ -108,7 +108,7 @@ _DIGITS_NOTE = ("this run used scikit-learn's 8x8 digits, not MNIST (no data-dir
 def _budget_message(stop: IncaBudgetExhausted, ledger: Path, trained: int, rounds: int,
                     run_dir: Path | None) -> str:
     done = (f"{trained} of {rounds} rounds ran (results in {run_dir})" if trained
-            else "no round ran and no results were written")
+            else "No round ran and no results were written")
     return (f"privacy budget spent: {stop}. {done}. The ledger {ledger} holds the privacy already spent by "
             f"earlier runs with this output-dir (epsilon = {stop.epsilon:.4g} of {stop.max_epsilon:g}). To start "
             f"afresh, delete it (rm {ledger}) or use another output-dir; to train more on the same data, "
