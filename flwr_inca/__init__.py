@@ -11,6 +11,10 @@ Quick start::
     result.trace.save("trace.json")                          # what happened, no private value
 """
 
+from . import _logging
+
+_logging.install()  # importing Opacus later must not configure the root logger
+
 from .protocol import (
     EdgeSchedule,
     ExecutionTrace,

@@ -1,19 +1,25 @@
-"""``flwr-inca`` command line: ``mean`` (demo), ``calibrate``, ``audit``, ``simulate`` and ``reproduce``. Thin: parse, call,
-print."""
+"""The ``flwr-inca`` command: ``mean`` (demo), ``calibrate``, ``audit``, ``simulate``, ``reproduce``, ``study``.
+
+Each subcommand parses its arguments, calls the library and prints the result (a table, or JSON with
+``--json``); the work is done in ``flwr_inca.privacy``, ``flwr_inca.simulation`` and ``flwr_inca.reproduce``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from . import __version__
 from ._checks import check_int, check_real
 from ._json import dumps
+from ._progress import ProgressBar
 from .protocol import (
     IncaConfig,
     MarkovDropout,
@@ -49,17 +55,17 @@ def parse_dropout(spec: str) -> DropoutModel:
     )
 
 
-def _progress(label: str):
-    """A progress callback printing to stderr at most ~20 times."""
-    start = time.perf_counter()
+def _progress(label: str) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback drawing the package's progress bar (elapsed time, ETA)."""
+    bar: ProgressBar | None = None
 
     def report(done: int, total: int) -> None:
-        if done == total or done % max(1, total // 20) == 0:
-            elapsed = time.perf_counter() - start
-            eta = elapsed / done * (total - done)
-            print(f"\r{label}: {done}/{total} ({elapsed:.1f}s, ~{eta:.0f}s left)", end="", file=sys.stderr)
-            if done == total:
-                print(file=sys.stderr)
+        nonlocal bar
+        if bar is None:
+            bar = ProgressBar(total, label)
+        bar.advance(done - bar.done)
+        if done >= total:
+            bar.close()
 
     return report
 
@@ -79,16 +85,19 @@ def _seed(v: str) -> int:
 
 
 def _table(rows: list[list[Any]], header: list[str]) -> str:
+    """An aligned text table: numbers right-aligned (4 significant digits), text left-aligned."""
+    numeric = [all(isinstance(r[i], (int, float)) for r in rows) for i in range(len(header))]
     cells = [header] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines = ["  ".join((c.rjust(w) if num else c.ljust(w)) for c, w, num in zip(r, widths, numeric)).rstrip()
+             for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------- mean
 def cmd_mean(args: argparse.Namespace) -> int:
-    from .privacy import calibrate, certify, epsilon_for_delta, mu_for_epsilon, random_collusion
+    from .privacy import calibrate, certify, mu_for_epsilon, random_collusion
 
     n, d, C = args.parties, args.dim, args.clip
     rng = np.random.default_rng(args.seed)
@@ -135,10 +144,12 @@ def cmd_mean(args: argparse.Namespace) -> int:
     print(f"noise ({source}): sigma_star = {s_star:.4g}, sigma_delta = {s_delta:.4g}; "
           f"{result.finalists.size}/{n} parties finished")
     print(_table([
-        ["IncA (this run)", mse, f"{cert.epsilon:.4g} certified ({view.describe()})"],
-        ["central DP (trusted curator)", central, f"{args.epsilon:g}"],
-        ["local DP", central * n, f"{args.epsilon:g}"],
-    ], ["mechanism", "MSE per coordinate", f"epsilon at delta={args.delta:g}"]))
+        ["IncA (this run)", "none", mse, cert.epsilon],
+        ["central DP", "a curator sees every value", central, args.epsilon],
+        ["local DP", "none", central * n, args.epsilon],
+    ], ["mechanism", "trusted party", "MSE per coordinate", f"epsilon (delta = {args.delta:g})"]))
+    print(f"IncA's epsilon is certified for this execution against {view.describe()}; the references "
+          f"are calibrated for the target epsilon = {args.epsilon:g}.")
     return 0
 
 
@@ -182,7 +193,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------- audit
 def cmd_audit(args: argparse.Namespace) -> int:
-    from .protocol import ExecutionTrace
     from .privacy import (
         adversarial_collusion,
         analyze_structure,
@@ -191,6 +201,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         random_collusion,
         random_eavesdrop,
     )
+    from .protocol import ExecutionTrace
 
     try:
         trace = ExecutionTrace.load(args.trace)
@@ -201,7 +212,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         why = str(exc).splitlines()[0] if str(exc) else "too large for this machine's memory"
         print(f"error: cannot read trace {args.trace}: {why}", file=sys.stderr)
         return 2
-    kw = dict(value_sensitivity=args.value_sensitivity, delta=args.delta)
+    kw = {"value_sensitivity": args.value_sensitivity, "delta": args.delta}
     if args.adversarial is not None:
         res = adversarial_collusion(trace, args.adversarial, seed=args.seed, **kw)
         cert = res.certificate
@@ -335,120 +346,207 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     from .reproduce import DEFAULT_RUNS
 
-    r = sub.add_parser("reproduce", help="re-measure the paper's figures: CSV, PNG and a table per figure")
+    r = sub.add_parser(
+        "reproduce", help="re-measure the paper's figures: CSV, PNG and a table per figure",
+        description="Re-measure a figure of the paper (or all): <out>/<figure>.csv (every number "
+                    "plotted), .png and .txt (the paper's statements next to what was measured).",
+        epilog="example:\n  flwr-inca reproduce fig3b --runs 20 --out outputs/reproduce",
+        formatter_class=_HelpFormatter)
     r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"], help="which figure (all: every one, in order)")
     r.add_argument("--runs", type=_positive_int, default=None,
-                   help="simulated runs per point (default per figure: "
+                   help="simulated runs per point (per figure if not given: "
                         + ", ".join(f"{k} {v}" for k, v in DEFAULT_RUNS.items())
                         + "; the paper: 1000, Fig. 2 1e5, Fig. 5 100)")
     r.add_argument("--out", default="outputs/reproduce", help="directory for the CSV, PNG and text files")
-    r.add_argument("--seed", type=_non_negative_int, default=0)
+    r.add_argument("--seed", type=_non_negative_int, default=0, help="seed of every simulated run")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.set_defaults(func=cmd_reproduce)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help (except flags and "not given", which the help explains);
+    paragraphs of the description re-wrapped, the example lines of the epilog kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.lstrip().startswith("example"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return "\n\n".join(textwrap.fill(par, width, initial_indent=indent, subsequent_indent=indent)
+                           for par in text.split("\n\n"))
+
+
+def _version() -> str:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        flwr = f", Flower {version('flwr')}"
+    except PackageNotFoundError:  # Flower is an extra
+        flwr = ""
+    return f"flwr-inca {__version__} (Python {platform.python_version()}{flwr})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flwr-inca", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="flwr-inca", formatter_class=_HelpFormatter,
+        description="IncA: differentially private, dropout-robust averaging without a trusted aggregator."
+                    "\n\nRun 'flwr-inca <command> --help' for a command's options and an example.",
+        epilog="examples:\n"
+               "  flwr-inca mean                                   # the demo: 100 parties, epsilon = 1\n"
+               "  flwr-inca calibrate -n 200 --epsilon 0.5 --runs 100\n"
+               "  flwr-inca audit trace.json --collusion 0.1\n"
+               "  flwr-inca simulate --clients 100 --rounds 10\n"
+               "  flwr-inca reproduce fig3b --runs 20")
+    p.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="<command>", title="commands")
 
     def protocol_args(sp: argparse.ArgumentParser, parties: int) -> None:
         sp.add_argument("--parties", "-n", type=_positive_int, default=parties, help="number of parties n")
         sp.add_argument("--iterations", "-T", type=_positive_int, default=20, help="mixing iterations T")
-        sp.add_argument("--neighbors", "-k", type=_positive_int, default=1, help="out-neighbours per iteration")
-        sp.add_argument("--epsilon", type=float, default=1.0)
-        sp.add_argument("--delta", type=float, default=1e-5)
-        sp.add_argument("--collusion", type=float, default=0.1, help="fraction rho of corrupted parties")
-        sp.add_argument("--dropout", type=parse_dropout, default=PermanentDropout(0.1),
-                        help="none | permanent:<gamma> | temporary:<p> | markov:<rate>[,<corr>] "
-                             "(default permanent:0.1)")
-        sp.add_argument("--runs", type=_positive_int, default=20, help="simulated runs for calibration")
-        sp.add_argument("--seed", type=_seed, default=0)
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--neighbors", "-k", type=_positive_int, default=1,
+                        help="out-neighbours each party sends to per iteration")
+        sp.add_argument("--epsilon", type=float, default=1.0, help="target epsilon of the (epsilon, delta)-DP "
+                        "guarantee, > 0")
+        sp.add_argument("--delta", type=float, default=1e-5, help="target delta, in (0, 1)")
+        sp.add_argument("--collusion", type=float, default=0.1,
+                        help="fraction rho of colluding (corrupted) parties the guarantee holds against, in [0, 1)")
+        sp.add_argument("--dropout", type=parse_dropout, default="permanent:0.1",
+                        help="parties going offline during mixing: none | permanent:<gamma> | temporary:<p> | "
+                             "markov:<rate>[,<corr>]")
+        sp.add_argument("--runs", type=_positive_int, default=20,
+                        help="simulated runs the calibration takes the worst case over")
+        sp.add_argument("--seed", type=_seed, default=0, help="seed of the data, the runs and the adversary draw")
+        sp.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
 
-    m = sub.add_parser("mean", help="privately average random vectors among simulated parties (demo)")
+    m = sub.add_parser(
+        "mean", help="privately average random vectors among simulated parties (demo)",
+        description="Demo: n simulated parties hold random vectors in the L2 ball of radius --clip and "
+                    "average them with IncA, noise calibrated for (--epsilon, --delta)-DP against "
+                    "--collusion colluders with --dropout; prints the error next to central DP (a "
+                    "trusted curator) and local DP, and the epsilon certified for the run.",
+        epilog="examples:\n  flwr-inca mean\n"
+               "  flwr-inca mean --parties 1000 --dim 100 --epsilon 0.5 --dropout temporary:0.2",
+        formatter_class=_HelpFormatter)
     protocol_args(m, 100)
-    m.add_argument("--dim", "-d", type=_positive_int, default=10, help="dimension of each value")
-    m.add_argument("--clip", type=float, default=1.0, help="L2 norm bound C of the values")
-    m.add_argument("--sigma-star", type=float, default=None, help="skip calibration: sigma_star")
-    m.add_argument("--sigma-delta", type=float, default=None, help="skip calibration: sigma_delta")
+    m.add_argument("--dim", "-d", type=_positive_int, default=10, help="dimension of each party's vector")
+    m.add_argument("--clip", type=float, default=1.0, help="L2 norm bound C of the vectors (sensitivity 2C)")
+    m.add_argument("--sigma-star", type=float, default=None,
+                   help="skip calibration: std of each party's independent noise (give with --sigma-delta; default: calibrated)")
+    m.add_argument("--sigma-delta", type=float, default=None,
+                   help="skip calibration: std of the cancelling noise (give with --sigma-star; default: calibrated)")
     m.set_defaults(func=cmd_mean)
 
-    c = sub.add_parser("calibrate", help="noise levels for a target (epsilon, delta)")
+    c = sub.add_parser(
+        "calibrate", help="noise levels for a target (epsilon, delta)",
+        description="Choose sigma_star and sigma_delta so that every simulated run meets (--epsilon, "
+                    "--delta)-DP against the threat: the paper's procedure (alpha = 1.3, classic Gaussian "
+                    "bound, needs epsilon < 1) and the exact one (exact certificate, tight conversion).",
+        epilog="example:\n  flwr-inca calibrate --parties 200 --epsilon 0.2 --collusion 0.1 "
+               "--dropout permanent:0.1 --runs 100",
+        formatter_class=_HelpFormatter)
     protocol_args(c, 200)
     c.add_argument("--observed-fraction", type=float, default=None,
-                   help="Eavesdrop DP: fraction of messages intercepted (instead of --collusion)")
-    c.add_argument("--procedure", choices=["exact", "paper", "both"], default="both")
+                   help="Eavesdrop DP: fraction of messages intercepted, in [0, 1] (replaces --collusion; default: not used)")
+    c.add_argument("--procedure", choices=["exact", "paper", "both"], default="both",
+                   help="calibration procedure(s) to run")
     c.add_argument("--value-sensitivity", type=float, default=1.0,
                    help="size of a change of one value (1 for [0,1]; 2C for an L2 ball of radius C)")
     c.add_argument("--target-success", type=float, default=1.0,
-                   help="share of simulated runs that must meet the target (exact procedure)")
+                   help="share of simulated runs that must meet the target (exact procedure), in (0, 1]")
     c.set_defaults(func=cmd_calibrate)
 
-    a = sub.add_parser("audit", help="certify a recorded execution trace")
+    a = sub.add_parser(
+        "audit", help="certify a recorded execution trace",
+        description="Certify an execution that happened (an inca-trace/1 file, e.g. from "
+                    "IncaStrategy(trace_dir=...)): each honest party's mu and epsilon against the given "
+                    "adversary, the weakest parties and why.",
+        epilog="examples:\n  flwr-inca audit trace.json --collusion 0.1 --seed 4\n"
+               "  flwr-inca audit trace.json --corrupted 3,7,9 --json",
+        formatter_class=_HelpFormatter)
     a.add_argument("trace", help="inca-trace/1 JSON file")
     g = a.add_mutually_exclusive_group()
-    g.add_argument("--corrupted", help="comma-separated corrupted parties, e.g. 3,7,9")
-    g.add_argument("--collusion", type=float, default=0.1, help="random corrupted fraction (default 0.1)")
-    g.add_argument("--observed-fraction", type=float, help="Eavesdrop DP: fraction of intercepted messages")
+    g.add_argument("--corrupted", help="comma-separated corrupted parties, e.g. 3,7,9 (default: a random set, --collusion)")
+    g.add_argument("--collusion", type=float, default=0.1, help="random corrupted fraction, in [0, 1)")
+    g.add_argument("--observed-fraction", type=float,
+                   help="Eavesdrop DP: fraction of intercepted messages, in [0, 1] (instead of --collusion)")
     g.add_argument("--adversarial", type=float, metavar="FRACTION",
-                   help="search for the corrupted set (of this fraction) that hurts the weakest party")
-    a.add_argument("--seed", type=_seed, default=0)
-    a.add_argument("--delta", type=float, default=1e-5)
-    a.add_argument("--value-sensitivity", type=float, default=1.0)
+                   help="search for the corrupted set (of this fraction) that hurts the weakest party (instead of --collusion)")
+    a.add_argument("--seed", type=_seed, default=0, help="seed of the random corrupted set or intercepted messages")
+    a.add_argument("--delta", type=float, default=1e-5, help="delta at which epsilon is reported, in (0, 1)")
+    a.add_argument("--value-sensitivity", type=float, default=1.0,
+                   help="size of a change of one party's value, in the trace's value units")
     a.add_argument("--top", type=_positive_int, default=5, help="weakest parties to list (>= 1)")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--json", action="store_true",
+                   help='print {"mu": {party: mu}, "max_mu", "epsilon", "delta", "threat", "corrupted"}')
     a.set_defaults(func=cmd_audit)
 
-    s = sub.add_parser("simulate", help="simulate decentralized training on MNIST (Ray, thousands of clients)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = sub.add_parser(
+        "simulate", help="simulate decentralized training on MNIST (Ray, thousands of clients)",
+        description="Train a model on MNIST among --clients simulated clients with IncA (or a trusted "
+                    "reference), certifying and charging every round; writes history.json/.csv, the "
+                    "ledger and a plot to --out.",
+        epilog="examples:\n  flwr-inca simulate --clients 100 --rounds 10 --backend inline\n"
+               "  flwr-inca simulate --clients 1000 --rounds 40 --epsilon 1 --data-dir /path/to/mnist "
+               "--out sim-1000",
+        formatter_class=_HelpFormatter)
     s.add_argument("--clients", "-n", type=_positive_int, default=100, help="number of clients")
-    s.add_argument("--rounds", "-R", type=_positive_int, default=40)
+    s.add_argument("--rounds", "-R", type=_positive_int, default=40, help="training rounds")
     s.add_argument("--mode", default="inca", help="inca | fedavg (trusted, no noise) | central-dp (trusted, noised)")
-    s.add_argument("--model", choices=["logreg", "mlp"], default="logreg")
+    s.add_argument("--model", choices=["logreg", "mlp"], default="logreg", help="model trained by the clients")
     s.add_argument("--partition", default="iid", help="iid | dirichlet:<alpha>")
     s.add_argument("--data-dir", default="", help="MNIST IDX directory (else $FLWR_INCA_MNIST_DIR, Hugging Face, "
                                                    "or scikit-learn's digits offline)")
     s.add_argument("--fraction", type=float, default=1.0, help="share of available clients per round")
-    s.add_argument("--min-clients", type=int, default=2)
+    s.add_argument("--min-clients", type=int, default=2, help="fewest clients sampled in a round")
     s.add_argument("--availability", default="none", help="none | markov:<p_off>,<p_on> (across rounds)")
     s.add_argument("--dropout", type=parse_dropout, default=None,
-                   help="within a round's mixing: none | permanent:<gamma> | temporary:<p> | markov:<rate>[,<corr>]")
-    s.add_argument("--privacy-unit", choices=["record", "party"], default="record")
-    s.add_argument("--lr", type=float, default=None, help="default 6.0 (record) or 0.05 (party)")
-    s.add_argument("--clip-norm", type=float, default=1.0)
-    s.add_argument("--batch-size", type=int, default=50)
-    s.add_argument("--local-steps", type=int, default=None, help="party level: local SGD steps")
-    s.add_argument("--local-epochs", type=int, default=None, help="party level: local epochs (default 1)")
-    s.add_argument("--epsilon", type=_optional_epsilon, default=1.0, help="total budget, or 'none'")
-    s.add_argument("--delta", type=float, default=1e-5)
+                   help="within a round's mixing: none | permanent:<gamma> | temporary:<p> | markov:<rate>[,<corr>] "
+                        "(default: none)")
+    s.add_argument("--privacy-unit", choices=["record", "party"], default="record",
+                   help="what is protected: one training example, or a client's whole data")
+    s.add_argument("--lr", type=float, default=None, help="learning rate (default: 6.0 at record level, 0.05 at party level)")
+    s.add_argument("--clip-norm", type=float, default=1.0,
+                   help="record level: per-example gradient clip; party level: clip of a client's update")
+    s.add_argument("--batch-size", type=int, default=50, help="record level: expected Poisson batch per client")
+    s.add_argument("--local-steps", type=int, default=None, help="party level: local SGD steps (default: --local-epochs)")
+    s.add_argument("--local-epochs", type=int, default=None, help="party level: local epochs (default: 1, or --local-steps)")
+    s.add_argument("--epsilon", type=_optional_epsilon, default=1.0, help="total budget over the rounds, or 'none'")
+    s.add_argument("--delta", type=float, default=1e-5, help="delta of the budget, in (0, 1)")
     s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp", "prv", "rdp", "gdp"],
-                   default=None,
-                   help="default: opacus-prv (record level), exact (party level); prv, rdp, gdp: old names")
-    s.add_argument("--iterations", "-T", type=_positive_int, default=10)
-    s.add_argument("--neighbors", "-k", type=_positive_int, default=1)
-    s.add_argument("--topology", default="random")
+                   default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
+                                      "party level; prv, rdp, gdp: deprecated old names)")
+    s.add_argument("--iterations", "-T", type=_positive_int, default=10, help="IncA mixing iterations per round")
+    s.add_argument("--neighbors", "-k", type=_positive_int, default=1, help="peers per mixing iteration")
+    s.add_argument("--topology", default="random", help="topology of the mixing (as IncaConfig's topology=)")
     s.add_argument("--collusion", type=float, default=0.1, help="fraction of colluding clients certified against")
-    s.add_argument("--observed-fraction", type=float, default=None, help="Eavesdrop DP instead of collusion")
-    s.add_argument("--threat-draws", type=_positive_int, default=1)
-    s.add_argument("--sigma-star", type=float, default=None)
-    s.add_argument("--sigma-delta", type=float, default=None)
-    s.add_argument("--calibration-runs", type=_positive_int, default=10)
-    s.add_argument("--certification", choices=["exact", "local-bound"], default="exact")
+    s.add_argument("--observed-fraction", type=float, default=None, help="Eavesdrop DP: fraction of messages intercepted, instead of --collusion (default: not used)")
+    s.add_argument("--threat-draws", type=_positive_int, default=1,
+                   help="random colluding sets certified per round (the worst counts)")
+    s.add_argument("--sigma-star", type=float, default=None, help="fixed sigma_star (default: calibrated for the budget)")
+    s.add_argument("--sigma-delta", type=float, default=None, help="fixed sigma_delta (default: calibrated for the budget)")
+    s.add_argument("--calibration-runs", type=_positive_int, default=10, help="simulated runs of the calibration")
+    s.add_argument("--certification", choices=["exact", "local-bound"], default="exact",
+                   help="per-round certificate: exact, or a cheaper local upper bound")
     s.add_argument("--certify-every", type=_positive_int, default=1,
                    help="exact certificate every r rounds (a prediction, marked, in between)")
-    s.add_argument("--noise-multiplier", type=float, default=None, help="central-dp without a budget")
-    s.add_argument("--backend", choices=["ray", "inline"], default="ray")
-    s.add_argument("--num-actors", type=int, default=None)
-    s.add_argument("--ray-address", default=None, help="'auto' or host:port of a Ray cluster (default: local)")
-    s.add_argument("--precision", choices=["float32", "float64"], default="float32")
-    s.add_argument("--eval-every", type=_positive_int, default=1)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default=None, help="output directory (default: a new simulation-... directory)")
+    s.add_argument("--noise-multiplier", type=float, default=None, help="central-dp without a budget: noise std / sensitivity (default: from --epsilon)")
+    s.add_argument("--backend", choices=["ray", "inline"], default="ray",
+                   help="ray: training in Ray actors; inline: in this process")
+    s.add_argument("--num-actors", type=int, default=None, help="Ray actors (default: one per CPU)")
+    s.add_argument("--ray-address", default=None, help="'auto' or host:port of a Ray cluster (default: a local Ray)")
+    s.add_argument("--precision", choices=["float32", "float64"], default="float32", help="training precision")
+    s.add_argument("--eval-every", type=_positive_int, default=1, help="evaluate the model every r rounds")
+    s.add_argument("--seed", type=int, default=0, help="seed of the partition, sampling and mixing")
+    s.add_argument("--out", default=None, help="output directory (default: a new simulation-<mode>-<clients>c-<time> directory)")
     s.add_argument("--save-traces", action="store_true", help="also write each round's execution trace")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
     s.set_defaults(func=cmd_simulate)
     add_reproduce_parser(sub)
-    add_study_parser(sub)
+    add_study_parser(sub, formatter_class=_HelpFormatter)
     return p
 
 

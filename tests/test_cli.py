@@ -237,3 +237,52 @@ def test_more_bad_arguments_name_the_option(trace_file, capsys, argv, words):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and words in err and "Traceback" not in err
+
+
+def _commands():
+    from flwr_inca.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, sub.choices
+
+
+def test_every_command_explains_every_option():
+    parser, commands = _commands()
+    assert set(commands) == {"mean", "calibrate", "audit", "simulate", "reproduce", "study"}
+    assert "``" not in parser.format_help() and "Thin" not in parser.format_help()  # no RST, no internal note
+    for name, command in commands.items():
+        assert command.description, name
+        assert f"flwr-inca {name} " in (command.epilog or ""), f"{name}: no example line"
+        text = " ".join(command.format_help().split())  # line breaks of the wrapped help ignored
+        for action in command._actions:
+            assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.option_strings}: no help"
+            for choice in action.choices or []:
+                assert str(choice) in text
+            shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+            if shown:
+                assert f"(default: {action.default})" in text, f"{name} {action.option_strings[0]}: no default"
+
+
+def test_help_and_version_exit_cleanly(capsys):
+    from flwr_inca import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and f"flwr-inca {__version__}" in capsys.readouterr().out
+    for name in ["mean", "calibrate", "audit", "simulate", "reproduce"]:
+        with pytest.raises(SystemExit) as info:
+            main([name, "--help"])
+        out = capsys.readouterr().out
+        assert info.value.code == 0 and out.startswith(f"usage: flwr-inca {name}") and "example" in out
+
+
+def test_mean_table_is_tidy(capsys):
+    assert main(["mean", "-n", "30", "-d", "3", "--runs", "2", "--dropout", "none"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if set(line) <= {"-", " "} and line)
+    table = lines[rule - 1: rule + 4]  # header, rule, 3 rows
+    assert [row.split()[0] for row in table[2:]] == ["IncA", "central", "local"]
+    assert max(len(row) for row in table) == len(table[1]) <= 100  # no column padded past its content
+    # the numbers line up on the right edge of their column
+    assert len({row.rstrip().rfind(row.split()[-1]) + len(row.split()[-1]) for row in table[2:]}) == 1

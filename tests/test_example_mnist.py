@@ -2,8 +2,9 @@
 
 import gzip
 import json
-import math
+import logging
 import os
+import re
 import struct
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "mnist_logreg"
 sys.path.insert(0, str(EXAMPLE))
 MNIST = Path(os.environ.get("FLWR_INCA_MNIST_DIR") or Path(__file__).parent.parent.parent / "shared" / "data" / "mnist")
 
-from mnist_logreg import task  # noqa: E402
+from mnist_logreg import task
 
 
 def _write_idx(path, array, magic):
@@ -100,7 +101,7 @@ def test_privacy_plan_party_level():
         task.load_config({"privacy-unit": "household"})
 
 
-def _run_example(tmp_path, monkeypatch, **config):
+def _run_example(tmp_path, monkeypatch, expect=0, **config):
     from mnist_logreg import run
 
     monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
@@ -109,31 +110,166 @@ def _run_example(tmp_path, monkeypatch, **config):
     for key, value in config.items():
         args += [f"--{key}", str(value)]
     task.load_data.cache_clear()
-    run.main(args)
-    unit = config.get("privacy-unit", "record")
-    return json.loads((tmp_path / f"mnist_logreg-{unit}" / "results.json").read_text())
+    assert run.main(args) == expect
+
+
+def _results(tmp_path, unit="record"):
+    """The results.json of every run so far, oldest first."""
+    runs = sorted((tmp_path / f"mnist_logreg-{unit}").glob("run-*"))
+    return runs, [json.loads((r / "results.json").read_text()) for r in runs]
 
 
 @pytest.mark.flower
-def test_example_runs_offline_on_digits(tmp_path, monkeypatch):
+def test_example_runs_offline_on_digits_and_a_spent_budget_keeps_earlier_results(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("FLWR_INCA_MNIST_DIR", raising=False)
     monkeypatch.setitem(sys.modules, "datasets", None)
-    out = _run_example(tmp_path, monkeypatch, **{"num-server-rounds": 5, "epsilon": 2.0, "batch-size": 20})
+    root_handlers = list(logging.getLogger().handlers)
+    _run_example(tmp_path, monkeypatch, **{"num-server-rounds": 5, "epsilon": 2.0, "batch-size": 20})
+    assert logging.getLogger().handlers == root_handlers  # Opacus's import configured no root handler
+    err = capsys.readouterr().err
+    assert "round 5/5" in err and "left" in err  # per-round progress with an ETA
+    assert "note: this run used scikit-learn's 8x8 digits" in err  # repeated at the end of the run
+    runs, (out,) = _results(tmp_path)
     history = out["history"]
     assert "digits" in out["dataset"] and len(history) == 6
     # learns: 3x chance after 5 private rounds (8 seeds of the same setting offline: 63% to 89%)
     assert history[-1]["accuracy"] > 0.3
     eps = [h["epsilon"] for h in history[1:]]
     assert eps == sorted(eps) and 0 < eps[-1] <= 2.0 + 0.02
-    assert (tmp_path / "mnist_logreg-record" / "accuracy_epsilon.png").exists()
-    assert len(list((tmp_path / "mnist_logreg-record" / "traces").iterdir())) == 5
+    assert (runs[0] / "accuracy_epsilon.png").exists()
+    assert len(list((runs[0] / "traces").iterdir())) == 5
+    before = (runs[0] / "results.json").read_bytes()
+
+    # the same command again: the shared ledger has no room for a round; exit 1, earlier results intact
+    _run_example(tmp_path, monkeypatch, expect=1, **{"num-server-rounds": 5, "epsilon": 2.0, "batch-size": 20})
+    err = capsys.readouterr().err
+    ledger = tmp_path / "mnist_logreg-record" / "inca_ledger.json"
+    assert f"rm {ledger}" in err and "No round ran and no results were written" in err
+    assert _results(tmp_path)[0] == runs and (runs[0] / "results.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epsilon", "0"], "epsilon must be a number > 0, got 0.0"),
+    (["--collusion", "-0.5"], "collusion must be in [0, 1), got -0.5"),
+    (["--data-dir", "/nonexistent/mnist"], "data-dir must be '' or an existing directory"),
+    (["--epsilon", "0.001"], "epsilon = 0.001 is too small for 40 rounds"),
+    (["--num-supernodes", "1"], "num-supernodes must be an integer >= 2, got 1"),
+])
+def test_bad_settings_exit_2_with_one_line_before_flower_starts(args, message, monkeypatch, capsys):
+    from mnist_logreg import run
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    task.load_data.cache_clear()
+    assert run.main(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "falling back" not in line]
+    assert err == [f"error: {message}"] or (len(err) == 1 and err[0].startswith(f"error: {message}"))
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+
+
+def test_privacy_unit_is_a_choice(capsys):
+    from mnist_logreg import run
+
+    with pytest.raises(SystemExit) as info:
+        run.main(["--privacy-unit", "foo"])
+    assert info.value.code == 2 and "invalid choice: 'foo' (choose from 'record', 'party')" in capsys.readouterr().err
+
+
+def test_run_help_explains_every_key():
+    from mnist_logreg import run
+
+    text = "".join(run.build_parser().format_help().split())  # wrapping (at spaces or hyphens) ignored
+    for key, value in task.DEFAULTS.items():
+        flag = "--num-supernodes" if key == "num-partitions" else f"--{key}"
+        assert flag in text and "".join(task.HELP[key].split()) in text
+        assert f"(default:{value})" in text
+    assert "python-mmnist_logreg.run--num-supernodes20" in text
+
+
+def test_config_keys_are_validated_with_their_range():
+    for cfg, message in [({"num-server-rounds": 0}, "num-server-rounds must be an integer >= 1, got 0"),
+                         ({"iterations": 2.5}, "iterations must be an integer >= 1, got 2.5"),
+                         ({"delta": 1.0}, "delta must be in (0, 1), got 1.0"),
+                         ({"party-lr": -1}, "party-lr must be a number > 0"),
+                         ({"lr": True}, "lr must be a number > 0, got True"),
+                         ({"epochs": 3}, "unknown config key(s) epochs")]:
+        with pytest.raises(task.ConfigError) as info:
+            task.load_config(cfg)
+        assert str(info.value).startswith(message)
+    assert task.load_config({"num-server-rounds": 5.0})["num-server-rounds"] == 5  # TOML may give floats
+
+
+def test_the_log_states_the_users_settings_and_explains_the_derived_ones():
+    cfg = task.load_config({})
+    line = task.describe_plan(cfg, task.privacy_plan(cfg, 3000), 20)
+    assert "total budget (1, 1e-05) over 40 rounds" in line and "clip-norm 1" in line and "lr 6" in line
+    assert "lr * clip-norm / batch-size = 0.12" in line and "per round" in line.lower()
 
 
 @pytest.mark.flower
-@pytest.mark.skipif(not MNIST.exists(), reason="MNIST IDX files not available (../shared/data/mnist)")
+@pytest.mark.skipif(not MNIST.exists(), reason="MNIST IDX files not available: set FLWR_INCA_MNIST_DIR to the "
+                    "directory of the 4 IDX .gz files (default ../shared/data/mnist)")
 def test_example_runs_on_mnist(tmp_path, monkeypatch):
-    out = _run_example(tmp_path, monkeypatch, **{"num-server-rounds": 2, "data-dir": MNIST,
-                                                 "privacy-unit": "party", "epsilon": 8.0})
+    _run_example(tmp_path, monkeypatch, **{"num-server-rounds": 2, "data-dir": MNIST,
+                                           "privacy-unit": "party", "epsilon": 8.0})
+    _, (out,) = _results(tmp_path, "party")
     assert out["dataset"].startswith("MNIST") and out["nodes"] == 10
     assert out["history"][-1]["epsilon"] <= 8.0 + 1e-9
     assert out["plan"]["value_sensitivity"] == 2.0
+
+
+def test_online_route_the_built_wheel_satisfies_the_apps_requirement(tmp_path):
+    """README's online route: Flower's installer (uv sync) finds flwr-inca[flower] in the wheel built from
+    the checkout. Offline, we check what uv would: name, version and extra against the app's requirement."""
+    import subprocess
+    import tomllib
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    root = EXAMPLE.parent.parent
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("flwr_inca-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        assert "flwr_inca/flower/strategy.py" in zf.namelist()
+    version = re.search(r"^Version: (.+)$", meta, re.MULTILINE).group(1)
+    deps = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "flwr-inca"]
+    assert req.specifier.contains(version) and "flower" in req.extras
+    assert "Provides-Extra: flower" in meta
+    assert req.specifier and not req.specifier.contains("0.0.1")  # never an unrelated flwr-inca from PyPI
+
+
+@pytest.mark.parametrize("run_config, message", [({"epsilon": 0.0}, "epsilon must be a number > 0"),
+                                                 ({"privacy-unit": "foo"}, "privacy-unit must be 'record' or"),
+                                                 ({"epsilon": 0.001}, "epsilon = 0.001 is too small")])
+def test_serverapp_checks_its_run_config_before_waiting_for_nodes(run_config, message, monkeypatch):
+    pytest.importorskip("flwr")
+    from flwr.app import Context, RecordDict
+    from mnist_logreg import server_app
+
+    class NoGrid:  # the checks come first: the grid must not be used
+        def get_node_ids(self):
+            return [1, 2, 3, 4] if "epsilon" in run_config and run_config["epsilon"] == 0.001 else pytest.fail()
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setattr(server_app, "_wait_for_nodes", lambda grid: len(grid.get_node_ids()))
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with pytest.raises(task.ConfigError, match=re.escape(message)):
+        server_app.main(NoGrid(), context)
+
+
+def test_each_run_gets_its_own_folder_and_all_share_the_ledger(tmp_path):
+    pytest.importorskip("flwr")
+    from mnist_logreg.server_app import output_paths
+
+    cfg = task.load_config({"output-dir": str(tmp_path)})
+    ledger, first = output_paths(cfg)
+    assert not first.exists()  # created only once a round has run
+    first.mkdir(parents=True)
+    ledger2, second = output_paths(cfg)  # same second: a suffix, never the same folder
+    assert ledger2 == ledger == tmp_path / "mnist_logreg-record" / "inca_ledger.json"
+    assert second != first and second.parent == first.parent and second.name.startswith("run-")

@@ -672,3 +672,16 @@ def test_run_data_is_removed_when_the_run_ends_and_stale_runs_when_joining(task_
     assert not (root / "run-7").exists() and "inca-secrets" not in context.state.config_records
     with pytest.raises(ValueError, match="stale_after"):
         _client(tmp_path, stale_after=-1)
+
+
+def test_start_returns_the_initial_model_when_no_round_changed_it(task_identity, caplog):
+    class Grid(FakeGrid):
+        def send_and_receive(self, messages, timeout=None):
+            return []
+
+    model = ArrayRecord([np.arange(3.0)])
+    for rounds in (0, 2):  # no round at all; rounds that trained nobody (fraction_train=0)
+        strategy = IncaStrategy(**SIGMAS, fraction_train=0.0, fraction_evaluate=0.0)
+        result = strategy.start(grid=Grid(), initial_arrays=model, num_rounds=rounds)
+        assert result.arrays is model
+    assert "Result.arrays is the initial model" in caplog.text

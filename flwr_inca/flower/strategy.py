@@ -311,6 +311,21 @@ class IncaStrategy(FedAvg):
         return PrivacySpent(epsilon=float(self.ledger.epsilon()), delta=self.privacy.delta,
                             num_releases=self.ledger.rounds, accounting_method=self.ledger.accountant.name)
 
+    # ----------------------------------------------------------------------------- start
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start``, except that ``Result.arrays`` is never empty: when no round
+        changed the model (``num_rounds=0``, or every round failed), it is the initial model, and the
+        log says so (Flower's own ``start`` leaves it empty then)."""
+        result = super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds,
+                               timeout=timeout, train_config=train_config, evaluate_config=evaluate_config,
+                               evaluate_fn=evaluate_fn)
+        if len(result.arrays) == 0:
+            log(WARNING, "IncA: no round changed the model; Result.arrays is the initial model")
+            result.arrays = initial_arrays
+        return result
+
     # ----------------------------------------------------------------------------- join
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:

@@ -6,12 +6,12 @@ import contextlib
 import csv
 import math
 import os
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
+
+from .._progress import ProgressBar  # re-exported: the package's one progress display
 
 __all__ = ["Check", "FigureResult", "ProgressBar", "format_table", "single_blas_thread", "write_csv"]
 
@@ -79,69 +79,6 @@ def write_csv(result: FigureResult, path: Path) -> None:
         for row in result.rows:
             writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
     os.replace(tmp, path)
-
-
-class ProgressBar:
-    """A progress bar on stderr: ``label [#####.....] 45% status 12s, ~15s left``.
-
-    Redraws in place on a terminal (at most 5 times a second); elsewhere prints a line every 10%.
-    """
-
-    def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True) -> None:
-        self.total = max(int(total), 1)
-        self.label = label
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.done = 0
-        self.status = ""
-        self.start = time.perf_counter()
-        self._last_draw = 0.0
-        self._last_decile = -1
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-
-    def advance(self, units: int = 1, status: str | None = None) -> None:
-        self.done = min(self.done + units, self.total)
-        if status is not None:
-            self.status = status
-        self._draw()
-
-    def set_status(self, status: str) -> None:
-        self.status = status
-        self._draw()
-
-    def callback(self, units_per_call: int = 1) -> Callable[[int, int], None]:
-        """A ``progress(done, total)`` callback that advances the bar one unit per call."""
-        return lambda _done, _total: self.advance(units_per_call)
-
-    def _draw(self, final: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        frac = self.done / self.total
-        elapsed = now - self.start
-        eta = elapsed / frac * (1 - frac) if frac > 0 else math.nan
-        eta_s = f", ~{eta:.0f}s left" if frac < 1 and math.isfinite(eta) else ""
-        bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
-        line = f"{self.label} [{bar}] {100 * frac:3.0f}% {self.status} {elapsed:.0f}s{eta_s}"
-        if self._tty:
-            if final or now - self._last_draw >= 0.2 or self.done == self.total:
-                self.stream.write("\r" + line[:150].ljust(150))
-                self.stream.flush()
-                self._last_draw = now
-        else:
-            decile = int(10 * frac)
-            if decile > self._last_decile:
-                self.stream.write(line + "\n")
-                self.stream.flush()
-                self._last_decile = decile
-
-    def close(self) -> None:
-        if self.enabled:
-            self.done = self.total
-            self._draw(final=True)
-            if self._tty:
-                self.stream.write("\n")
-                self.stream.flush()
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ def train(msg: Message, context: Context) -> Message:
                              np.random.default_rng())
     else:
         round_ = int(msg.content["config"]["server-round"])
-        train_party_level(model, x, y, int(cfg["local-epochs"]), float(cfg["lr"]) / 100, seed=round_)
+        train_party_level(model, x, y, cfg["local-epochs"], float(cfg["party-lr"]), seed=round_)
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
                                "metrics": MetricRecord({"num-examples": len(y)})}), reply_to=msg)
 

@@ -1,35 +1,99 @@
-"""Plain Python entry point (no Flower CLI, works offline): ``python -m mnist_logreg.run --help``."""
+"""Plain Python entry point (no Flower CLI, works offline): ``python -m mnist_logreg.run --help``.
+
+Exit status: 0 when every round ran, 1 when training stopped because the privacy budget in the
+ledger is spent (the message names the ledger and how to start afresh), 2 for a bad setting (the
+message names the key and its allowed range; checked before Flower and Ray start).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
-from .task import DEFAULTS, ENV_CONFIG
+from .task import DEFAULTS, ENV_CONFIG, HELP, ConfigError, load_config, load_data, privacy_plan
+
+EXAMPLES = """examples:
+  python -m mnist_logreg.run --num-supernodes 20 --data-dir /path/to/mnist
+  python -m mnist_logreg.run --num-server-rounds 5 --epsilon 2 --output-dir /tmp/mnist-quick
+  python -m mnist_logreg.run --privacy-unit party --epsilon 8 --num-server-rounds 20"""
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="IncA on MNIST through Flower's simulation engine")
-    parser.add_argument("--num-supernodes", type=int, default=DEFAULTS["num-partitions"])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mnist_logreg.run", epilog=EXAMPLES,
+        formatter_class=lambda prog: _Formatter(prog, max_help_position=30),
+        description="Federated logistic regression on MNIST with IncA through Flower's simulation engine "
+                    "(offline; the same ServerApp and ClientApp as `flwr run .`). Results go to a new "
+                    "<output-dir>/mnist_logreg-<privacy-unit>/run-<time>/ folder; the privacy ledger beside "
+                    "it is shared by every run with that output-dir. Exit status 1: the budget is spent; "
+                    "2: a bad setting.")
+    parser.add_argument("--num-supernodes", type=int, default=DEFAULTS["num-partitions"],
+                        help=HELP["num-partitions"])
     for key, value in DEFAULTS.items():
-        if key != "num-partitions":
-            parser.add_argument(f"--{key}", type=type(value), default=value)
+        if key == "num-partitions":
+            continue
+        choices = ["record", "party"] if key == "privacy-unit" else None
+        parser.add_argument(f"--{key}", type=type(value), default=value, choices=choices, help=HELP[key])
+    return parser
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    def _fill_text(self, text: str, width: int, indent: str) -> str:  # wrap the description, keep examples
+        if text.startswith("examples:"):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+class _HideRunSimulationDeprecation(logging.Filter):
+    """Flower deprecates ``run_simulation`` in favour of ``flwr run`` (which the README shows first);
+    it is still the only way to start Flower's simulation engine from Python, which is what this entry
+    point is for, so its deprecation notice is not something its users can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`run_simulation` function is deprecated" not in record.getMessage()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = vars(parser.parse_args(argv))
     nodes = args.pop("num_supernodes")
-    if nodes < 2:
-        parser.error("--num-supernodes must be >= 2")
     config = {k.replace("_", "-"): v for k, v in args.items()}
+    try:  # every setting, the data and the privacy plan checked before Flower and Ray start
+        if nodes < 2:
+            raise ConfigError(f"num-supernodes must be an integer >= 2, got {nodes}")
+        cfg = load_config(config)
+        data = load_data(cfg["data-dir"])
+        if len(data.y_train) // nodes < 1:
+            raise ConfigError(f"num-supernodes must be at most {len(data.y_train)} (one example each), "
+                              f"got {nodes}")
+        privacy_plan(cfg, len(data.y_train) // nodes)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     os.environ[ENV_CONFIG] = json.dumps(config)  # read by the apps (also in Ray workers)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     from flwr.simulation import run_simulation
 
     from .client_app import app as client_app
+    from .server_app import BudgetSpent
     from .server_app import app as server_app
 
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
-                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": os.cpu_count() or 2}})
+    flwr_logger = logging.getLogger("flwr")
+    quiet = _HideRunSimulationDeprecation()
+    flwr_logger.addFilter(quiet)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
+                       backend_config={"client_resources": {"num_cpus": 1},
+                                       "init_args": {"num_cpus": os.cpu_count() or 2}})
+    except BudgetSpent as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        flwr_logger.removeFilter(quiet)
+    return 0
 
 
 if __name__ == "__main__":

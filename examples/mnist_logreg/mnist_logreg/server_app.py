@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+from logging import ERROR, INFO
 from pathlib import Path
 
 from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from flwr_inca.flower import IncaStrategy
+from flwr_inca._progress import ProgressBar
+from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
 
-from .task import accuracy, load_config, load_data, make_model, privacy_plan
+from .task import accuracy, describe_plan, load_config, load_data, make_model, privacy_plan
 
 app = ServerApp()
+
+
+class BudgetSpent(RuntimeError):
+    """Training stopped because the privacy budget in the ledger is spent (the message says what to do)."""
 
 
 def _wait_for_nodes(grid: Grid, settle: float = 2.0) -> int:
@@ -28,51 +36,101 @@ def _wait_for_nodes(grid: Grid, settle: float = 2.0) -> int:
         time.sleep(0.1)
 
 
+def output_paths(cfg: dict) -> tuple[Path, Path]:
+    """``(ledger, run_dir)``: one ledger per output directory and privacy unit, shared by every run on
+    purpose (the budget spent by earlier runs counts), and a new folder per run, so a run never
+    overwrites the results of another. The folder is created only once a round has run."""
+    base = Path(cfg["output-dir"]).resolve() / f"mnist_logreg-{cfg['privacy-unit']}"
+    stamp = time.strftime("run-%Y%m%d-%H%M%S")
+    run_dir, n = base / stamp, 1
+    while run_dir.exists():
+        n += 1
+        run_dir = base / f"{stamp}-{n}"
+    return base / "inca_ledger.json", run_dir
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = load_config(context.run_config)
+    cfg = load_config(context.run_config)  # ConfigError names a bad key before anything starts
     data = load_data(cfg["data-dir"])
     nodes = _wait_for_nodes(grid)
     plan = privacy_plan(cfg, len(data.y_train) // nodes)
-    out = Path(cfg["output-dir"]).resolve() / f"mnist_logreg-{cfg['privacy-unit']}"
-    record = cfg["privacy-unit"] == "record"
+    ledger, run_dir = output_paths(cfg)
+    log(INFO, "mnist_logreg: %s", describe_plan(cfg, plan, nodes))
     strategy = IncaStrategy(
         fraction_train=1.0, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
-        iterations=int(cfg["iterations"]), neighbors=int(cfg["neighbors"]),
+        iterations=cfg["iterations"], neighbors=cfg["neighbors"],
         epsilon=plan["epsilon_round"], delta=float(cfg["delta"]), max_epsilon=float(cfg["epsilon"]),
         clip_norm=plan["party_clip"], value_sensitivity=plan["value_sensitivity"],
-        sample_rate=plan["sample_rate"], accountant="prv" if record else "gdp",
-        collusion=float(cfg["collusion"]), ledger_path=out / "inca_ledger.json", trace_dir=out / "traces",
-        seed=int(cfg["seed"]),
+        sample_rate=plan["sample_rate"],  # the accountant follows: Opacus's PRV if < 1, else exact GDP
+        collusion=float(cfg["collusion"]), ledger_path=ledger, trace_dir=run_dir / "traces",
+        seed=cfg["seed"],
     )
     model = make_model(data.features)
     history: list[dict] = []
+    rounds = cfg["num-server-rounds"]
+    progress = ProgressBar(rounds, "mnist_logreg", lines=True)  # one line per round, between Flower's logs
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = accuracy(model, data.x_test, data.y_test)
         history.append({"round": server_round, "accuracy": acc, "loss": loss})
+        if server_round > 0:
+            eps = strategy.privacy_spent().epsilon
+            progress.advance(status=f"round {server_round}/{rounds}: accuracy {acc:.4f}, epsilon {eps:.3f}")
         return MetricRecord({"accuracy": acc, "loss": loss})
 
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
-                            num_rounds=int(cfg["num-server-rounds"]), evaluate_fn=evaluate)
+    stopped: IncaBudgetExhausted | None = None
+    try:
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=rounds,
+                       evaluate_fn=evaluate)
+    except IncaBudgetExhausted as exc:  # raised before the round that would overspend; nothing is lost
+        stopped = exc
     for row in history:
-        metrics = result.train_metrics_clientapp.get(row["round"])
+        metrics = strategy.train_metrics_serverapp.get(row["round"])
         row["epsilon"] = float(metrics["inca-epsilon"]) if metrics else 0.0
         row["finalists"] = int(metrics["inca-finalists"]) if metrics else 0
-    summary = {"dataset": data.name, "nodes": nodes, "config": cfg, "plan": plan,
-               "sigma_star": strategy.rounds[1].trace.sigma_star if strategy.rounds else None,
-               "sigma_delta": strategy.rounds[1].trace.sigma_delta if strategy.rounds else None,
-               "history": history}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
-    print(f"\n{data.name}, {nodes} nodes, {cfg['privacy-unit']}-level DP, target ({cfg['epsilon']}, "
+    trained = len(strategy.train_metrics_serverapp)
+    if trained:
+        _report(cfg, data.name, nodes, plan, strategy, history, run_dir, stopped)
+    if "digits" in data.name:  # said when the data was loaded, and again here, where it cannot be missed
+        print(f"note: {_DIGITS_NOTE}", file=sys.stderr)
+    if stopped is not None:
+        message = _budget_message(stopped, ledger, trained, rounds, run_dir if trained else None)
+        log(ERROR, "%s", message)
+        raise BudgetSpent(message) from stopped
+
+
+_DIGITS_NOTE = ("this run used scikit-learn's 8x8 digits, not MNIST (no data-dir or FLWR_INCA_MNIST_DIR, and "
+                "Hugging Face unreachable): its accuracy is not comparable with the README's table")
+
+
+def _budget_message(stop: IncaBudgetExhausted, ledger: Path, trained: int, rounds: int,
+                    run_dir: Path | None) -> str:
+    done = (f"{trained} of {rounds} rounds ran (results in {run_dir})" if trained
+            else "No round ran and no results were written")
+    return (f"privacy budget spent: {stop}. {done}. The ledger {ledger} holds the privacy already spent by "
+            f"earlier runs with this output-dir (epsilon = {stop.epsilon:.4g} of {stop.max_epsilon:g}). To start "
+            f"afresh, delete it (rm {ledger}) or use another output-dir; to train more on the same data, "
+            "raise epsilon (the total budget).")
+
+
+def _report(cfg: dict, dataset: str, nodes: int, plan: dict, strategy: IncaStrategy, history: list[dict],
+            run_dir: Path, stopped: IncaBudgetExhausted | None) -> None:
+    first = min(strategy.rounds)
+    summary = {"dataset": dataset, "nodes": nodes, "config": cfg, "plan": plan,
+               "sigma_star": strategy.rounds[first].trace.sigma_star if strategy.rounds[first].trace else None,
+               "sigma_delta": strategy.rounds[first].trace.sigma_delta if strategy.rounds[first].trace else None,
+               "stopped": None if stopped is None else str(stopped), "history": history}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"\n{dataset}, {nodes} nodes, {cfg['privacy-unit']}-level DP, target ({cfg['epsilon']}, "
           f"{cfg['delta']}), {cfg['collusion']:.0%} colluders")
     print(f"{'round':>5} {'accuracy':>9} {'epsilon':>8}")
     for row in history:
         print(f"{row['round']:>5} {row['accuracy']:>9.4f} {row['epsilon']:>8.3f}")
-    _plot(history, out / "accuracy_epsilon.png")
-    print(f"results in {out}")
+    _plot(history, run_dir / "accuracy_epsilon.png")
+    print(f"results in {run_dir}")
 
 
 def _plot(history: list[dict], path: Path) -> None:

@@ -37,4 +37,7 @@ class OpacusPrvAccountant(RoundAccountant):
         acc.history = groups
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # log(1 - q) at q = 1 is harmless
+            # Opacus sizes the PRV's discretisation domain with an RDP bound and warns when its best
+            # order is the largest one; that bound only sets the domain, the epsilon is the PRV's
+            warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
             return float(acc.get_epsilon(delta=delta, eps_error=self.eps_error))
