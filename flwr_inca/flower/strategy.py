@@ -61,7 +61,7 @@ from .relay import Reply, Request, RoundRelay, collect_finals, run_iterations
 from .shared import END_ACTION, INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
 from .wire import FIELD, decode_reply, encode_request
 
-__all__ = ["IncaStrategy", "IncaBudgetExhausted", "RoundRecord"]
+__all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord"]
 
 # keys of the SeedSequences behind the server's random choices (spawn_key, after the strategy's seed)
 _CERTIFY, _PREDICT = 0, 1
@@ -268,14 +268,24 @@ class IncaStrategy(FedAvg):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start`` (same arguments, same ``Result``). Afterwards, also when it stops
-        by :class:`IncaBudgetExhausted` or an error, the nodes that took part are told the run is over
-        (``query.inca_end``) and remove their data of the run."""
+        """Flower's ``Strategy.start`` (same arguments, same ``Result``), with two differences:
+
+        * afterwards, also when it stops by :class:`IncaBudgetExhausted` or an error, the nodes that took
+          part are told the run is over (``query.inca_end``) and remove their data of the run;
+        * ``Result.arrays`` is never empty: when no round changed the model (``num_rounds=0``, or every
+          round failed), it is the initial model, and the log says so (Flower's own ``start`` leaves it
+          empty then).
+        """
         try:
-            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-                                 evaluate_fn)
+            result = super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds,
+                                   timeout=timeout, train_config=train_config, evaluate_config=evaluate_config,
+                                   evaluate_fn=evaluate_fn)
         finally:
             self._end_run(grid)
+        if len(result.arrays) == 0:
+            log(WARNING, "IncA: no round changed the model; Result.arrays is the initial model")
+            result.arrays = initial_arrays
+        return result
 
     def _end_run(self, grid: Grid) -> None:
         """Tell the nodes of this strategy's rounds that the run is over, so that they remove its data.
@@ -310,21 +320,6 @@ class IncaStrategy(FedAvg):
         strategies report it)."""
         return PrivacySpent(epsilon=float(self.ledger.epsilon()), delta=self.privacy.delta,
                             num_releases=self.ledger.rounds, accounting_method=self.ledger.accountant.name)
-
-    # ----------------------------------------------------------------------------- start
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start``, except that ``Result.arrays`` is never empty: when no round
-        changed the model (``num_rounds=0``, or every round failed), it is the initial model, and the
-        log says so (Flower's own ``start`` leaves it empty then)."""
-        result = super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds,
-                               timeout=timeout, train_config=train_config, evaluate_config=evaluate_config,
-                               evaluate_fn=evaluate_fn)
-        if len(result.arrays) == 0:
-            log(WARNING, "IncA: no round changed the model; Result.arrays is the initial model")
-            result.arrays = initial_arrays
-        return result
 
     # ----------------------------------------------------------------------------- join
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
