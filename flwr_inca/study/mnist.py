@@ -345,7 +345,7 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
     res.rounds_done = len(trained)
     res.epsilon_spent = None if method == "fedavg" else float(history.records[-1].epsilon)
     if history.stopped:
-        res.note = history.stopped.split(".")[0]
+        res.note = history.stopped.split(". ")[0]  # first sentence (decimals kept)
     if deviation is not None and last_nodes:
         res.worst_node = worst_node(params[None, :] + deviation[last_nodes[0]], data.x_test, data.y_test)
     res.seconds = time.perf_counter() - start
