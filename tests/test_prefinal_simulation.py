@@ -3,6 +3,7 @@ budget is stopped before them and charged what its mixing revealed without them 
 in a deployment); a round starts only if that cannot exceed the budget; restarts resume the ledger.
 """
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -94,3 +95,17 @@ def test_a_round_starts_only_if_stopping_it_before_its_finals_fits(tmp_path):
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
     assert hist.rounds == [] and hist.stopped.startswith("stopped before round 1: stopped before its final")
     assert PrivacyLedger(tmp_path / "ledger.json", delta=1e-5).epsilon() == pytest.approx(spent)
+
+
+def test_without_the_reserve_the_round_the_ceiling_refuses_starts(tmp_path):
+    config = dataclasses.replace(_config(tmp_path), reserve_stopped_round=False)
+    mixer = IncaMixer(sigma_star=3.0, sigma_delta=20.0, iterations=5)
+    mixer.prepare(MixContext(2.0, None, 1e-5, 24, FEATURES * CLASSES + CLASSES, config.seed))
+    ceiling = charge_resolution(mixer.stopped_ceiling(24), config.mu_resolution)
+    ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, max_epsilon=BUDGET, accountant="exact")
+    while ledger.epsilon_after(ceiling) <= BUDGET:
+        ledger.spend(ceiling)
+    hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
+    assert hist.rounds and not (hist.stopped or "").startswith("stopped before round 1: stopped before its final")
+    with pytest.raises(ValueError, match="reserve_stopped_round"):
+        dataclasses.replace(config, reserve_stopped_round=1)

@@ -161,6 +161,19 @@ def test_a_round_starts_only_if_the_no_finals_ceiling_fits(monkeypatch, task_ide
     assert grid.pushed == 0
 
 
+def test_without_the_reserve_only_the_predicted_cost_is_checked(monkeypatch, task_identity):
+    ceiling = no_finals_bound(InjectionSchedule.incremental(T), 1.0, 20.0, 2.0)
+    budget = _budget_between(ceiling / 2, ceiling)
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None, max_epsilon=budget, reserve_stopped_round=False)
+    assert strategy.privacy.reserve_stopped_round is False
+    monkeypatch.setattr(strategy, "predicted_mu", lambda n: 0.0)
+    grid = _Grid()
+    messages = list(strategy.configure_train(1, ArrayRecord([np.ones(D)]), ConfigRecord(), grid))
+    assert messages  # the round the reserve refuses (test above) starts
+    with pytest.raises(ValueError, match="reserve_stopped_round"):
+        IncaStrategy(**SETTINGS, ledger_path=None, reserve_stopped_round="no")
+
+
 def test_a_failed_final_exchange_is_charged_the_prefinal_bound(monkeypatch):
     strategy = IncaStrategy(**SETTINGS, ledger_path=None)
     nodes = Nodes()

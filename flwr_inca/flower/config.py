@@ -53,6 +53,13 @@ class PrivacyTarget:
             them, and training stops; ``max_epsilon`` is never exceeded.
         calibration_runs: simulated executions the noise is calibrated over.
         calibration_dropout: dropout model of those executions (None: nobody drops out).
+        reserve_stopped_round: before each round, also reserve the most a round stopped before its final
+            messages could cost (``flwr_inca.privacy.prefinal.no_finals_bound``, over every execution),
+            so that ``max_epsilon`` holds even then (default). False: only the predicted cost is checked;
+            a round stopped before its finals is still charged the exact cost of what was observed, which
+            can then take the total past ``max_epsilon`` (logged as an error). With little noise (e.g.
+            the improved calibration at n = 1000, epsilon = 1) the reserve alone can exceed the budget
+            and refuse every round: that is when to weigh this option (docs/privacy.md).
     """
 
     epsilon: float | None = None
@@ -68,8 +75,11 @@ class PrivacyTarget:
     budget_check_runs: int = 10
     calibration_runs: int = 20
     calibration_dropout: DropoutModel | None = None
+    reserve_stopped_round: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reserve_stopped_round, bool):
+            raise ValueError(f"reserve_stopped_round must be True or False, got {self.reserve_stopped_round!r}")
         if self.epsilon is not None:
             check_real("epsilon", self.epsilon, 0.0, low_open=True)
         check_probability("delta", self.delta, zero=False, one=False)

@@ -377,7 +377,8 @@ class IncaStrategy(FedAvg):
                       f"(delta = {delta:.1e})")
         else:
             n = max(n, 2)
-            predicted, ceiling = self.predicted_mu(n), self.no_finals_mu(n)
+            predicted = self.predicted_mu(n)
+            ceiling = self.no_finals_mu(n) if self.privacy.reserve_stopped_round else 0.0
             after = self.ledger.epsilon_after(max(predicted, ceiling), self.privacy.sample_rate)
             if after <= budget:
                 return
@@ -454,6 +455,10 @@ class IncaStrategy(FedAvg):
                   f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
                   f"now {record.epsilon:.4g}; the global model is unchanged and training stops")
         log(WARNING, "%s", reason)
+        if record.epsilon > budget:  # only without reserve_stopped_round: what was observed is still charged
+            log(ERROR, "IncA: max_epsilon = %.4g exceeded: epsilon = %.4g after round %d, stopped before its "
+                "finals without a reserve for it (reserve_stopped_round=False)", budget, record.epsilon,
+                record.round)
         raise IncaBudgetExhausted(reason, server_round=record.round, arrays=arrays, epsilon=record.epsilon,
                                   predicted_epsilon=mixed.prefinal_epsilon, max_epsilon=budget,
                                   delta=self.privacy.delta, stopped_before_finals=True)

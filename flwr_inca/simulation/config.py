@@ -50,6 +50,10 @@ class SimulationConfig:
         accountant: record level ``"opacus-prv"`` (default) or ``"opacus-rdp"``; party level ``"exact"``
             (default) or either Opacus accountant. The names before 0.2 (``"prv"``, ``"rdp"``, ``"gdp"``)
             still work, warn (``DeprecationWarning``) and are stored under the new name.
+        reserve_stopped_round: IncA with a budget: a round starts only if the most it could cost when
+            stopped before its final messages also fits (``max_epsilon`` then holds always; default).
+            False: only the predicted cost is checked, and a stopped round's exact cost may take the total
+            past ``epsilon`` (see ``flwr_inca.flower.PrivacyTarget.reserve_stopped_round``).
         mu_resolution: a round is charged its mu rounded *up* to this relative grid (0.005: at most
             0.5% more), so the PRV accountant composes few distinct rounds (its cost grows with them);
             0 charges mu exactly.
@@ -90,6 +94,7 @@ class SimulationConfig:
     budget_rounds: int | None = None
     accountant: str | None = None
     mu_resolution: float = 0.005
+    reserve_stopped_round: bool = True
     ledger_path: str | None = None
     iterations: int = 10
     neighbors: int = 1
@@ -158,6 +163,8 @@ class SimulationConfig:
                 )
             object.__setattr__(self, "accountant", resolve_accountant_name(self.accountant))
         check_real("mu_resolution", self.mu_resolution, 0.0, 1.0, high_open=True)
+        if not isinstance(self.reserve_stopped_round, bool):
+            raise ValueError(f"reserve_stopped_round must be True or False, got {self.reserve_stopped_round!r}")
         if self.noise_multiplier is not None:
             check_real("noise_multiplier", self.noise_multiplier, 0.0, low_open=True)
         if not isinstance(self.mixer_options, dict):

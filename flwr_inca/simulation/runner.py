@@ -296,7 +296,7 @@ def simulate(
                 )
             )
             record.participants = int(count)
-            if ledger is not None and ledger.max_epsilon is not None:
+            if ledger is not None and ledger.max_epsilon is not None and config.reserve_stopped_round:
                 ceiling = charge_resolution(mixer.stopped_ceiling(int(count)), config.mu_resolution)
                 if ceiling > 0 and ledger.epsilon_after(ceiling, plan.sample_rate) > ledger.max_epsilon:
                     history.stopped = (
