@@ -532,10 +532,10 @@ def test_unaggregatable_client_metrics_lose_neither_the_charge_nor_the_model(mon
 def test_a_nan_certificate_is_charged_as_unbounded(monkeypatch):
     from types import SimpleNamespace
 
-    import flwr_inca.flower.strategy as module
+    from flwr_inca.privacy import rounds as module  # the strategy certifies through certify_round
 
     strategy = IncaStrategy(**SIGMAS)
-    monkeypatch.setattr(module, "certify", lambda *a, **k: SimpleNamespace(max_mu=float("nan")))
+    monkeypatch.setattr(module, "certify", lambda *a, **k: SimpleNamespace(max_mu=float("nan"), method="exact"))
     mu, eps = strategy._certify_and_spend(_trace(), 1)
     assert mu == math.inf and strategy.ledger.entries[0].mu == math.inf and math.isinf(eps)
 

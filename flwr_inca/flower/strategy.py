@@ -46,10 +46,9 @@ from flwr.supercore import log
 
 from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
-from ..privacy.certificate import certify
 from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
 from ..privacy.prefinal import no_finals_bound
-from ..privacy.views import random_collusion, random_eavesdrop
+from ..privacy.rounds import certification_seeds, certify_round
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
 from ..protocol.schedules import InjectionSchedule
@@ -61,10 +60,11 @@ from .relay import Reply, Request, RoundRelay, collect_finals, run_iterations
 from .shared import END_ACTION, INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
 from .wire import FIELD, decode_reply, encode_request
 
-__all__ = ["IncaStrategy", "IncaBudgetExhausted", "RoundRecord"]
+__all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord"]
 
-# keys of the SeedSequences behind the server's random choices (spawn_key, after the strategy's seed)
-_CERTIFY, _PREDICT = 0, 1
+# keys of the SeedSequences behind the server's random choices (spawn_key, after the strategy's seed);
+# the certification adversaries use flwr_inca.privacy.rounds.CERTIFY_KEY (0)
+_PREDICT = 1
 
 
 class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
@@ -680,25 +680,15 @@ class IncaStrategy(FedAvg):
     def _certify(self, trace: ExecutionTrace, seeds: np.random.SeedSequence,
                  finals: list[int] | None = None) -> float:
         """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``, observing the final
-        messages of ``finals`` (None: of every party online at T). The same seeds draw the same
-        adversaries whatever ``finals`` is, so fewer finals never certify a larger mu."""
+        messages of ``finals`` (None: of every party online at T); see
+        :func:`flwr_inca.privacy.rounds.certify_round` (the simulator certifies with it too)."""
         priv = self.privacy
-        worst = 0.0
-        # spawn from a copy: spawning advances a SeedSequence, and each call must draw the same adversaries
-        fresh = np.random.SeedSequence(seeds.entropy, spawn_key=seeds.spawn_key, pool_size=seeds.pool_size)
-        for draw in fresh.spawn(priv.threat_draws):
-            seed = _int_seed(draw)
-            if priv.observed_fraction is not None:
-                view = random_eavesdrop(trace, priv.observed_fraction, seed, finals=finals)
-            else:
-                view = random_collusion(trace, priv.collusion, seed, finals=finals)
-            mu = float(certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
-            # NaN (a numerical failure) is no bound at all: unbounded, never 0 through max()
-            worst = max(worst, math.inf if math.isnan(mu) else mu)
-        return worst
+        return certify_round(trace, seeds, priv.threat_draws, collusion=priv.collusion,
+                             observed_fraction=priv.observed_fraction, finals=finals,
+                             value_sensitivity=priv.sensitivity).mu
 
     def _certify_seeds(self, server_round: int) -> np.random.SeedSequence:
-        return np.random.SeedSequence(self.seed, spawn_key=(_CERTIFY, server_round))
+        return certification_seeds(self.seed, server_round)
 
     def _certify_and_spend(self, trace: ExecutionTrace, server_round: int, prefinal_mu: float | None = None,
                            finals: list[int] | None = None) -> tuple[float, float]:
