@@ -48,7 +48,7 @@ from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
 from ..privacy.prefinal import no_finals_bound
-from ..privacy.rounds import certification_seeds, certify_round
+from ..privacy.rounds import RoundCertificate, certification_seeds, certify_round
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
 from ..protocol.schedules import InjectionSchedule
@@ -146,6 +146,7 @@ class _Mixed:
     params: RoundParams
     counters: dict[str, int]
     prefinal_mu: float | None = None  # certified before the finals (None: not certified yet)
+    prefinal_method: str | None = None  # the certificate method(s) behind prefinal_mu
     prefinal_epsilon: float = math.nan  # what the ledger would hold after charging prefinal_mu
     stopped: str = ""  # why the finals were not collected ("" if they were)
 
@@ -547,7 +548,8 @@ class IncaStrategy(FedAvg):
         except BaseException:
             # some finals may have been revealed: charge the bound that holds whatever arrived
             self.ledger.spend(float(mixed.prefinal_mu), self.privacy.sample_rate, force=True,
-                              note=f"round {server_round}: final exchange failed (pre-final bound charged)")
+                              note=f"round {server_round}: final exchange failed (pre-final bound charged)",
+                              method=mixed.prefinal_method)
             raise
         return mixed
 
@@ -558,11 +560,12 @@ class IncaStrategy(FedAvg):
         rate = self.privacy.sample_rate
         try:
             trace = mixed.relay.trace(meta={"round": server_round})
-            mu = self._certify(trace, self._certify_seeds(server_round))
+            cert = self._certify_round(trace, self._certify_seeds(server_round))
         except Exception:
             self.ledger.spend(math.inf, rate, force=True, note=f"round {server_round}: not certified")
             raise
-        mixed.prefinal_mu = mu
+        mu = mixed.prefinal_mu = cert.mu
+        mixed.prefinal_method = cert.method
         budget = self.privacy.max_epsilon
         if budget is None:
             return
@@ -589,7 +592,7 @@ class IncaStrategy(FedAvg):
             trace.meta["finals-collected"] = False  # meta["finalists"] is [], none was asked for
         record.trace, record.finalists = trace, sorted(relay.finals)
         record.mu, record.epsilon = self._certify_and_spend(trace, server_round, mixed.prefinal_mu,
-                                                            record.finalists)
+                                                            record.finalists, mixed.prefinal_method)
 
     def _apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
                arrays: ArrayRecord) -> ArrayRecord | None:
@@ -682,16 +685,22 @@ class IncaStrategy(FedAvg):
         """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``, observing the final
         messages of ``finals`` (None: of every party online at T); see
         :func:`flwr_inca.privacy.rounds.certify_round` (the simulator certifies with it too)."""
+        return self._certify_round(trace, seeds, finals).mu
+
+    def _certify_round(self, trace: ExecutionTrace, seeds: np.random.SeedSequence,
+                       finals: list[int] | None = None) -> RoundCertificate:
+        """:meth:`_certify` with the certificate method(s) that gave the mu (for the ledger)."""
         priv = self.privacy
         return certify_round(trace, seeds, priv.threat_draws, collusion=priv.collusion,
                              observed_fraction=priv.observed_fraction, finals=finals,
-                             value_sensitivity=priv.sensitivity).mu
+                             value_sensitivity=priv.sensitivity)
 
     def _certify_seeds(self, server_round: int) -> np.random.SeedSequence:
         return certification_seeds(self.seed, server_round)
 
     def _certify_and_spend(self, trace: ExecutionTrace, server_round: int, prefinal_mu: float | None = None,
-                           finals: list[int] | None = None) -> tuple[float, float]:
+                           finals: list[int] | None = None,
+                           prefinal_method: str | None = None) -> tuple[float, float]:
         """Certify a round whose messages were exchanged and record its cost: ``(mu, epsilon)``.
 
         ``finals``: the parties whose final messages were revealed (None: every party online at T);
@@ -701,7 +710,8 @@ class IncaStrategy(FedAvg):
 
         The cost is spent whatever happens: without a certificate (an error while certifying) the
         round is recorded as unbounded (mu = inf), or at its pre-final bound if known, before the error
-        surfaces.
+        surfaces. The ledger entry records the certificate method that gave the charged mu
+        (``"exact"``, ``"bound"``, or ``"exact+bound"`` when the round's adversaries needed both).
         """
         rate = self.privacy.sample_rate
         seeds = self._certify_seeds(server_round)
@@ -713,13 +723,19 @@ class IncaStrategy(FedAvg):
                      else f": {len(finals)} of {len(online)} final messages revealed")
         try:
             if prefinal_mu is None:
-                prefinal_mu = self._certify(trace, seeds)
-            mu = min(prefinal_mu, self._certify(trace, seeds, finals=finals)) if partial else prefinal_mu
+                pre = self._certify_round(trace, seeds)
+                prefinal_mu, prefinal_method = pre.mu, pre.method
+            mu, method = prefinal_mu, prefinal_method
+            if partial:
+                observed = self._certify_round(trace, seeds, finals=finals)
+                if observed.mu < prefinal_mu:
+                    mu, method = observed.mu, observed.method
         except Exception:
             bound = math.inf if prefinal_mu is None else prefinal_mu
-            self.ledger.spend(bound, rate, force=True, note=f"{note}: not certified")
+            self.ledger.spend(bound, rate, force=True, note=f"{note}: not certified",
+                              method=None if prefinal_mu is None else prefinal_method)
             raise
-        return mu, self.ledger.spend(mu, rate, force=True, note=note)
+        return mu, self.ledger.spend(mu, rate, force=True, note=note, method=method)
 
     def _noise_check(self, trace: ExecutionTrace, finalists: list[int],
                      roster: list[int]) -> tuple[float, str]:
