@@ -266,18 +266,6 @@ class IncaStrategy(FedAvg):
             log(INFO, "IncA: resuming privacy ledger %s: %d round(s), epsilon = %.4g", self.ledger.path,
                 self.ledger.rounds, self.ledger.epsilon())
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start`` (same arguments, same ``Result``). Afterwards, also when it stops
-        by :class:`IncaBudgetExhausted` or an error, the nodes that took part are told the run is over
-        (``query.inca_end``) and remove their data of the run."""
-        try:
-            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-                                 evaluate_fn)
-        finally:
-            self._end_run(grid)
-
     def _end_run(self, grid: Grid) -> None:
         """Tell the nodes of this strategy's rounds that the run is over, so that they remove its data.
         Best effort, and not waiting for nodes that stopped answering in the last round they were in
@@ -318,10 +306,15 @@ class IncaStrategy(FedAvg):
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Flower's ``Strategy.start``, except that ``Result.arrays`` is never empty: when no round
         changed the model (``num_rounds=0``, or every round failed), it is the initial model, and the
-        log says so (Flower's own ``start`` leaves it empty then)."""
-        result = super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds,
-                               timeout=timeout, train_config=train_config, evaluate_config=evaluate_config,
-                               evaluate_fn=evaluate_fn)
+        log says so (Flower's own ``start`` leaves it empty then). Afterwards, also when it stops by
+        :class:`IncaBudgetExhausted` or an error, the nodes that took part are told the run is over
+        (``query.inca_end``) and remove their data of the run."""
+        try:
+            result = super().start(grid=grid, initial_arrays=initial_arrays, num_rounds=num_rounds,
+                                   timeout=timeout, train_config=train_config,
+                                   evaluate_config=evaluate_config, evaluate_fn=evaluate_fn)
+        finally:
+            self._end_run(grid)
         if len(result.arrays) == 0:
             log(WARNING, "IncA: no round changed the model; Result.arrays is the initial model")
             result.arrays = initial_arrays
