@@ -13,7 +13,7 @@ from flwr_inca.privacy import PrivacyLedger
 from flwr_inca.privacy import rounds as rounds_module
 from flwr_inca.protocol import sample_trace
 
-SIGMAS = {"sigma_star": 1.0, "sigma_delta": 5.0}
+SIGMAS = {"sigma_star": 1.0, "sigma_delta": 5.0, "seed": 0}
 
 
 def _trace(seed=1, dropout=None):
