@@ -200,6 +200,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         collusion_view,
         random_collusion,
         random_eavesdrop,
+        recorded_finals,
+        with_finals,
     )
     from .protocol import ExecutionTrace
 
@@ -212,9 +214,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
         why = str(exc).splitlines()[0] if str(exc) else "too large for this machine's memory"
         print(f"error: cannot read trace {args.trace}: {why}", file=sys.stderr)
         return 2
+    try:  # certify what was observed: the finals the relay recorded as arrived (all, if it did not say)
+        finals = recorded_finals(trace)
+    except ValueError as exc:
+        print(f"error: cannot read trace {args.trace}: {exc}", file=sys.stderr)
+        return 2
     kw = {"value_sensitivity": args.value_sensitivity, "delta": args.delta}
     if args.adversarial is not None:
-        res = adversarial_collusion(trace, args.adversarial, seed=args.seed, **kw)
+        res = adversarial_collusion(trace, args.adversarial, seed=args.seed, finals=finals, **kw)
         cert = res.certificate
     elif args.corrupted is not None:
         try:
@@ -224,15 +231,17 @@ def cmd_audit(args: argparse.Namespace) -> int:
                   f"{args.corrupted!r}", file=sys.stderr)
             return 2
         try:
-            view = collusion_view(trace, corrupted)
+            view = with_finals(collusion_view(trace, corrupted), trace, finals)
         except ValueError as exc:
             print(f"error: --corrupted: {exc}", file=sys.stderr)
             return 2
         cert = certify(trace, view, **kw)
     elif args.observed_fraction is not None:
-        cert = certify(trace, random_eavesdrop(trace, args.observed_fraction, args.seed), **kw)
+        cert = certify(trace, random_eavesdrop(trace, args.observed_fraction, args.seed, finals=finals), **kw)
     else:
-        cert = certify(trace, random_collusion(trace, args.collusion, args.seed), **kw)
+        cert = certify(trace, random_collusion(trace, args.collusion, args.seed, finals=finals), **kw)
+    online = trace.steps[-1].online.tolist()
+    counted = online if finals is None else finals.tolist()
     if args.json:
         print(dumps({
             "method": cert.method,
@@ -242,12 +251,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
             "delta": args.delta,
             "threat": cert.view.threat,
             "corrupted": [int(c) for c in cert.view.corrupted],
+            "finals": [int(i) for i in counted],
+            "finals_recorded": finals is not None,
         }))
         return 0
     structure = analyze_structure(trace, cert.view)
     print(f"trace: {trace.parties} parties, {trace.iterations} iterations, schedule "
           f"{trace.schedule.name}, sigma_star = {trace.sigma_star:.4g}, sigma_delta = {trace.sigma_delta:.4g}")
     print(f"adversary: {cert.view.describe()}")
+    print(f"final messages counted: {_finals_line(counted, online, finals is not None, trace.meta)}")
     print(structure.summary())
     print(f"weakest honest party: mu = {cert.max_mu:.4g} -> epsilon = {cert.epsilon:.4g} at delta = "
           f"{args.delta:g} (value sensitivity {args.value_sensitivity:g}; method: {cert.method})")
@@ -255,6 +267,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
             for i in cert.weakest[: args.top]]
     print(_table(rows, ["party", "mu", "epsilon", "why"]))
     return 0
+
+
+def _finals_line(counted: list[int], online: list[int], recorded: bool, meta: dict) -> str:
+    """Which final messages the audit counted as observed, and where that came from."""
+    if not recorded:
+        return (f"all {len(online)} of the parties online at the last iteration (the trace does not record "
+                "which finals arrived)")
+    if not counted:
+        why = "the round was stopped before them" if meta.get("finals-collected") is False else "none arrived"
+        return f"none of {len(online)} ({why}, as recorded in the trace)"
+    shown = ", ".join(map(str, counted[:20])) + (", ..." if len(counted) > 20 else "")
+    return f"{len(counted)} of {len(online)} recorded as arrived: parties {shown}"
 
 
 # ---------------------------------------------------------------------------------------- simulate
@@ -481,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size of a change of one party's value, in the trace's value units")
     a.add_argument("--top", type=_positive_int, default=5, help="weakest parties to list (>= 1)")
     a.add_argument("--json", action="store_true",
-                   help='print {"mu": {party: mu}, "max_mu", "epsilon", "delta", "threat", "corrupted"}')
+                   help='print {"mu": {party: mu}, "max_mu", "epsilon", "delta", "threat", "corrupted", '
+                        '"finals", "finals_recorded"}')
     a.set_defaults(func=cmd_audit)
 
     s = sub.add_parser(

@@ -201,7 +201,7 @@ def test_a_round_not_certifiable_before_its_finals_is_charged_unbounded_and_asks
     def broken(trace, seeds, finals=None):
         raise np.linalg.LinAlgError("SVD did not converge")
 
-    monkeypatch.setattr(strategy, "_certify", broken)
+    monkeypatch.setattr(strategy, "_certify_round", broken)
     with pytest.raises(np.linalg.LinAlgError):
         _round(strategy, monkeypatch, nodes)
     assert T + 1 not in nodes.commits

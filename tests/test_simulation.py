@@ -7,6 +7,7 @@ test_simulation_cluster.py and the comparison with a Flower round in test_simula
 import functools
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -620,6 +621,10 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     assert "falling back to scikit-learn" in captured.err
     assert "round    3/3" in captured.err and "acc" in captured.err and "eps" in captured.err
     assert "s/round" in captured.err and "scikit-learn digits" in captured.out
+    # the shared progress bar: rounds done / total, elapsed time, and an ETA until the last round
+    rounds = [line for line in captured.err.splitlines() if "round    " in line and "/3" in line]
+    assert len(rounds) == 3 and "33%" in rounds[0] and "100%" in rounds[2]
+    assert re.search(r"\d+s, ~\d+(s|m\d\ds) left$", rounds[0]) and re.search(r"\d+s$", rounds[2])
     for name in ("history.json", "history.csv", "ledger.json", "accuracy_epsilon.png"):
         assert (out / name).exists()
     assert len(list((out / "traces").iterdir())) == 3

@@ -101,10 +101,10 @@ def _trace(n=8, T=4, seed=1, dropout=None):
 def test_a_round_that_cannot_be_certified_is_recorded_as_unbounded(monkeypatch):
     strategy = IncaStrategy(**SIGMAS)
 
-    def broken(trace, seeds):
+    def broken(trace, seeds, finals=None):
         raise np.linalg.LinAlgError("SVD did not converge")
 
-    monkeypatch.setattr(strategy, "_certify", broken)
+    monkeypatch.setattr(strategy, "_certify_round", broken)
     with pytest.raises(np.linalg.LinAlgError):
         strategy._certify_and_spend(_trace(), 1)
     assert strategy.ledger.rounds == 1 and math.isinf(strategy.ledger.epsilon())
@@ -532,10 +532,10 @@ def test_unaggregatable_client_metrics_lose_neither_the_charge_nor_the_model(mon
 def test_a_nan_certificate_is_charged_as_unbounded(monkeypatch):
     from types import SimpleNamespace
 
-    import flwr_inca.flower.strategy as module
+    from flwr_inca.privacy import rounds as module  # the strategy certifies through certify_round
 
     strategy = IncaStrategy(**SIGMAS)
-    monkeypatch.setattr(module, "certify", lambda *a, **k: SimpleNamespace(max_mu=float("nan")))
+    monkeypatch.setattr(module, "certify", lambda *a, **k: SimpleNamespace(max_mu=float("nan"), method="exact"))
     mu, eps = strategy._certify_and_spend(_trace(), 1)
     assert mu == math.inf and strategy.ledger.entries[0].mu == math.inf and math.isinf(eps)
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..privacy.linear_system import ObservationModel
 from ..privacy.views import coalition_size
+from ..protocol.engine import _as_values
 
 __all__ = [
     "Baseline",
@@ -198,24 +199,10 @@ class LinearGaussianBaseline(Baseline):
 
 # ------------------------------------------------------------------------------------------- helpers
 def as_values(x: Any) -> tuple[np.ndarray, bool]:
-    """(n, d) float64 values and whether the input was (n,) scalars; clear errors on bad input."""
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "fiub":
-        raise ValueError(f"x must hold real numbers, got dtype {arr.dtype}")
-    if arr.ndim not in (1, 2):
-        raise ValueError(f"x must have shape (n, d) or (n,), got {arr.shape}")
-    scalar = arr.ndim == 1
-    arr = np.ascontiguousarray(arr.reshape(arr.shape[0], -1), dtype=np.float64)
-    if arr.shape[0] < 2:
-        raise ValueError(f"x must have n >= 2 rows (parties), got {arr.shape[0]}")
-    if arr.shape[1] < 1:
-        raise ValueError("x must have d >= 1 columns")
-    if not np.all(np.isfinite(arr)):
-        bad = np.argwhere(~np.isfinite(arr))[0]
-        raise ValueError(f"x must be finite: x[{bad[0]}, {bad[1]}] is {arr[bad[0], bad[1]]}")
-    return arr, scalar
+    """(n, d) float64 values and whether the input was (n,) scalars: the checks (and errors) of
+    :func:`flwr_inca.run_inca`'s input, then float64, which every baseline computes in."""
+    arr, scalar = _as_values(x)
+    return np.ascontiguousarray(arr, dtype=np.float64), scalar
 
 
 def shaped(estimate: np.ndarray, scalar: bool) -> np.ndarray:

@@ -46,10 +46,9 @@ from flwr.supercore import log
 
 from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
-from ..privacy.certificate import certify
 from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
 from ..privacy.prefinal import no_finals_bound
-from ..privacy.views import random_collusion, random_eavesdrop
+from ..privacy.rounds import RoundCertificate, certification_seeds, certify_round
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
 from ..protocol.schedules import InjectionSchedule
@@ -63,8 +62,9 @@ from .wire import FIELD, decode_reply, encode_request
 
 __all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord"]
 
-# keys of the SeedSequences behind the server's random choices (spawn_key, after the strategy's seed)
-_CERTIFY, _PREDICT = 0, 1
+# keys of the SeedSequences behind the server's random choices (spawn_key, after the strategy's seed);
+# the certification adversaries use flwr_inca.privacy.rounds.CERTIFY_KEY (0)
+_PREDICT = 1
 
 
 class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
@@ -146,6 +146,7 @@ class _Mixed:
     params: RoundParams
     counters: dict[str, int]
     prefinal_mu: float | None = None  # certified before the finals (None: not certified yet)
+    prefinal_method: str | None = None  # the certificate method(s) behind prefinal_mu
     prefinal_epsilon: float = math.nan  # what the ledger would hold after charging prefinal_mu
     stopped: str = ""  # why the finals were not collected ("" if they were)
 
@@ -547,7 +548,8 @@ class IncaStrategy(FedAvg):
         except BaseException:
             # some finals may have been revealed: charge the bound that holds whatever arrived
             self.ledger.spend(float(mixed.prefinal_mu), self.privacy.sample_rate, force=True,
-                              note=f"round {server_round}: final exchange failed (pre-final bound charged)")
+                              note=f"round {server_round}: final exchange failed (pre-final bound charged)",
+                              method=mixed.prefinal_method)
             raise
         return mixed
 
@@ -558,11 +560,12 @@ class IncaStrategy(FedAvg):
         rate = self.privacy.sample_rate
         try:
             trace = mixed.relay.trace(meta={"round": server_round})
-            mu = self._certify(trace, self._certify_seeds(server_round))
+            cert = self._certify_round(trace, self._certify_seeds(server_round))
         except Exception:
             self.ledger.spend(math.inf, rate, force=True, note=f"round {server_round}: not certified")
             raise
-        mixed.prefinal_mu = mu
+        mu = mixed.prefinal_mu = cert.mu
+        mixed.prefinal_method = cert.method
         budget = self.privacy.max_epsilon
         if budget is None:
             return
@@ -589,7 +592,7 @@ class IncaStrategy(FedAvg):
             trace.meta["finals-collected"] = False  # meta["finalists"] is [], none was asked for
         record.trace, record.finalists = trace, sorted(relay.finals)
         record.mu, record.epsilon = self._certify_and_spend(trace, server_round, mixed.prefinal_mu,
-                                                            record.finalists)
+                                                            record.finalists, mixed.prefinal_method)
 
     def _apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
                arrays: ArrayRecord) -> ArrayRecord | None:
@@ -680,28 +683,24 @@ class IncaStrategy(FedAvg):
     def _certify(self, trace: ExecutionTrace, seeds: np.random.SeedSequence,
                  finals: list[int] | None = None) -> float:
         """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``, observing the final
-        messages of ``finals`` (None: of every party online at T). The same seeds draw the same
-        adversaries whatever ``finals`` is, so fewer finals never certify a larger mu."""
+        messages of ``finals`` (None: of every party online at T); see
+        :func:`flwr_inca.privacy.rounds.certify_round` (the simulator certifies with it too)."""
+        return self._certify_round(trace, seeds, finals).mu
+
+    def _certify_round(self, trace: ExecutionTrace, seeds: np.random.SeedSequence,
+                       finals: list[int] | None = None) -> RoundCertificate:
+        """:meth:`_certify` with the certificate method(s) that gave the mu (for the ledger)."""
         priv = self.privacy
-        worst = 0.0
-        # spawn from a copy: spawning advances a SeedSequence, and each call must draw the same adversaries
-        fresh = np.random.SeedSequence(seeds.entropy, spawn_key=seeds.spawn_key, pool_size=seeds.pool_size)
-        for draw in fresh.spawn(priv.threat_draws):
-            seed = _int_seed(draw)
-            if priv.observed_fraction is not None:
-                view = random_eavesdrop(trace, priv.observed_fraction, seed, finals=finals)
-            else:
-                view = random_collusion(trace, priv.collusion, seed, finals=finals)
-            mu = float(certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
-            # NaN (a numerical failure) is no bound at all: unbounded, never 0 through max()
-            worst = max(worst, math.inf if math.isnan(mu) else mu)
-        return worst
+        return certify_round(trace, seeds, priv.threat_draws, collusion=priv.collusion,
+                             observed_fraction=priv.observed_fraction, finals=finals,
+                             value_sensitivity=priv.sensitivity)
 
     def _certify_seeds(self, server_round: int) -> np.random.SeedSequence:
-        return np.random.SeedSequence(self.seed, spawn_key=(_CERTIFY, server_round))
+        return certification_seeds(self.seed, server_round)
 
     def _certify_and_spend(self, trace: ExecutionTrace, server_round: int, prefinal_mu: float | None = None,
-                           finals: list[int] | None = None) -> tuple[float, float]:
+                           finals: list[int] | None = None,
+                           prefinal_method: str | None = None) -> tuple[float, float]:
         """Certify a round whose messages were exchanged and record its cost: ``(mu, epsilon)``.
 
         ``finals``: the parties whose final messages were revealed (None: every party online at T);
@@ -711,7 +710,8 @@ class IncaStrategy(FedAvg):
 
         The cost is spent whatever happens: without a certificate (an error while certifying) the
         round is recorded as unbounded (mu = inf), or at its pre-final bound if known, before the error
-        surfaces.
+        surfaces. The ledger entry records the certificate method that gave the charged mu
+        (``"exact"``, ``"bound"``, or ``"exact+bound"`` when the round's adversaries needed both).
         """
         rate = self.privacy.sample_rate
         seeds = self._certify_seeds(server_round)
@@ -723,13 +723,19 @@ class IncaStrategy(FedAvg):
                      else f": {len(finals)} of {len(online)} final messages revealed")
         try:
             if prefinal_mu is None:
-                prefinal_mu = self._certify(trace, seeds)
-            mu = min(prefinal_mu, self._certify(trace, seeds, finals=finals)) if partial else prefinal_mu
+                pre = self._certify_round(trace, seeds)
+                prefinal_mu, prefinal_method = pre.mu, pre.method
+            mu, method = prefinal_mu, prefinal_method
+            if partial:
+                observed = self._certify_round(trace, seeds, finals=finals)
+                if observed.mu < prefinal_mu:
+                    mu, method = observed.mu, observed.method
         except Exception:
             bound = math.inf if prefinal_mu is None else prefinal_mu
-            self.ledger.spend(bound, rate, force=True, note=f"{note}: not certified")
+            self.ledger.spend(bound, rate, force=True, note=f"{note}: not certified",
+                              method=None if prefinal_mu is None else prefinal_method)
             raise
-        return mu, self.ledger.spend(mu, rate, force=True, note=note)
+        return mu, self.ledger.spend(mu, rate, force=True, note=note, method=method)
 
     def _noise_check(self, trace: ExecutionTrace, finalists: list[int],
                      roster: list[int]) -> tuple[float, str]:

@@ -30,6 +30,7 @@ from .conversions import (
     mu_for_epsilon,
 )
 from .ledger import BudgetExceededError, PrivacyLedger
+from .rounds import RoundCertificate, certification_seeds, certification_views, certify_round
 from .structure import StructureReport, analyze_structure
 from .views import (
     AdversaryView,
@@ -54,6 +55,7 @@ __all__ = [
     "OpacusRdpAccountant",
     "PrivacyLedger",
     "RoundAccountant",
+    "RoundCertificate",
     "RoundCost",
     "SensitivityBound",
     "SensitivityProfile",
@@ -62,7 +64,10 @@ __all__ = [
     "analyze_structure",
     "bound_profile",
     "calibrate",
+    "certification_seeds",
+    "certification_views",
     "certify",
+    "certify_round",
     "choose_solver",
     "classic_epsilon",
     "classic_mu",

@@ -9,13 +9,14 @@ and reports the weakest honest party it finds, certified exactly.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..protocol.trace import ExecutionTrace
 from .certificate import Certificate, certify
-from .views import AdversaryView, coalition_size, collusion_view, random_collusion
+from .views import AdversaryView, coalition_size, collusion_view, random_collusion, with_finals
 
 __all__ = ["AdversarialResult", "adversarial_collusion"]
 
@@ -54,6 +55,7 @@ def adversarial_collusion(
     seed: int | None = 0,
     value_sensitivity: float = 1.0,
     delta: float | None = None,
+    finals: Iterable[int] | None = None,
 ) -> AdversarialResult:
     """Greedy search for a corrupted set of ``ceil(fraction * n)`` parties maximizing some honest
     party's mu.
@@ -61,7 +63,8 @@ def adversarial_collusion(
     Targets: the ``candidates`` parties with the fewest distinct receivers (and the weakest party
     under a random corrupted set of the same size). For each target, corrupt the parties it sent the
     most messages to, then those that sent it the most, until the budget is used; certify exactly and
-    keep the worst outcome.
+    keep the worst outcome. ``finals``: the parties whose final messages were observed (None: every
+    party online at T; see :func:`~flwr_inca.privacy.views.with_finals`).
     """
     n = trace.parties
     f = float(fraction)
@@ -74,7 +77,7 @@ def adversarial_collusion(
           "delta": delta}
     out, inc = _contacts(trace)
 
-    baseline = certify(trace, random_collusion(trace, f, seed), **kw)
+    baseline = certify(trace, random_collusion(trace, f, seed, finals=finals), **kw)
     targets = sorted(range(n), key=lambda i: (len(out[i]), sum(out[i].values())))[:candidates]
     if baseline.mu:
         targets.append(baseline.weakest[0])
@@ -89,7 +92,7 @@ def adversarial_collusion(
         rng = np.random.default_rng([0 if seed is None else seed, target])
         rest = [p for p in rng.permutation(n).tolist() if p != target and p not in chosen]
         chosen.extend(rest[: budget - len(chosen)])
-        cert = certify(trace, collusion_view(trace, chosen), **kw)
+        cert = certify(trace, with_finals(collusion_view(trace, chosen), trace, finals), **kw)
         tried += 1
         if best is None or cert.max_mu > best.certificate.max_mu:
             best = AdversarialResult(cert.weakest[0], np.array(sorted(chosen)), cert, tried)

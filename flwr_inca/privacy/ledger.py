@@ -47,12 +47,15 @@ class LedgerEntry:
     epsilon: float  # composed epsilon after this round
     note: str = ""
     owner: str | None = None  # who spent it (differs from the file's owner only in a shared ledger)
+    method: str | None = None  # the certificate that gave mu: "exact", "bound", ... (None: not recorded)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"round": self.round, "mu": self.mu, "sample_rate": self.sample_rate,
                                "epsilon": self.epsilon, "note": self.note}
         if self.owner is not None:
             out["owner"] = self.owner
+        if self.method is not None:
+            out["method"] = self.method
         return out
 
 
@@ -129,8 +132,10 @@ class PrivacyLedger:
         return self.max_epsilon is None or eps <= self.max_epsilon
 
     # ------------------------------------------------------------------ updates
-    def spend(self, mu: float, sample_rate: float = 1.0, *, force: bool = False, note: str = "") -> float:
-        """Record one round; return the composed epsilon.
+    def spend(self, mu: float, sample_rate: float = 1.0, *, force: bool = False, note: str = "",
+              method: str | None = None) -> float:
+        """Record one round; return the composed epsilon. ``method``: the certificate that gave ``mu``
+        (:attr:`~flwr_inca.privacy.Certificate.method`, e.g. ``"exact"`` or ``"bound"``), kept in the entry.
 
         Under the file's lock, the file is re-read first (other processes may have spent meanwhile) and
         the budget is checked against that total. Raises :class:`BudgetExceededError` (recording
@@ -140,6 +145,7 @@ class PrivacyLedger:
         mu = _check_mu(mu)
         sample_rate = _check_rate(sample_rate)
         note = str(note)
+        method = None if method is None else str(method)
         with self._lock():
             self._reload()
             self._check_owner()
@@ -150,7 +156,7 @@ class PrivacyLedger:
                     f"epsilon to {eps:.4g} > max_epsilon = {self.max_epsilon:.4g} at delta = {self.delta:g} "
                     f"(spent so far: {self.epsilon():.4g} over {self.rounds} round(s))"
                 )
-            entry = LedgerEntry(self.rounds + 1, mu, sample_rate, eps, note, self.owner)
+            entry = LedgerEntry(self.rounds + 1, mu, sample_rate, eps, note, self.owner, method)
             self._entries.append(entry)
             try:
                 self._save()
@@ -281,9 +287,10 @@ class PrivacyLedger:
             mu = _check_mu(float_from_json(r.get("mu"), f"{where} mu"))
             rate = _check_rate(float_from_json(r.get("sample_rate", 1.0), f"{where} sample_rate"))
             eps = float_from_json(r.get("epsilon"), f"{where} epsilon")
-            spender = r.get("owner")
+            spender, method = r.get("owner"), r.get("method")  # both absent from older files
             entries.append(LedgerEntry(k, mu, rate, eps, str(r.get("note", "")),
-                                       spender if isinstance(spender, str) else None))
+                                       spender if isinstance(spender, str) else None,
+                                       method if isinstance(method, str) else None))
         if len(entries) < len(self._entries):  # rewritten behind our back with fewer rounds
             raise ValueError(f"ledger {self.path} now holds {len(entries)} round(s), fewer than the "
                              f"{len(self._entries)} read before: refusing to forget spent budget")

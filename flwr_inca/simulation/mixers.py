@@ -45,10 +45,9 @@ import numpy as np
 
 from .._checks import check_int, check_probability, check_real
 from ..privacy.calibration import Calibration, calibrate
-from ..privacy.certificate import certify
 from ..privacy.conversions import epsilon_for_delta
 from ..privacy.prefinal import no_finals_bound
-from ..privacy.views import random_collusion, random_eavesdrop
+from ..privacy.rounds import certification_seeds, certify_round
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel
 from ..protocol.engine import replay, sample_trace
@@ -62,15 +61,15 @@ if TYPE_CHECKING:
     from .config import SimulationConfig
 
 __all__ = [
-    "MixContext",
-    "RoundPlan",
-    "Mixer",
-    "FedAvgMixer",
-    "CentralDPMixer",
-    "IncaMixer",
     "MIXERS",
-    "register_mixer",
+    "CentralDPMixer",
+    "FedAvgMixer",
+    "IncaMixer",
+    "MixContext",
+    "Mixer",
+    "RoundPlan",
     "create_mixer",
+    "register_mixer",
 ]
 
 
@@ -435,19 +434,12 @@ class IncaMixer(Mixer):
 
     def certify(self, trace: ExecutionTrace, round: int, seed: int, finals: list[int] | None = None) -> float:
         """Worst certified mu over ``threat_draws`` random corrupted sets (or eavesdropped message
-        sets), drawn from ``SeedSequence(seed, spawn_key=(0, round))``: the same draws as ``IncaStrategy``
+        sets), drawn by :func:`flwr_inca.privacy.rounds.certification_views`: the same draws as ``IncaStrategy``
         for its seed (tests/test_simulation_flower.py checks it). ``finals``: the parties whose final
         messages are observed (None: every party online at T; ``[]``: a round stopped before them)."""
-        worst = 0.0
-        # IncaStrategy's derivation (its _CERTIFY key is 0): SeedSequence(seed, spawn_key=(0, round))
-        for draw in np.random.SeedSequence(int(seed), spawn_key=(0, int(round))).spawn(self.threat_draws):
-            key = int(draw.generate_state(1, dtype=np.uint64)[0])
-            if self.observed_fraction is not None:
-                view = random_eavesdrop(trace, self.observed_fraction, key, finals=finals)
-            else:
-                view = random_collusion(trace, self.collusion, key, finals=finals)
-            worst = max(worst, certify(trace, view, value_sensitivity=self.context.value_sensitivity).max_mu)
-        return worst
+        return certify_round(trace, certification_seeds(int(seed), round), self.threat_draws,
+                             collusion=self.collusion, observed_fraction=self.observed_fraction, finals=finals,
+                             value_sensitivity=self.context.value_sensitivity).mu
 
     def stopped_cost(self, plan: RoundPlan) -> float:
         """IncaStrategy's pre-final rule: a round whose cost with its final messages does not fit is

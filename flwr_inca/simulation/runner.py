@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._progress import ProgressBar
 from ..privacy.ledger import BudgetExceededError, PrivacyLedger
 from ..privacy.plan import PrivacyPlan, privacy_plan
 from . import seeding
@@ -85,33 +86,34 @@ def _expected_participants(config: SimulationConfig, clients: int) -> int:
     return min(clients, max(config.min_clients, int(config.fraction * available)))
 
 
-def _stderr_progress(record: RoundRecord, history: History) -> None:
-    total = history.config["rounds"]
-    if record.round == 0:
-        acc = "n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
-        print(
-            f"[flwr-inca simulate] {history.mixer}; {history.backend}; initial accuracy {acc}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return
-    if record.failed:
-        print(f"round {record.round:>4}/{total}  {record.failed}", file=sys.stderr, flush=True)
-        return
-    acc = "   n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
-    eps = "inf" if not math.isfinite(record.epsilon) else f"{record.epsilon:.4f}"
-    mark = "" if record.certified or not math.isfinite(record.mu) else "*"
-    mu = "-" if not math.isfinite(record.mu) else f"{record.mu:.4g}{mark}"
-    bar_len = 20
-    done = int(bar_len * record.round / total)
-    print(
-        f"[{'#' * done}{'.' * (bar_len - done)}] round {record.round:>4}/{total}  acc {acc}  eps {eps}  "
-        f"mu {mu}  {record.participants} clients  {record.seconds:.2f} s/round "
-        f"(certify {record.seconds_plan:.2f} | train {record.seconds_train:.2f}, "
-        f"ledger {record.seconds_charge:.2f}, mix {record.seconds_mix:.2f})",
-        file=sys.stderr,
-        flush=True,
-    )
+class _StderrProgress:
+    """One line per round on stderr, through the package's :class:`~flwr_inca._progress.ProgressBar`:
+    rounds done / total, elapsed time and ETA, accuracy, epsilon, mu and seconds per round."""
+
+    def __init__(self) -> None:
+        self.bar: ProgressBar | None = None
+
+    def __call__(self, record: RoundRecord, history: History) -> None:
+        total = history.config["rounds"]
+        if self.bar is None:  # the clock starts with the first report (the initial evaluation)
+            self.bar = ProgressBar(total, "[flwr-inca simulate]", lines=True)
+        if record.round == 0:
+            acc = "n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
+            print(f"[flwr-inca simulate] {history.mixer}; {history.backend}; initial accuracy {acc}",
+                  file=sys.stderr, flush=True)
+            return
+        if record.failed:
+            status = f"round {record.round:>4}/{total}  {record.failed}"
+        else:
+            acc = "   n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
+            eps = "inf" if not math.isfinite(record.epsilon) else f"{record.epsilon:.4f}"
+            mark = "" if record.certified or not math.isfinite(record.mu) else "*"
+            mu = "-" if not math.isfinite(record.mu) else f"{record.mu:.4g}{mark}"
+            status = (f"round {record.round:>4}/{total}  acc {acc}  eps {eps}  mu {mu}  "
+                      f"{record.participants} clients  {record.seconds:.2f} s/round "
+                      f"(certify {record.seconds_plan:.2f} | train {record.seconds_train:.2f}, "
+                      f"ledger {record.seconds_charge:.2f}, mix {record.seconds_mix:.2f})")
+        self.bar.advance(max(record.round - self.bar.done, 0), status)
 
 
 def simulate(
@@ -246,7 +248,7 @@ def simulate(
             f"resumed ledger {ledger.path}: {ledger.rounds} round(s) already spent, "
             f"epsilon = {ledger.epsilon():.4g}"
         )
-    report = _stderr_progress if progress is True else (progress or None)
+    report = _StderrProgress() if progress is True else (progress or None)
     dtype = np.float64 if config.precision == "float64" else np.float32
 
     def evaluate_into(record: RoundRecord) -> None:
