@@ -375,6 +375,11 @@ def simulate(
                             f"(mu = {stopped_mu:.4g}, epsilon = {record.epsilon:.4g}); the model is unchanged. "
                             f"{exc}"
                         )
+                        if ledger.max_epsilon is not None and record.epsilon > ledger.max_epsilon:
+                            history.stopped += (
+                                f" max_epsilon = {ledger.max_epsilon:g} was exceeded: no reserve was taken "
+                                "for a round stopped before its finals (reserve_stopped_round=False)"
+                            )
                     else:
                         history.stopped = (
                             f"stopped before round {rnd}: its cost would exceed the budget "
