@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["check_int", "check_real", "check_probability"]
+__all__ = ["check_bool", "check_int", "check_probability", "check_real"]
 
 
 def check_int(name: str, value: Any, minimum: int | None = 1, maximum: int | None = None) -> int:
@@ -53,6 +53,13 @@ def check_real(
     if not ok:
         raise ValueError(f"{name} must be {_describe(low, high, low_open, high_open, finite)}, got {value!r}")
     return v
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A flag: ``True`` or ``False`` only (not 0/1, not a string such as ``"no"``, which is truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")  # noqa: TRY004 - one error type for bad arguments
+    return value
 
 
 def check_probability(name: str, value: Any, *, zero: bool = True, one: bool = True) -> float:

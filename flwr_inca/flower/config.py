@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_int, check_probability, check_real
+from .._checks import check_bool, check_int, check_probability, check_real
 from ..privacy.accountants import create_accountant, resolve_accountant_name
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel, resolve_dropout
@@ -78,8 +78,7 @@ class PrivacyTarget:
     reserve_stopped_round: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reserve_stopped_round, bool):
-            raise ValueError(f"reserve_stopped_round must be True or False, got {self.reserve_stopped_round!r}")
+        check_bool("reserve_stopped_round", self.reserve_stopped_round)
         if self.epsilon is not None:
             check_real("epsilon", self.epsilon, 0.0, low_open=True)
         check_probability("delta", self.delta, zero=False, one=False)
@@ -229,8 +228,7 @@ class PersistenceConfig:
                 raise ValueError(f"{name} must be a path or None, got {value!r}")
         if self.ledger_owner is not None and (not isinstance(self.ledger_owner, str) or not self.ledger_owner):
             raise ValueError(f"ledger_owner must be a non-empty string or None, got {self.ledger_owner!r}")
-        if not isinstance(self.share_ledger, bool):
-            raise ValueError(f"share_ledger must be True or False, got {self.share_ledger!r}")
+        check_bool("share_ledger", self.share_ledger)
 
     @property
     def trace_path(self) -> Path | None:

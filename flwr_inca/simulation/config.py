@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from .._checks import check_int, check_probability, check_real
+from .._checks import check_bool, check_int, check_probability, check_real
 from ..privacy.accountants import ACCOUNTANTS, resolve_accountant_name
 from ..privacy.plan import PRIVACY_UNITS
 from ..protocol.dropout import DropoutModel
@@ -163,8 +163,7 @@ class SimulationConfig:
                 )
             object.__setattr__(self, "accountant", resolve_accountant_name(self.accountant))
         check_real("mu_resolution", self.mu_resolution, 0.0, 1.0, high_open=True)
-        if not isinstance(self.reserve_stopped_round, bool):
-            raise ValueError(f"reserve_stopped_round must be True or False, got {self.reserve_stopped_round!r}")
+        check_bool("reserve_stopped_round", self.reserve_stopped_round)
         if self.noise_multiplier is not None:
             check_real("noise_multiplier", self.noise_multiplier, 0.0, low_open=True)
         if not isinstance(self.mixer_options, dict):
@@ -179,8 +178,7 @@ class SimulationConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         check_int("seed", self.seed, 0)
         check_int("eval_every", self.eval_every)
-        if not isinstance(self.save_traces, bool):
-            raise ValueError(f"save_traces must be True or False, got {self.save_traces!r}")
+        check_bool("save_traces", self.save_traces)
         mixer_private = MIXERS[self.mode].private
         if not mixer_private and self.epsilon is not None:
             raise ValueError(
