@@ -186,7 +186,7 @@ def test_the_budget_guard_stops_a_round_mid_mixing_before_what_would_not_fit(run
 
 def test_a_restart_after_the_guard_stays_within_the_budget(runs):
     _, _, _, first = runs["guarded"]
-    strategy, stop, grid, entries = runs["guarded-restart"]
+    _, stop, _, entries = runs["guarded-restart"]
     assert entries[:1] == first and isinstance(stop, IncaBudgetExhausted)
     assert all(e.epsilon <= GUARD_BUDGET for e in entries)
     assert PrivacyLedger(runs["ledger"].parent / "guard-ledger.json", delta=1e-5).epsilon() <= GUARD_BUDGET

@@ -6,6 +6,7 @@ finals are never asked for, the round is charged what was observed without them,
 and training stops; otherwise the finals are collected and the round charged for those that arrived.
 """
 
+import itertools
 import math
 import time
 
@@ -306,7 +307,7 @@ def test_the_budget_guard_stops_a_round_before_the_messages_that_would_not_fit(m
     not fit; it is charged exactly what the iterations before revealed, and nothing later is exchanged."""
     trace, prefix = _probe_prefix()
     costs = [prefix.through(t).mu for t in range(T + 1)]
-    assert costs[0] == 0 and all(a < b for a, b in zip(costs, costs[1:]))
+    assert costs[0] == 0 and all(a < b for a, b in itertools.pairwise(costs))
     budget = _budget_between(costs[delivered], costs[delivered + 1])
     path = tmp_path / "ledger.json"
     strategy = IncaStrategy(**SETTINGS, ledger_path=path, max_epsilon=budget)
@@ -346,7 +347,7 @@ def test_the_budget_guard_stops_a_round_before_the_messages_that_would_not_fit(m
 
 def test_a_guarded_round_that_fits_completes_with_its_finals(monkeypatch, task_identity):
     """The guard costs nothing but checks: a guarded round whose messages all fit is the same round."""
-    trace, prefix = _probe_prefix()
+    _, prefix = _probe_prefix()
     full = prefix.with_finals(None).mu
     budget = _budget_between(full, 2 * full)
     strategy = IncaStrategy(**SETTINGS, ledger_path=None, max_epsilon=budget)
@@ -358,7 +359,7 @@ def test_a_guarded_round_that_fits_completes_with_its_finals(monkeypatch, task_i
 def test_a_failing_guard_check_charges_what_was_delivered(monkeypatch):
     """An error while certifying a guarded iteration: what was delivered until then (certified, or under
     a ceiling that fit) is charged before the error surfaces, and no later exchange is made."""
-    trace, prefix = _probe_prefix()
+    _, prefix = _probe_prefix()
     costs = [prefix.through(t).mu for t in range(T + 1)]
     strategy = IncaStrategy(**SETTINGS, ledger_path=None, max_epsilon=_budget_between(costs[1], costs[2]))
     real = strategy._round_prefix
