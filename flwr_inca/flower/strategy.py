@@ -18,8 +18,11 @@ before any final message is asked for, as if every final were revealed (an upper
 arrives). If charging that would exceed ``max_epsilon``, the finals are never collected: the round
 is charged the exact cost of what was observed without them, the model is kept, and training stops.
 Otherwise the finals are collected and the round is charged the exact cost of those that arrived. A
-round starts only if both its predicted cost and the most a round stopped before its finals can cost
-(:func:`flwr_inca.privacy.prefinal.no_finals_bound`) fit. Training stops by raising
+round starts only if its predicted cost fits; if the most it could cost when stopped before its finals
+(:func:`flwr_inca.privacy.prefinal.no_finals_bound`) does not fit as well, it runs *guarded*: before the
+relay forwards each iteration's messages, what the adversaries would then have observed is certified,
+and the round stops before the first iteration that would not fit, charged what was delivered
+(``reserve_stopped_round``; docs/privacy.md, "The budget guard"). Training stops by raising
 :class:`IncaBudgetExhausted`, a ``flwr.serverapp.exception.PrivacyBudgetExhausted`` as Flower's own DP
 strategies raise, which carries the global model.
 """
@@ -74,7 +77,8 @@ class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
     Raised by ``configure_train`` before any node is contacted (the next round is predicted not to fit),
     or by ``aggregate_train`` when a round's certificate before its final messages does not fit: that
     round's finals are never collected (``stopped_before_finals``), it is charged what was observed
-    without them, and the model is unchanged. Either way it leaves ``Strategy.start``, like Flower's
+    without them, and the model is unchanged; in a guarded round, also when the messages of an
+    iteration would not fit: they are not forwarded (``delivered_iterations`` < T). Either way it leaves ``Strategy.start``, like Flower's
     ``PrivacyBudgetExhausted`` (which it is; also a :class:`flwr_inca.privacy.BudgetExceededError`).
 
     Attributes:
