@@ -531,9 +531,9 @@ class IncaStrategy(FedAvg):
                       f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
                       f"now {record.epsilon:.4g}; the global model is unchanged and training stops")
         log(WARNING, "%s", reason)
-        if record.epsilon > budget:  # only without reserve_stopped_round: what was observed is still charged
+        if record.epsilon > budget:  # only with the guard off: what was observed is still charged
             log(ERROR, "IncA: max_epsilon = %.4g exceeded: epsilon = %.4g after round %d, stopped before its "
-                "finals without a reserve for it (reserve_stopped_round=False)", budget, record.epsilon,
+                "finals with the budget guard off (reserve_stopped_round=False)", budget, record.epsilon,
                 record.round)
         raise IncaBudgetExhausted(reason, server_round=record.round, arrays=arrays, epsilon=record.epsilon,
                                   predicted_epsilon=mixed.prefinal_epsilon, max_epsilon=budget,

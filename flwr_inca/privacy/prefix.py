@@ -19,7 +19,16 @@ residual of its mean ``R = L_22 W_2``, so for the finals ``F``:
 
     mu_i^2(V_T + finals F) = mu_i^2(V_T) + R_F,i^T (S_FF)^{-1} R_F,i,
 
-a solve of the size of F only (``S_FF`` is a principal block of a positive definite matrix).
+a solve of the size of F only (``S_FF`` is a principal block of a positive definite matrix). When only
+a few finals M are lost, it is cheaper still to remove their information from the full view: with
+``X = L_22^{-1} E_M`` (E_M: the columns of the identity at M), ``P = X^T X`` (the M block of S^{-1}) and
+``Q = X^T W_2`` (the M rows of S^{-1} R),
+
+    mu_i^2(V_T + finals F) = mu_i^2(V_{T+1}) - Q_i^T P^{-1} Q_i,
+
+a solve of the size of M (the block inverse: what observing M adds to F is that Schur complement). It
+is used when it removes at most half of a party's information from the finals (so that the
+subtraction cannot lose accuracy); otherwise the solve of the size of F is.
 
 Where this does not apply, :class:`RoundPrefix` certifies the restricted view separately with
 :func:`~flwr_inca.privacy.certificate.certify`: a singular or ill-conditioned ``Sigma`` (then the
@@ -74,15 +83,16 @@ class PrefixProfile:
         cumulative: (T+2, n_H) ``mu_i^2`` of ``V_t`` (messages of iterations 1..t observed), t = 0..T+1;
             row T+1 is the whole view (with its finals).
         final_parties: (m_T,) the party of each observed honest final message.
-        schur: (m_T, m_T) the finals' Schur complement ``S``; ``residual``: (m_T, n_H) ``R``.
+        last_factor: (m_T, m_T) ``L_22``, the Cholesky factor of the finals' Schur complement ``S``.
+        last_whitened: (m_T, n_H) ``W_2``, the finals' rows of ``W`` (``R = L_22 W_2``).
         value_sensitivity: the change of a value the mu cover.
     """
 
     honest: np.ndarray
     cumulative: np.ndarray
     final_parties: np.ndarray
-    schur: np.ndarray
-    residual: np.ndarray
+    last_factor: np.ndarray
+    last_whitened: np.ndarray
     value_sensitivity: float
 
     @classmethod
@@ -116,9 +126,8 @@ class PrefixProfile:
         csum = np.zeros((m + 1, nH))
         np.cumsum(W * W, axis=0, out=csum[1:])
         a = int(offsets[T])
-        L22 = L[a:, a:]
-        return cls(model.honest, csum[offsets], model.rows[a:, 0].copy(), L22 @ L22.T, L22 @ W[a:],
-                   float(value_sensitivity))
+        return cls(model.honest, csum[offsets], model.rows[a:, 0].copy(), np.ascontiguousarray(L[a:, a:]),
+                   W[a:].copy(), float(value_sensitivity))
 
     def mu_through(self, through: int) -> np.ndarray:
         """(n_H,) mu of ``V_through``: the messages of iterations 1..``through`` observed (0..T+1)."""
@@ -130,15 +139,25 @@ class PrefixProfile:
         T = self.cumulative.shape[0] - 2
         if finals is None:
             return self.mu_through(T + 1)
-        keep = np.flatnonzero(np.isin(self.final_parties, np.asarray(list(finals), dtype=np.int64)))
-        mu2 = self.cumulative[T].copy()
-        if keep.size == self.final_parties.size:
-            mu2 = self.cumulative[T + 1].copy()
-        elif keep.size:
-            Ls = la.cholesky(self.schur[np.ix_(keep, keep)], lower=True, check_finite=False)
-            z = _lower_solve(Ls, self.residual[keep])
-            mu2 += np.einsum("ij,ij->j", z, z)
-        return np.sqrt(mu2) * self.value_sensitivity
+        kept = np.isin(self.final_parties, np.asarray(list(finals), dtype=np.int64))
+        keep, lost = np.flatnonzero(kept), np.flatnonzero(~kept)
+        if lost.size == 0:
+            return self.mu_through(T + 1)
+        if keep.size == 0:
+            return self.mu_through(T)
+        before, full = self.cumulative[T], self.cumulative[T + 1]
+        if 2 * lost.size <= kept.size:  # remove the lost finals' information from the full view
+            E = np.zeros((kept.size, lost.size))
+            E[lost, np.arange(lost.size)] = 1.0
+            X = _lower_solve(self.last_factor, E)
+            z = _lower_solve(la.cholesky(X.T @ X, lower=True, check_finite=False), X.T @ self.last_whitened)
+            removed = np.einsum("ij,ij->j", z, z)
+            if np.all(removed <= 0.5 * (full - before)):
+                return np.sqrt(np.maximum(full - removed, before)) * self.value_sensitivity
+        # the finals that arrived, conditioned on everything before them: S_FF = L_F L_F^T, R_F = L_F W_2
+        L_F = self.last_factor[keep]
+        z = _lower_solve(la.cholesky(L_F @ L_F.T, lower=True, check_finite=False), L_F @ self.last_whitened)
+        return np.sqrt(before + np.einsum("ij,ij->j", z, z)) * self.value_sensitivity
 
 
 def _lower_solve(L: np.ndarray, B: np.ndarray) -> np.ndarray:
