@@ -27,8 +27,8 @@ a few finals M are lost, it is cheaper still to remove their information from th
     mu_i^2(V_T + finals F) = mu_i^2(V_{T+1}) - Q_i^T P^{-1} Q_i,
 
 a solve of the size of M (the block inverse: what observing M adds to F is that Schur complement). It
-is used when it removes at most half of a party's information from the finals (so that the
-subtraction cannot lose accuracy); otherwise the solve of the size of F is.
+is used when the subtraction leaves at least 1e-4 of every party's mu^2 (at most four digits cancel);
+otherwise the solve of the size of F is.
 
 Where this does not apply, :class:`RoundPrefix` certifies the restricted view separately with
 :func:`~flwr_inca.privacy.certificate.certify`: a singular or ill-conditioned ``Sigma`` (then the
@@ -152,7 +152,7 @@ class PrefixProfile:
             X = _lower_solve(self.last_factor, E)
             z = _lower_solve(la.cholesky(X.T @ X, lower=True, check_finite=False), X.T @ self.last_whitened)
             removed = np.einsum("ij,ij->j", z, z)
-            if np.all(removed <= 0.5 * (full - before)):
+            if np.all(full - removed >= 1e-4 * full):  # at most 4 digits cancel (error ~1e-12 relative)
                 return np.sqrt(np.maximum(full - removed, before)) * self.value_sensitivity
         # the finals that arrived, conditioned on everything before them: S_FF = L_F L_F^T, R_F = L_F W_2
         L_F = self.last_factor[keep]
