@@ -164,7 +164,8 @@ class Mixer(ABC):
 
     def stopped_ceiling(self, participants: int) -> float:
         """The most :meth:`stopped_cost` can be for any plan of ``participants`` clients (0 by default).
-        The runner starts a round only if this fits the budget, so a refused round never overruns it."""
+        Informative: the runner reserves nothing; with the budget guard a refused round is charged the
+        largest part of it that fits (``stopped_cost(plan, fits)``), so it never overruns the budget."""
         return 0.0
 
     def describe(self) -> str:
