@@ -379,3 +379,23 @@ def test_a_failing_guard_check_charges_what_was_delivered(monkeypatch):
     assert max(nodes.commits) == 2 and strategy.ledger.rounds == 1
     entry = strategy.ledger.entries[0]
     assert "mixing failed" in entry.note and entry.mu == pytest.approx(costs[1], rel=1e-12)
+
+
+def test_a_failed_mixing_exchange_is_charged_what_it_may_have_delivered(monkeypatch):
+    """An unguarded round whose mixing fails mid-way has delivered messages: it is charged the most they
+    can reveal on any execution (the no-finals ceiling) before the error surfaces."""
+    strategy = IncaStrategy(**SETTINGS, ledger_path=None)
+    nodes = Nodes()
+    inner = nodes.exchange
+
+    def exchange(grid, params, roster, requests, counters, has_roster):
+        if requests and requests[0].commit == 2:
+            raise ConnectionError("the grid went away")
+        return inner(grid, params, roster, requests, counters, has_roster)
+
+    nodes.exchange = exchange
+    with pytest.raises(ConnectionError):
+        _round(strategy, monkeypatch, nodes, guarded=False)
+    entry = strategy.ledger.entries[0]
+    assert strategy.ledger.rounds == 1 and "mixing failed" in entry.note
+    assert entry.mu == strategy.no_finals_mu(N) > 0
