@@ -12,16 +12,24 @@ Per node count, side by side in one process:
   (its own ``_certify``), on a round of the same n with 5% permanent dropouts (sigma* = 1,
   sigma_Delta = 20, sensitivity 2):
 
-  - ``pre-final``: every final counted as observed. Before this rule it ran after the finals; it now
-    runs before them: the same work, moved, **not extra**;
-  - ``one final lost``: the extra certificate a round needs when some final does not arrive;
+  - ``pre-final``: every final counted as observed, each adversary factorized once
+    (``RoundPrefix``). Before this rule it ran after the finals; it now runs before them: the same
+    work, moved, **not extra**;
+  - ``one final lost``: the extra certificate a round needs when some final does not arrive, from the
+    pre-final factorization (a solve the size of the finals); ``lost (separate)``: the same certificate
+    computed anew, as before the prefix factorization (for comparison);
   - ``stopped``: the extra certificate of a round stopped before its finals (at most once per training);
-  - ``no_finals_bound``: once per training and number of parties (cached).
+  - ``guard check``: a guarded round (the no-finals ceiling did not fit) certifies, before delivering
+    iteration t's messages, the view of iterations 1..t on the trace known so far: the mean over
+    t = 1..T and the largest (t = T) are reported, each check made anew (worst case: every iteration
+    checked; in a run, iterations whose ceiling still fits are not);
+  - ``no_finals_bound`` and ``prefix_ceilings``: once per training and number of parties (cached).
 
 Ratios to the mixing iteration are per round. Repeats interleave the parts; the median is reported.
 
     python benchmarks/bench_prefinal.py                       # n = 100 and 1000, 3 repeats
     python benchmarks/bench_prefinal.py --nodes 100 --repeats 1
+    python benchmarks/bench_prefinal.py --guard-check ... # also the guarded iteration checks (slow)
     python benchmarks/bench_prefinal.py --ceiling             # the no-finals ceiling vs a round's cost
 
 ``--ceiling`` (no timing): with the noise calibrated for (1, 1e-5)-DP per round against 10% colluders
@@ -43,6 +51,8 @@ from flwr_inca.flower import IncaStrategy
 from flwr_inca.flower.node import MemoryStore, RoundParams, RoundSecrets, handle_exchange
 from flwr_inca.flower.relay import RoundRelay, collect_finals, run_iterations
 from flwr_inca.flower.wire import decode_reply, decode_request, encode_reply, encode_request
+from flwr_inca.privacy.prefix import padded_trace, prefix_ceilings
+from flwr_inca.privacy.rounds import certify_round
 from flwr_inca.protocol import sample_trace
 from flwr_inca.protocol.schedules import InjectionSchedule
 
@@ -88,7 +98,7 @@ def mixing_iteration(n: int, seed: int) -> float:
     return statistics.median(times)
 
 
-def certification(n: int, seed: int) -> dict[str, float]:
+def certification(n: int, seed: int, guard: bool) -> dict[str, float]:
     """Seconds of each certificate the rule computes, on one round of n parties."""
     strategy = IncaStrategy(sigma_star=S_STAR, sigma_delta=S_DELTA, iterations=T, ledger_path=None, seed=seed)
     config = IncaConfig(iterations=T, neighbors=K, sigma_star=S_STAR, sigma_delta=S_DELTA,
@@ -96,14 +106,40 @@ def certification(n: int, seed: int) -> dict[str, float]:
     trace = sample_trace(n, config, seed=seed)
     seeds = strategy._certify_seeds(1)
     online = trace.steps[-1].online.tolist()
+    lost = [i for i in online if i != online[len(online) // 2]]  # one final (of an honest party, likely) lost
     out, mu = {}, {}
-    for name, finals in (("pre-final", None), ("one final lost", online[1:]), ("stopped", [])):
+    start = time.perf_counter()
+    prefix = strategy._round_prefix(trace, seeds)  # what _certify_before_finals keeps
+    mu["pre-final"] = prefix.with_finals(None).mu
+    out["pre-final"] = time.perf_counter() - start
+    for name, finals in (("one final lost", lost), ("stopped", [])):
         start = time.perf_counter()
-        mu[name] = strategy._certify(trace, seeds, finals=finals)
+        mu[name] = prefix.with_finals(finals).mu
         out[name] = time.perf_counter() - start
+    priv = strategy.privacy
+    start = time.perf_counter()
+    mu["lost (separate)"] = certify_round(trace, seeds, priv.threat_draws, collusion=priv.collusion,
+                                          finals=lost, value_sensitivity=priv.sensitivity).mu
+    out["lost (separate)"] = time.perf_counter() - start
+    if not mu["lost (separate)"] <= mu["one final lost"] <= mu["lost (separate)"] * (1 + 2e-9):
+        raise RuntimeError(f"the kept factorization and a separate certificate disagree: {mu}")
+    if guard:
+        checks = []
+        for t in range(1, T + 1):  # as IncaStrategy._guard: the trace known so far, padded
+            start = time.perf_counter()
+            known = padded_trace(n, trace.steps[:t], T, trace.schedule, trace.sigma_star, trace.sigma_delta)
+            cert = strategy._round_prefix(known, seeds).through(t)
+            checks.append(time.perf_counter() - start)
+            if abs(cert.mu - prefix.through(t).mu) > 1e-9 * max(cert.mu, 1e-300):
+                raise RuntimeError(f"guard check at t = {t} disagrees with the round's prefix")
+        out["guard check (mean)"], out["guard check (t = T)"] = statistics.mean(checks), checks[-1]
+        mu["guard check (mean)"] = mu["guard check (t = T)"] = prefix.through(T).mu
     start = time.perf_counter()
     mu["no_finals_bound"] = strategy.no_finals_mu(n)
     out["no_finals_bound"] = time.perf_counter() - start
+    start = time.perf_counter()
+    mu["prefix_ceilings"] = float(prefix_ceilings(trace.schedule, S_STAR, S_DELTA, priv.sensitivity)[-1])
+    out["prefix_ceilings"] = time.perf_counter() - start
     if not mu["stopped"] <= mu["one final lost"] <= mu["pre-final"] * (1 + 1e-9):
         raise RuntimeError(f"certificates not ordered: {mu}")
     if not mu["stopped"] <= mu["no_finals_bound"] * (1 + 1e-9):
@@ -136,27 +172,29 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ceiling", action="store_true",
                    help="the no-finals ceiling vs a round's cost (no timing)")
+    p.add_argument("--guard-check", action="store_true",
+                   help="also time the guarded iteration checks (each of t = 1..T certified anew)")
     args = p.parse_args()
     if args.ceiling:
         ceiling()
         return
     if min(args.nodes) < 2 or args.repeats < 1:
         p.error("--nodes must be >= 2 and --repeats >= 1")
-    parts = ("pre-final", "one final lost", "stopped", "no_finals_bound")
+    parts = ("pre-final", "one final lost", "lost (separate)", "stopped", "no_finals_bound", "prefix_ceilings")
+    if args.guard_check:
+        parts += ("guard check (mean)", "guard check (t = T)")
     print(f"d = {D}, T = {T}, k = {K}, sigma* = {S_STAR}, sigma_Delta = {S_DELTA}, 3 threat draws of 10% "
           f"colluders, 5% permanent dropouts; medians over {args.repeats} repeats\n")
-    print(f"{'n':>5} {'iteration (s)':>14} " + " ".join(f"{p + ' (s)':>20} {'/ iter':>7}" for p in parts))
     for n in args.nodes:
         iters, certs = [], []
         for r in range(args.repeats):
             iters.append(mixing_iteration(n, seed=1 + r))
-            certs.append(certification(n, seed=1 + r))
+            certs.append(certification(n, seed=1 + r, guard=args.guard_check))
         it = statistics.median(iters)
-        row = f"{n:>5} {it:>14.3f} "
+        print(f"n = {n}: one mixing iteration {it:.4f} s")
         for part in parts:
             c = statistics.median(x[part] for x in certs)
-            row += f"{c:>20.3f} {c / it:>7.2f} "
-        print(row)
+            print(f"  {part:<22} {c:>9.4f} s  {c / it:>8.3f} x iteration")
         mus = {k: statistics.median(x[f"mu {k}"] for x in certs) for k in parts}
         print(f"{'':>5} mu: " + ", ".join(f"{k} {v:.4g}" for k, v in mus.items()))
 

@@ -10,7 +10,7 @@ pytest.importorskip("flwr")
 from flwr_inca import IncaConfig, TemporaryDropout
 from flwr_inca.flower import IncaStrategy
 from flwr_inca.privacy import PrivacyLedger
-from flwr_inca.privacy import rounds as rounds_module
+from flwr_inca.privacy import prefix as rounds_module  # the strategy certifies through RoundPrefix
 from flwr_inca.protocol import sample_trace
 
 SIGMAS = {"sigma_star": 1.0, "sigma_delta": 5.0, "seed": 0}
@@ -30,6 +30,7 @@ def test_each_round_records_its_certificate_method_on_disk(tmp_path, monkeypatch
     def as_bound(*args, **kwargs):  # a round too large for the exact method gets the bound
         return dataclasses.replace(real(*args, **kwargs), method="bound")
 
+    monkeypatch.setattr(rounds_module.PrefixProfile, "build", classmethod(lambda cls, *a, **k: None))
     monkeypatch.setattr(rounds_module, "certify", as_bound)
     strategy._certify_and_spend(_trace(seed=2), 2)
     assert [e.method for e in strategy.ledger.entries] == ["exact", "bound"]
@@ -48,6 +49,7 @@ def test_a_round_without_its_finals_records_the_method_of_the_charged_certificat
         cert = real(trace, view, **kwargs)
         return dataclasses.replace(cert, method="bound") if view.observed[-1].sum() < len(online) else cert
 
+    monkeypatch.setattr(rounds_module.PrefixProfile, "build", classmethod(lambda cls, *a, **k: None))
     monkeypatch.setattr(rounds_module, "certify", bound_without_a_final)
     prefinal = strategy._certify(trace, strategy._certify_seeds(1))
     mu, _ = strategy._certify_and_spend(trace, 1, prefinal, [], prefinal_method="exact")  # stopped round

@@ -7,6 +7,11 @@ finals is at least the central-DP floor 2 / (sqrt(9) * sigma_star) = 0.67 (9 hon
 between one round at mu = 0.3 and one at mu = 0.4) therefore fits no round with its finals. The
 first strategies' prediction is made to underestimate (as a prediction from simulated executions may):
 their rounds start, mix, are certified before the finals, and are stopped there.
+
+The budget guard: with a separate ledger and max_epsilon = 0.02 (about mu = 0.004, below what one
+observed message of the first iterations reveals), a round predicted free starts guarded (its no-finals
+ceiling does not fit) and is stopped mid-mixing, before the messages of the first iteration whose view
+does not fit are delivered; a restarted ServerApp on that ledger stays within it too.
 """
 
 import numpy as np
@@ -23,11 +28,12 @@ from test_flower_e2e import INITIAL, NODES, RecordingGrid, _simulate
 from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
 from flwr_inca.flower.shared import END_ACTION, INCA_KEY, flatten_arrays
 from flwr_inca.flower.wire import FIELD, peek_request
-from flwr_inca.privacy import PrivacyLedger
+from flwr_inca.privacy import PrivacyLedger, certify, random_collusion
+from flwr_inca.privacy.prefix import prefix_view
 
 pytestmark = pytest.mark.flower
 
-T, BUDGET = 4, 1.3
+T, BUDGET, GUARD_BUDGET = 4, 1.3, 0.02
 SETTINGS = {"iterations": T, "sigma_star": 1.0, "sigma_delta": 20.0, "clip_norm": 1.0, "max_epsilon": BUDGET,
             "fraction_evaluate": 0.0, "min_available_nodes": NODES, "min_train_nodes": NODES,
             "exchange_timeout": 120, "ledger_owner": "test-prefinal"}
@@ -38,6 +44,13 @@ class UnderestimatingStrategy(IncaStrategy):
 
     def predicted_mu(self, n: int) -> float:
         return self.no_finals_mu(n)
+
+
+class FreeStrategy(IncaStrategy):
+    """Predicts every round to cost nothing: every round starts, guarded when its ceiling does not fit."""
+
+    def predicted_mu(self, n: int) -> float:
+        return 0.0
 
 
 class CommitGrid(RecordingGrid):
@@ -86,9 +99,16 @@ def runs(tmp_path_factory):
         out["again"] = (_start(first, again), again)
         run("restart-stopped", UnderestimatingStrategy)  # a restarted ServerApp, same ledger
         run("restart", IncaStrategy)  # restarted with an honest prediction
+        guard_path = path.parent / "guard-ledger.json"
+        for name in ("guarded", "guarded-restart"):  # the budget guard, then a restart on its ledger
+            recording = CommitGrid(grid)
+            strategy = FreeStrategy(**{**SETTINGS, "max_epsilon": GUARD_BUDGET}, ledger_path=guard_path,
+                                    seed=len(out))
+            stop = _start(strategy, recording)
+            out[name] = (strategy, stop, recording, PrivacyLedger(guard_path, delta=1e-5).entries)
 
     _simulate(app, flower_apps.client)
-    assert "restart" in out, "the ServerApp failed: see the log above"
+    assert "guarded-restart" in out, "the ServerApp failed: see the log above"
     return out
 
 
@@ -135,3 +155,38 @@ def test_the_ledger_never_exceeds_the_budget_across_restarts(runs):
     for entries in (after_first, after_second, final):
         assert all(e.epsilon <= BUDGET for e in entries)
     assert PrivacyLedger(runs["ledger"], delta=1e-5).epsilon() <= BUDGET
+
+
+def test_the_budget_guard_stops_a_round_mid_mixing_before_what_would_not_fit(runs):
+    strategy, stop, grid, entries = runs["guarded"]
+    assert stop.stopped_before_finals and stop.server_round == 1 and "stopped by the budget guard" in str(stop)
+    delivered = stop.delivered_iterations
+    assert 0 <= delivered < T
+    # exchanges committed to iterations 1..delivered + 1; the one delivering the latter's messages, and
+    # every later one, never happened
+    assert set(grid.commits) == set(range(1, delivered + 2))
+    record = strategy.rounds[1]
+    assert record.trace.meta["delivered-iterations"] == delivered and record.finalists == []
+    assert np.array_equal(flatten_arrays(stop.arrays)[0], flatten_arrays(ArrayRecord(INITIAL))[0])
+    # charged: the strategy's three coalitions, certified independently on the iterations delivered; the
+    # next iteration's messages would not have fit
+    draws = [int(s.generate_state(1, dtype=np.uint64)[0]) for s in strategy._certify_seeds(1).spawn(3)]
+
+    def cost(t):
+        return max(certify(record.trace, prefix_view(random_collusion(record.trace, 0.1, seed), t),
+                           value_sensitivity=2.0).max_mu for seed in draws)
+
+    assert len(entries) == 1 and cost(delivered) <= entries[0].mu <= cost(delivered) * (1 + 2e-9)
+    assert PrivacyLedger(None, delta=1e-5).epsilon_after(cost(delivered + 1)) > GUARD_BUDGET
+    assert entries[0].epsilon <= GUARD_BUDGET
+    assert strategy.train_metrics_serverapp[1]["inca-stopped-before-finals"] == 1
+    # every node answered up to there: all are told that the run is over
+    assert sum(t.endswith(END_ACTION) for t in grid.types) == NODES
+
+
+def test_a_restart_after_the_guard_stays_within_the_budget(runs):
+    _, _, _, first = runs["guarded"]
+    _, stop, _, entries = runs["guarded-restart"]
+    assert entries[:1] == first and isinstance(stop, IncaBudgetExhausted)
+    assert all(e.epsilon <= GUARD_BUDGET for e in entries)
+    assert PrivacyLedger(runs["ledger"].parent / "guard-ledger.json", delta=1e-5).epsilon() <= GUARD_BUDGET

@@ -1,6 +1,7 @@
-"""The pre-final rule in the simulator: a round whose cost with its final messages would exceed the
-budget is stopped before them and charged what its mixing revealed without them (as IncaStrategy does
-in a deployment); a round starts only if that cannot exceed the budget; restarts resume the ledger.
+"""The pre-final rule and the budget guard in the simulator: a round whose cost with its final messages
+would exceed the budget is stopped before them and charged what its mixing revealed without them (as
+IncaStrategy does in a deployment); if even that does not fit, it stops before the first iteration whose
+messages would not fit and is charged what the iterations before revealed; restarts resume the ledger.
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flwr_inca.privacy import PrivacyLedger, certify, random_collusion
+from flwr_inca.privacy.prefix import ROUND_UP, prefix_view
 from flwr_inca.protocol.trace import ExecutionTrace
 from flwr_inca.simulation import IncaMixer, MixContext, SimulationConfig, iid, simulate
 from flwr_inca.simulation.runner import charge_resolution
@@ -82,30 +84,70 @@ def test_a_round_over_budget_is_stopped_before_its_finals_and_charged_without_th
     assert resumed.rounds >= ledger.rounds and resumed.epsilon() <= BUDGET
 
 
-def test_a_round_starts_only_if_stopping_it_before_its_finals_fits(tmp_path):
-    config = _config(tmp_path)
+def _guarded_setup(tmp_path, config, delivered):
+    """A ledger filled so that round 1 can deliver the messages of iterations 1..``delivered`` but not
+    of ``delivered + 1`` (without finals); returns (trace of round 1, its RoundPrefix)."""
     mixer = IncaMixer(sigma_star=3.0, sigma_delta=20.0, iterations=5)
     mixer.prepare(MixContext(2.0, None, 1e-5, 24, FEATURES * CLASSES + CLASSES, config.seed))  # 2C, C = 1
-    ceiling = charge_resolution(mixer.stopped_ceiling(24), config.mu_resolution)
-    # spend until the ceiling no longer fits, then nothing may start (nothing is spent either)
+    trace = mixer.plan(1, 24).trace  # the simulator's round 1 (same seeds)
+    prefix = mixer.round_prefix(trace, 1, mixer.threat_seed(config.seed))
+    low = charge_resolution(prefix.through(delivered).mu, config.mu_resolution)
+    high = charge_resolution(prefix.through(delivered + 1).mu, config.mu_resolution)
+    assert low < high
+
+    def total(x, mu):
+        probe = PrivacyLedger(None, delta=1e-5, accountant="exact")
+        probe.spend(x)
+        return probe.epsilon_after(mu)
+
+    lo, hi = 0.0, 10.0  # the smallest first spend with which `high` no longer fits
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if total(mid, high) <= BUDGET else (lo, mid)
+    x = hi
+    assert total(x, low) <= BUDGET < total(x, high)
     ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, max_epsilon=BUDGET, accountant="exact")
-    while ledger.epsilon_after(ceiling) <= BUDGET:
-        ledger.spend(ceiling)
-    spent = ledger.epsilon()
+    ledger.spend(x)
+    return trace, prefix
+
+
+@pytest.mark.parametrize("delivered", [4, 0])
+def test_the_budget_guard_stops_a_round_mid_mixing_and_charges_what_was_delivered(tmp_path, delivered):
+    """Even the round's cost without finals does not fit: the round stops before the first iteration whose
+    messages would not fit, and is charged exactly what iterations 1..delivered revealed."""
+    config = _config(tmp_path)
+    trace, prefix = _guarded_setup(tmp_path, config, delivered)
+    spent = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5).epsilon()
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
-    assert hist.rounds == [] and hist.stopped.startswith("stopped before round 1: stopped before its final")
-    assert PrivacyLedger(tmp_path / "ledger.json", delta=1e-5).epsilon() == pytest.approx(spent)
+    where = f"by the budget guard before delivering the messages of iteration {delivered + 1}"
+    assert [r.round for r in hist.rounds] == [1] and hist.stopped.startswith(f"round 1 stopped {where}")
+    ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact")
+    assert ledger.rounds == 2 and ledger.entries[-1].note == f"round 1: stopped {where}"
+    # independently: the same coalitions, certified on the view restricted to iterations 1..delivered
+    root = np.random.SeedSequence(IncaMixer.threat_seed(config.seed), spawn_key=(0, 1))
+    keys = [int(d.generate_state(1, np.uint64)[0]) for d in root.spawn(config.threat_draws)]
+    exact = max(certify(trace, prefix_view(random_collusion(trace, config.collusion, key), delivered),
+                        value_sensitivity=2.0).max_mu for key in keys)
+    assert (exact == 0) == (delivered == 0)
+    assert ledger.entries[-1].mu == hist.rounds[0].charged_mu == charge_resolution(exact * (1 + ROUND_UP),
+                                                                                  config.mu_resolution)
+    assert exact <= prefix.through(delivered).mu <= exact * (1 + 2e-9)
+    assert ledger.epsilon() <= BUDGET and ledger.epsilon() >= spent
+    assert hist.rounds[0].failed.startswith(f"stopped {where}")
+    # a restart resumes the ledger: it never exceeds the budget
+    again = simulate(MODEL, PARTS, (XT, YT), _config(tmp_path), progress=False)
+    assert again.stopped
+    assert PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact").epsilon() <= BUDGET
 
 
-def test_without_the_reserve_the_round_the_ceiling_refuses_starts(tmp_path):
+def test_without_the_guard_a_stopped_round_may_overrun(tmp_path):
+    """reserve_stopped_round=False (the behaviour before the guard): the round is stopped only before its
+    finals and charged its whole no-finals cost, which here takes the total past the budget (said)."""
     config = dataclasses.replace(_config(tmp_path), reserve_stopped_round=False)
-    mixer = IncaMixer(sigma_star=3.0, sigma_delta=20.0, iterations=5)
-    mixer.prepare(MixContext(2.0, None, 1e-5, 24, FEATURES * CLASSES + CLASSES, config.seed))
-    ceiling = charge_resolution(mixer.stopped_ceiling(24), config.mu_resolution)
-    ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, max_epsilon=BUDGET, accountant="exact")
-    while ledger.epsilon_after(ceiling) <= BUDGET:
-        ledger.spend(ceiling)
+    _guarded_setup(tmp_path, config, 4)
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
-    assert hist.rounds and not (hist.stopped or "").startswith("stopped before round 1: stopped before its final")
+    assert hist.stopped.startswith("round 1 stopped before its final messages")
+    assert "was exceeded: the budget guard is off (reserve_stopped_round=False)" in hist.stopped
+    assert PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact").epsilon() > BUDGET
     with pytest.raises(ValueError, match="reserve_stopped_round"):
         dataclasses.replace(config, reserve_stopped_round=1)

@@ -425,7 +425,7 @@ def _aggregate(strategy, monkeypatch, replies, n=6, d=4, round_=1, corrupt=None)
     if corrupt is not None:
         corrupt(relay)
 
-    def mix(server_round, grid, joined, dim):
+    def mix(server_round, grid, joined, dim, guarded=False):
         assert len(joined.roster) == n and dim == d
         params = SimpleNamespace(sigma_star=0.1, sigma_delta=1.0)
         return _Mixed(relay, params, {"errors": 0, "malformed": 0, "timeouts": 0})
@@ -532,9 +532,10 @@ def test_unaggregatable_client_metrics_lose_neither_the_charge_nor_the_model(mon
 def test_a_nan_certificate_is_charged_as_unbounded(monkeypatch):
     from types import SimpleNamespace
 
-    from flwr_inca.privacy import rounds as module  # the strategy certifies through certify_round
+    from flwr_inca.privacy import prefix as module  # the strategy certifies through RoundPrefix
 
     strategy = IncaStrategy(**SIGMAS)
+    monkeypatch.setattr(module.PrefixProfile, "build", classmethod(lambda cls, *a, **k: None))  # -> certify
     monkeypatch.setattr(module, "certify", lambda *a, **k: SimpleNamespace(max_mu=float("nan"), method="exact"))
     mu, eps = strategy._certify_and_spend(_trace(), 1)
     assert mu == math.inf and strategy.ledger.entries[0].mu == math.inf and math.isinf(eps)

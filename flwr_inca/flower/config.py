@@ -53,13 +53,14 @@ class PrivacyTarget:
             them, and training stops; ``max_epsilon`` is never exceeded.
         calibration_runs: simulated executions the noise is calibrated over.
         calibration_dropout: dropout model of those executions (None: nobody drops out).
-        reserve_stopped_round: before each round, also reserve the most a round stopped before its final
-            messages could cost (``flwr_inca.privacy.prefinal.no_finals_bound``, over every execution),
-            so that ``max_epsilon`` holds even then (default). False: only the predicted cost is checked;
-            a round stopped before its finals is still charged the exact cost of what was observed, which
-            can then take the total past ``max_epsilon`` (logged as an error). With little noise (e.g.
-            the improved calibration at n = 1000, epsilon = 1) the reserve alone can exceed the budget
-            and refuse every round: that is when to weigh this option (docs/privacy.md).
+        reserve_stopped_round: make ``max_epsilon`` a hard limit also for a round stopped before its
+            final messages (default). When the most such a round could cost on any execution
+            (``flwr_inca.privacy.prefinal.no_finals_bound``) does not fit the budget left, the round
+            runs *guarded*: before each iteration's messages are forwarded, what the adversaries would
+            then have observed is certified, and the round stops before the first iteration that would
+            not fit (docs/privacy.md, "The budget guard"). False (the behaviour before the guard): only
+            the predicted cost is checked; a round stopped before its finals is charged the exact cost
+            of what was observed, which can take the total past ``max_epsilon`` (logged as an error).
     """
 
     epsilon: float | None = None

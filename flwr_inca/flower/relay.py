@@ -35,8 +35,16 @@ from ..protocol.topology import Messages, check_column_stochastic
 from ..protocol.trace import ExecutionTrace, TraceStep
 from .crypto import NONCE
 
-__all__ = ["Outgoing", "Request", "Reply", "RoundRelay", "payload_size", "drive", "run_iterations",
-           "collect_finals"]
+__all__ = [
+    "Outgoing",
+    "Reply",
+    "Request",
+    "RoundRelay",
+    "collect_finals",
+    "drive",
+    "payload_size",
+    "run_iterations",
+]
 
 
 def payload_size(d: int, precision: np.dtype | type = np.float64) -> int:
@@ -95,9 +103,9 @@ class RoundRelay:
         self.schedule, self.sigma_star, self.sigma_delta = schedule, sigma_star, sigma_delta
         self.payload_bytes = payload_size(d, precision)
         self.online: list[set[int]] = [set(range(n))] + [set() for _ in range(iterations)]  # O^(t)
-        self.outbox: list[dict[tuple[int, int], Outgoing]] = [dict() for _ in range(iterations + 1)]
+        self.outbox: list[dict[tuple[int, int], Outgoing]] = [{} for _ in range(iterations + 1)]
         self.version = [-1] * n  # last computed iteration accepted from each party
-        self.commit_version: list[dict[int, int]] = [dict() for _ in range(n)]  # version sent at commit u
+        self.commit_version: list[dict[int, int]] = [{} for _ in range(n)]  # version sent at commit u
         self.restore_point: list[Outgoing | None] = [None] * n  # a payload of the party's last commit
         self.need_restore = [False] * n
         self.pending: list[int | None] = [0] * n  # everyone computes step 0
@@ -242,17 +250,20 @@ class RoundRelay:
             raise ValueError("malformed payload")
 
     # ---------------------------------------------------------------------------- results
+    def step(self, t: int) -> TraceStep:
+        """Iteration ``t`` (1..T) as recorded: its online set and delivered messages (final once the
+        exchange committing to ``t`` was ingested)."""
+        on = self.online[t]
+        delivered = [m for (s, r), m in sorted(self.outbox[t].items()) if s in on and r in on]
+        return TraceStep(
+            np.array(sorted(on), dtype=np.int64),
+            Messages(np.array([m.sender for m in delivered], dtype=np.int64),
+                     np.array([m.receiver for m in delivered], dtype=np.int64),
+                     np.array([m.weight for m in delivered], dtype=np.float64)),
+        )
+
     def trace(self, meta: dict | None = None) -> ExecutionTrace:
-        steps = []
-        for t in range(1, self.T + 1):
-            on = self.online[t]
-            delivered = [m for (s, r), m in sorted(self.outbox[t].items()) if s in on and r in on]
-            steps.append(TraceStep(
-                np.array(sorted(on), dtype=np.int64),
-                Messages(np.array([m.sender for m in delivered], dtype=np.int64),
-                         np.array([m.receiver for m in delivered], dtype=np.int64),
-                         np.array([m.weight for m in delivered], dtype=np.float64)),
-            ))
+        steps = [self.step(t) for t in range(1, self.T + 1)]
         trace = ExecutionTrace(self.n, self.T, self.schedule, self.sigma_star, self.sigma_delta, steps,
                                dict(meta or {}))
         trace.meta["finalists"] = sorted(self.finals)
@@ -275,17 +286,27 @@ Exchange = Callable[[int, list[Request]], dict[int, Reply]]
 Progress = Callable[[int, int], None]
 
 
-def run_iterations(relay: RoundRelay, exchange: Exchange, progress: Progress | None = None) -> None:
+def run_iterations(relay: RoundRelay, exchange: Exchange, progress: Progress | None = None,
+                   may_deliver: Callable[[int], bool] | None = None) -> int:
     """The exchanges committing to iterations 1..T. ``exchange(commit, requests)`` delivers the requests
     and returns the parsed replies that arrived (by party index); ``progress(done, T + 1)`` is optional.
 
-    Afterwards the online sets, hence the trace's steps, are final: only the final messages are missing.
+    ``may_deliver(u)`` (optional, the budget guard) is asked once iteration ``u`` is committed (its
+    online set and messages are known) and before the next exchange delivers its messages; False stops
+    the round there. Returns the last iteration whose messages may be delivered: T, or ``u - 1`` when
+    ``may_deliver(u)`` said no (the messages of iterations 1..u-1 were delivered).
+
+    Afterwards (T returned) the online sets, hence the trace's steps, are final: only the final
+    messages are missing.
     """
     for u in range(1, relay.T + 1):
         requests = relay.requests(u)
         relay.ingest(u, exchange(u, requests), requests)
         if progress is not None:
             progress(u, relay.T + 1)
+        if may_deliver is not None and not may_deliver(u):
+            return u - 1
+    return relay.T
 
 
 def collect_finals(relay: RoundRelay, exchange: Exchange, final_retries: int = 2,

@@ -18,8 +18,11 @@ before any final message is asked for, as if every final were revealed (an upper
 arrives). If charging that would exceed ``max_epsilon``, the finals are never collected: the round
 is charged the exact cost of what was observed without them, the model is kept, and training stops.
 Otherwise the finals are collected and the round is charged the exact cost of those that arrived. A
-round starts only if both its predicted cost and the most a round stopped before its finals can cost
-(:func:`flwr_inca.privacy.prefinal.no_finals_bound`) fit. Training stops by raising
+round starts only if its predicted cost fits; if the most it could cost when stopped before its finals
+(:func:`flwr_inca.privacy.prefinal.no_finals_bound`) does not fit as well, it runs *guarded*: before the
+relay forwards each iteration's messages, what the adversaries would then have observed is certified,
+and the round stops before the first iteration that would not fit, charged what was delivered
+(``reserve_stopped_round``; docs/privacy.md, "The budget guard"). Training stops by raising
 :class:`IncaBudgetExhausted`, a ``flwr.serverapp.exception.PrivacyBudgetExhausted`` as Flower's own DP
 strategies raise, which carries the global model.
 """
@@ -48,7 +51,8 @@ from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
 from ..privacy.prefinal import no_finals_bound
-from ..privacy.rounds import RoundCertificate, certification_seeds, certify_round
+from ..privacy.prefix import RoundPrefix, padded_trace, prefix_ceilings
+from ..privacy.rounds import RoundCertificate, certification_seeds
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
 from ..protocol.schedules import InjectionSchedule
@@ -73,7 +77,8 @@ class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
     Raised by ``configure_train`` before any node is contacted (the next round is predicted not to fit),
     or by ``aggregate_train`` when a round's certificate before its final messages does not fit: that
     round's finals are never collected (``stopped_before_finals``), it is charged what was observed
-    without them, and the model is unchanged. Either way it leaves ``Strategy.start``, like Flower's
+    without them, and the model is unchanged; in a guarded round, also when the messages of an
+    iteration would not fit: they are not forwarded (``delivered_iterations`` < T). Either way it leaves ``Strategy.start``, like Flower's
     ``PrivacyBudgetExhausted`` (which it is; also a :class:`flwr_inca.privacy.BudgetExceededError`).
 
     Attributes:
@@ -81,19 +86,24 @@ class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
         arrays: the global model when training stopped (what ``start`` would have returned).
         epsilon: privacy spent so far, at ``delta`` (the stopped round's charge included).
         predicted_epsilon: what it would have been after the round (``inf`` if the budget was overrun;
-            for a round stopped before its finals, its certified cost with every final revealed).
+            for a round stopped before its finals, its certified cost with every final revealed; NaN
+            for a round the budget guard stopped earlier).
         max_epsilon, delta: the budget.
-        stopped_before_finals: the round ran its mixing but was stopped before its final messages.
+        stopped_before_finals: the round ran (some of) its mixing but was stopped before its final
+            messages.
+        delivered_iterations: for such a round, the iterations whose messages were delivered: T when
+            only the finals were withheld, fewer when the budget guard stopped it mid-round.
     """
 
     def __init__(self, reason: str, *, server_round: int, arrays: ArrayRecord, epsilon: float,
                  predicted_epsilon: float, max_epsilon: float, delta: float,
-                 stopped_before_finals: bool = False) -> None:
+                 stopped_before_finals: bool = False, delivered_iterations: int | None = None) -> None:
         super().__init__(reason)
         self.server_round, self.arrays = server_round, arrays
         self.epsilon, self.predicted_epsilon = epsilon, predicted_epsilon
         self.max_epsilon, self.delta = max_epsilon, delta
         self.stopped_before_finals = stopped_before_finals
+        self.delivered_iterations = delivered_iterations
 
 
 @dataclass
@@ -122,6 +132,7 @@ class _PendingRound:
     grid: Grid
     arrays: ArrayRecord
     started: float
+    guarded: bool = False  # run under the budget guard (the no-finals ceiling did not fit)
 
 
 @dataclass
@@ -149,6 +160,52 @@ class _Mixed:
     prefinal_method: str | None = None  # the certificate method(s) behind prefinal_mu
     prefinal_epsilon: float = math.nan  # what the ledger would hold after charging prefinal_mu
     stopped: str = ""  # why the finals were not collected ("" if they were)
+    prefix: RoundPrefix | None = None  # the pre-final certificate's factorizations (lost finals reuse them)
+    guard: _Guard | None = None  # the budget guard of a guarded round
+
+
+@dataclass
+class _Guard:
+    """The budget guard of one round: before the messages of iteration t are delivered, the view of what
+    the adversaries will then have observed (iterations 1..t, no finals) must fit the budget.
+
+    ``ceilings[t]`` (:func:`~flwr_inca.privacy.prefix.prefix_ceilings`) bounds that view's cost on any
+    execution: while it fits, nothing is certified. ``delivered``: the last iteration whose messages
+    were (or may be) delivered; ``cost``: a certified bound on what they revealed (exact when it was
+    certified, else the ceiling that fit); ``blocked``: the certificate that did not fit (the round
+    stopped before delivering iteration ``delivered + 1``)."""
+
+    ceilings: np.ndarray
+    fits: Callable[[float], bool]
+    certify_through: Callable[[int], RoundPrefix]  # a RoundPrefix of the trace so far (iterations 1..t)
+    delivered: int = 0
+    cost: RoundCertificate = field(default_factory=lambda: RoundCertificate(0.0, ()))
+    blocked: RoundCertificate | None = None
+    checks: int = 0  # exact certifications made
+
+    @property
+    def cost_method(self) -> str:
+        """How ``cost`` was obtained, for the ledger: ``"ceiling"`` or the certificate's method."""
+        return "ceiling" if self.cost.methods == ("ceiling",) else self.cost.method
+
+    def may_deliver(self, t: int) -> bool:
+        if self.fits(float(self.ceilings[t])):
+            self.delivered, self.cost = t, RoundCertificate(float(self.ceilings[t]), ("ceiling",))
+            return True
+        self.checks += 1
+        prefix = self.certify_through(t)
+        cert = prefix.through(t)
+        if self.fits(cert.mu):
+            self.delivered, self.cost = t, cert
+            return True
+        # stop: what was delivered (iterations 1..t-1) exactly, from the same factorization, if below the
+        # ceiling it was let through with
+        self.blocked = cert
+        if self.cost.methods == ("ceiling",) and t > 1:
+            exact = prefix.through(t - 1)
+            if exact.mu < self.cost.mu:
+                self.cost = exact
+        return False
 
 
 class _TrainMetrics(MetricRecord):
@@ -244,6 +301,7 @@ class IncaStrategy(FedAvg):
         self._pending: dict[int, _PendingRound] = {}
         self._ended: set[int] = set()  # nodes told that the run is over
         self._no_finals_mu: dict[int, float] = {}  # no_finals_bound by number of parties
+        self._prefix_ceilings: dict[int, np.ndarray] = {}  # prefix_ceilings by number of parties
         self._stopped_round: int | None = None  # a round stopped before its finals: no round after it
 
     # ----------------------------------------------------------------------------- summary
@@ -334,13 +392,13 @@ class IncaStrategy(FedAvg):
         if not messages:  # fraction_train == 0: no training, as in FedAvg
             return messages
         self._bind_ledger(grid)
-        self._check_budget(server_round, len(messages), arrays)
+        guarded = self._check_budget(server_round, len(messages), arrays)
         inca = ConfigRecord({"round": server_round, "clip-norm": self.privacy.clip_norm,
                              "iterations": self.mixing.iterations, "arrays-key": self.arrayrecord_key,
                              "forward-metrics": self.forward_client_metrics})
         for msg in messages:  # FedAvg's messages share one RecordDict
             msg.content[INCA_KEY] = inca
-        self._pending[server_round] = _PendingRound(grid, arrays, time.time())
+        self._pending[server_round] = _PendingRound(grid, arrays, time.time(), guarded)
         return messages
 
     def _bind_ledger(self, grid: Grid) -> None:
@@ -356,15 +414,18 @@ class IncaStrategy(FedAvg):
             log(ERROR, "IncA: %s", exc)
             raise
 
-    def _check_budget(self, server_round: int, n: int, arrays: ArrayRecord) -> None:
+    def _check_budget(self, server_round: int, n: int, arrays: ArrayRecord) -> bool:
         """Raise :class:`IncaBudgetExhausted` unless the round may start: no round was stopped before its
-        finals, and both the round's predicted cost and the most it can cost if stopped before its finals
-        (``no_finals_bound``) fit the budget. The second makes the budget a hard limit: a round that then
-        certifies too costly before its finals is stopped there, and what it is charged fits."""
+        finals, and the round's predicted cost fits the budget. Returns whether the round runs *guarded*:
+        with ``reserve_stopped_round`` (default), when the most it can cost if stopped before its finals
+        (``no_finals_bound``) does not fit as well, every iteration's messages are delivered only if what
+        the adversaries will then have observed fits (see :class:`_Guard`). Either way a round that
+        certifies too costly is stopped in time, and what it is charged fits: the budget is a hard
+        limit."""
         budget, delta = self.privacy.max_epsilon, self.privacy.delta
         self.ledger.refresh()  # another process sharing the ledger may have spent
         if budget is None:
-            return
+            return False
         spent = self.ledger.epsilon()
         if self._stopped_round is not None:
             after = math.inf
@@ -379,18 +440,21 @@ class IncaStrategy(FedAvg):
         else:
             n = max(n, 2)
             predicted = self.predicted_mu(n)
-            ceiling = self.no_finals_mu(n) if self.privacy.reserve_stopped_round else 0.0
-            after = self.ledger.epsilon_after(max(predicted, ceiling), self.privacy.sample_rate)
+            after = self.ledger.epsilon_after(predicted, self.privacy.sample_rate)
             if after <= budget:
-                return
-            if predicted >= ceiling:
-                reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from "
-                          f"{spent:.4g} to about {after:.4g} > max_epsilon = {budget:.4g} "
-                          f"(delta = {delta:.1e})")
-            else:
-                reason = (f"IncA: stopping before round {server_round}: even stopped before its final "
-                          f"messages it could cost mu = {ceiling:.4g}, bringing epsilon from {spent:.4g} to "
-                          f"{after:.4g} > max_epsilon = {budget:.4g} (delta = {delta:.1e})")
+                if not self.privacy.reserve_stopped_round:
+                    return False
+                ceiling = self.no_finals_mu(n)
+                reserved = self.ledger.epsilon_after(ceiling, self.privacy.sample_rate)
+                if reserved <= budget:
+                    return False
+                log(INFO, "IncA: round %d runs guarded: stopped before its finals it could cost up to mu = "
+                    "%.4g (epsilon %.4g > max_epsilon = %.4g), so each iteration's messages are delivered "
+                    "only if what they reveal fits", server_round, ceiling, reserved, budget)
+                return True
+            reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from "
+                      f"{spent:.4g} to about {after:.4g} > max_epsilon = {budget:.4g} "
+                      f"(delta = {delta:.1e})")
         log(WARNING, "%s", reason)
         raise IncaBudgetExhausted(reason, server_round=server_round, arrays=arrays, epsilon=spent,
                                   predicted_epsilon=after, max_epsilon=budget, delta=self.privacy.delta)
@@ -419,7 +483,7 @@ class IncaStrategy(FedAvg):
             record.failed = f"only {len(record.roster)} node(s) joined (min_finalists = {minimum})"
             log(ERROR, "IncA round %d failed: %s; the global model is unchanged", server_round, record.failed)
             return None, None
-        mixed = self._mix(server_round, pending.grid, joined, vector.size)
+        mixed = self._mix(server_round, pending.grid, joined, vector.size, guarded=pending.guarded)
         # the messages were exchanged: the round's privacy is spent. Charge it first; nothing after the
         # charge may lose it or the new model: what fails there is logged and counted
         # (inca-post-charge-errors), and the round goes on
@@ -450,19 +514,31 @@ class IncaStrategy(FedAvg):
         """Stop training after a round stopped before its finals (already charged): no later round starts."""
         self._stopped_round = record.round
         budget = float(self.privacy.max_epsilon)  # a round is stopped only under a budget
-        reason = (f"IncA: round {record.round} stopped before its final messages: certified before them, "
-                  f"it would have brought epsilon to {mixed.prefinal_epsilon:.4g} > max_epsilon = "
-                  f"{budget:.4g} (delta = {self.privacy.delta:.1e}). The finals were not collected; the "
-                  f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
-                  f"now {record.epsilon:.4g}; the global model is unchanged and training stops")
+        guard = mixed.guard
+        delivered = self.mixing.iterations
+        if guard is not None and guard.blocked is not None:
+            delivered = guard.delivered
+            reason = (f"IncA: round {record.round} stopped by the budget guard before delivering the messages "
+                      f"of iteration {delivered + 1} of {self.mixing.iterations}: what the adversaries would "
+                      f"then have observed is certified at mu = {guard.blocked.mu:.4g}, more than the budget "
+                      f"left (max_epsilon = {budget:.4g}, delta = {self.privacy.delta:.1e}). The round was "
+                      f"charged what iterations 1..{delivered} revealed (mu = {record.mu:.4g}), epsilon is now "
+                      f"{record.epsilon:.4g}; the global model is unchanged and training stops")
+        else:
+            reason = (f"IncA: round {record.round} stopped before its final messages: certified before them, "
+                      f"it would have brought epsilon to {mixed.prefinal_epsilon:.4g} > max_epsilon = "
+                      f"{budget:.4g} (delta = {self.privacy.delta:.1e}). The finals were not collected; the "
+                      f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
+                      f"now {record.epsilon:.4g}; the global model is unchanged and training stops")
         log(WARNING, "%s", reason)
-        if record.epsilon > budget:  # only without reserve_stopped_round: what was observed is still charged
+        if record.epsilon > budget:  # only with the guard off: what was observed is still charged
             log(ERROR, "IncA: max_epsilon = %.4g exceeded: epsilon = %.4g after round %d, stopped before its "
-                "finals without a reserve for it (reserve_stopped_round=False)", budget, record.epsilon,
+                "finals with the budget guard off (reserve_stopped_round=False)", budget, record.epsilon,
                 record.round)
         raise IncaBudgetExhausted(reason, server_round=record.round, arrays=arrays, epsilon=record.epsilon,
                                   predicted_epsilon=mixed.prefinal_epsilon, max_epsilon=budget,
-                                  delta=self.privacy.delta, stopped_before_finals=True)
+                                  delta=self.privacy.delta, stopped_before_finals=True,
+                                  delivered_iterations=delivered)
 
     def _after_charge(self, record: RoundRecord, what: str, default: Any, fn: Callable[..., Any],
                       *args: Any) -> Any:
@@ -514,9 +590,11 @@ class IncaStrategy(FedAvg):
                 joined.metrics.pop(node, None)
         return joined
 
-    def _mix(self, server_round: int, grid: Grid, joined: _Joined, d: int) -> _Mixed:
+    def _mix(self, server_round: int, grid: Grid, joined: _Joined, d: int, guarded: bool = False) -> _Mixed:
         """Run the round's mixing through the relay: iterations 1..T, the certificate before the finals,
-        then the final reports, unless that certificate does not fit the budget (``stopped``)."""
+        then the final reports, unless that certificate does not fit the budget (``stopped``). A guarded
+        round (see :meth:`_check_budget`) also stops before delivering an iteration's messages if what
+        they would reveal does not fit."""
         roster = joined.roster
         n = len(roster)
         s_star, s_delta = self._sigmas(n)
@@ -537,7 +615,27 @@ class IncaStrategy(FedAvg):
             log(INFO, "\t> IncA %s: %d/%d nodes", what, online, n)
 
         mixed = _Mixed(relay, params, counters)
-        run_iterations(relay, exchange, progress=progress)
+        rate = self.privacy.sample_rate
+        if guarded:
+            mixed.guard = self._guard(server_round, relay)
+        try:
+            delivered = run_iterations(relay, exchange, progress=progress,
+                                       may_deliver=None if mixed.guard is None else mixed.guard.may_deliver)
+        except BaseException:
+            # messages were delivered: charge a bound on what they revealed before the error surfaces
+            # (the guard's, else the ceiling over every execution)
+            guard = mixed.guard
+            mu = guard.cost.mu if guard is not None else self.no_finals_mu(n)
+            self.ledger.spend(mu, rate, force=True, method=None if guard is None else guard.cost_method,
+                              note=f"round {server_round}: mixing failed (bound on what was delivered charged)")
+            raise
+        if delivered < mix.iterations:
+            guard = mixed.guard
+            mixed.stopped = (f"the messages of iteration {delivered + 1} would reveal mu = "
+                             f"{guard.blocked.mu:.4g}, taking epsilon past max_epsilon = "
+                             f"{self.privacy.max_epsilon:.4g}: they were not delivered (budget guard)")
+            log(WARNING, "IncA round %d: %s", server_round, mixed.stopped)
+            return mixed
         # the pre-final rule: certify iterations 1..T as if every final were revealed, before any is
         self._certify_before_finals(server_round, mixed)
         if mixed.stopped:
@@ -560,9 +658,13 @@ class IncaStrategy(FedAvg):
         rate = self.privacy.sample_rate
         try:
             trace = mixed.relay.trace(meta={"round": server_round})
-            cert = self._certify_round(trace, self._certify_seeds(server_round))
+            mixed.prefix = self._round_prefix(trace, self._certify_seeds(server_round))
+            cert = mixed.prefix.with_finals(None)
         except Exception:
-            self.ledger.spend(math.inf, rate, force=True, note=f"round {server_round}: not certified")
+            guard = mixed.guard
+            mu = math.inf if guard is None else guard.cost.mu  # a guarded round: what was delivered fit
+            self.ledger.spend(mu, rate, force=True, note=f"round {server_round}: not certified",
+                              method=None if guard is None else guard.cost_method)
             raise
         mu = mixed.prefinal_mu = cert.mu
         mixed.prefinal_method = cert.method
@@ -582,6 +684,16 @@ class IncaStrategy(FedAvg):
         exchanged, so its privacy is spent whatever happens next: without a certificate the round is
         charged as unbounded (mu = inf) before the error surfaces."""
         server_round, relay = record.round, mixed.relay
+        guard = mixed.guard
+        if guard is not None and guard.blocked is not None:  # stopped by the guard: charge what was delivered
+            note = (f"round {server_round}: stopped by the budget guard before delivering the messages of "
+                    f"iteration {guard.delivered + 1}")
+            record.mu = guard.cost.mu
+            record.epsilon = self.ledger.spend(record.mu, self.privacy.sample_rate, force=True, note=note,
+                                               method=guard.cost_method)
+            record.trace = self._after_charge(record, "recording the trace", None, _guarded_trace, relay,
+                                              guard.delivered, server_round)
+            return
         try:
             trace = relay.trace(meta={"round": server_round})
         except Exception:
@@ -592,7 +704,7 @@ class IncaStrategy(FedAvg):
             trace.meta["finals-collected"] = False  # meta["finalists"] is [], none was asked for
         record.trace, record.finalists = trace, sorted(relay.finals)
         record.mu, record.epsilon = self._certify_and_spend(trace, server_round, mixed.prefinal_mu,
-                                                            record.finalists, mixed.prefinal_method)
+                                                            record.finalists, mixed.prefinal_method, mixed.prefix)
 
     def _apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
                arrays: ArrayRecord) -> ArrayRecord | None:
@@ -684,29 +796,52 @@ class IncaStrategy(FedAvg):
                  finals: list[int] | None = None) -> float:
         """The worst certified mu over ``threat_draws`` adversaries drawn from ``seeds``, observing the final
         messages of ``finals`` (None: of every party online at T); see
-        :func:`flwr_inca.privacy.rounds.certify_round` (the simulator certifies with it too)."""
+        :class:`flwr_inca.privacy.prefix.RoundPrefix` (the simulator certifies with it too)."""
         return self._certify_round(trace, seeds, finals).mu
 
     def _certify_round(self, trace: ExecutionTrace, seeds: np.random.SeedSequence,
                        finals: list[int] | None = None) -> RoundCertificate:
-        """:meth:`_certify` with the certificate method(s) that gave the mu (for the ledger)."""
-        priv = self.privacy
-        return certify_round(trace, seeds, priv.threat_draws, collusion=priv.collusion,
-                             observed_fraction=priv.observed_fraction, finals=finals,
-                             value_sensitivity=priv.sensitivity)
+        """:meth:`_certify` with the certificate method(s) that gave the mu (for the ledger): the adversaries
+        of :func:`flwr_inca.privacy.rounds.certify_round`, computed as the pre-final rule does
+        (:meth:`_round_prefix`; mu rounded up by 1e-9 relative), so every charge comes from one method."""
+        return self._round_prefix(trace, seeds).with_finals(finals)
 
     def _certify_seeds(self, server_round: int) -> np.random.SeedSequence:
         return certification_seeds(self.seed, server_round)
 
+    def _round_prefix(self, trace: ExecutionTrace, seeds: np.random.SeedSequence) -> RoundPrefix:
+        """The round's adversaries (the same as :meth:`_certify_round`'s), each factorized once: the cost
+        with any subset of the finals and of any prefix (:class:`flwr_inca.privacy.prefix.RoundPrefix`)."""
+        priv = self.privacy
+        return RoundPrefix(trace, seeds, priv.threat_draws, collusion=priv.collusion,
+                           observed_fraction=priv.observed_fraction, value_sensitivity=priv.sensitivity)
+
+    def _guard(self, server_round: int, relay: RoundRelay) -> _Guard:
+        """The budget guard of a guarded round on ``relay``."""
+        n, rate, budget = relay.n, self.privacy.sample_rate, float(self.privacy.max_epsilon)
+        seeds = self._certify_seeds(server_round)
+
+        def fits(mu: float) -> bool:
+            self.ledger.refresh()  # another process sharing the ledger may have spent
+            return self.ledger.epsilon_after(mu, rate) <= budget
+
+        def certify_through(t: int) -> RoundPrefix:
+            steps = [relay.step(u) for u in range(1, t + 1)]
+            trace = padded_trace(n, steps, relay.T, relay.schedule, relay.sigma_star, relay.sigma_delta)
+            return self._round_prefix(trace, seeds)
+
+        return _Guard(self.prefix_ceilings(n), fits, certify_through)
+
     def _certify_and_spend(self, trace: ExecutionTrace, server_round: int, prefinal_mu: float | None = None,
-                           finals: list[int] | None = None,
-                           prefinal_method: str | None = None) -> tuple[float, float]:
+                           finals: list[int] | None = None, prefinal_method: str | None = None,
+                           prefix: RoundPrefix | None = None) -> tuple[float, float]:
         """Certify a round whose messages were exchanged and record its cost: ``(mu, epsilon)``.
 
         ``finals``: the parties whose final messages were revealed (None: every party online at T);
         ``prefinal_mu``: the round's certificate with every final revealed, if already known. Fewer finals
         are certified anew; both certificates bound what was observed, and the smaller is charged (so
-        the charge never exceeds the pre-final one, which the budget was checked against).
+        the charge never exceeds the pre-final one, which the budget was checked against). ``prefix``: the
+        pre-final certificate's factorizations, if kept: fewer finals then cost a small solve each.
 
         The cost is spent whatever happens: without a certificate (an error while certifying) the
         round is recorded as unbounded (mu = inf), or at its pre-final bound if known, before the error
@@ -727,7 +862,8 @@ class IncaStrategy(FedAvg):
                 prefinal_mu, prefinal_method = pre.mu, pre.method
             mu, method = prefinal_mu, prefinal_method
             if partial:
-                observed = self._certify_round(trace, seeds, finals=finals)
+                observed = (self._certify_round(trace, seeds, finals=finals) if prefix is None
+                            else prefix.with_finals(finals))
                 if observed.mu < prefinal_mu:
                     mu, method = observed.mu, observed.method
         except Exception:
@@ -755,6 +891,15 @@ class IncaStrategy(FedAvg):
         return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the "
                        f"update's noise std is {noise:.3g} per coordinate instead of {full:.3g} "
                        f"(max_noise_inflation = {limit})")
+
+    def prefix_ceilings(self, n: int) -> np.ndarray:
+        """(T+1,) the most the messages of iterations 1..t can reveal on any execution of n parties, t = 0..T
+        (:func:`flwr_inca.privacy.prefix.prefix_ceilings` at this round's sigmas; cached per n)."""
+        if n not in self._prefix_ceilings:
+            s_star, s_delta = self._sigmas(n)
+            schedule = InjectionSchedule.resolve(self.mixing.schedule, self.mixing.iterations)
+            self._prefix_ceilings[n] = prefix_ceilings(schedule, s_star, s_delta, self.privacy.sensitivity)
+        return self._prefix_ceilings[n]
 
     def no_finals_mu(self, n: int) -> float:
         """The most a round of n parties can cost if stopped before its final messages, on any execution
@@ -841,6 +986,17 @@ class IncaStrategy(FedAvg):
                       payload: bytes) -> bytes:
         """Hook on every peer payload the relay forwards (identity; subclasses may observe it)."""
         return payload
+
+
+def _guarded_trace(relay: RoundRelay, delivered: int, server_round: int) -> ExecutionTrace:
+    """The trace of a round the guard stopped after delivering the messages of iterations 1..``delivered``:
+    the iterations committed so far, the later ones exchanging nothing (``meta["delivered-iterations"]``
+    says where the real ones end)."""
+    steps = [relay.step(u) for u in range(1, delivered + 2)]
+    trace = padded_trace(relay.n, steps, relay.T, relay.schedule, relay.sigma_star, relay.sigma_delta)
+    trace.meta.update({"round": server_round, "finalists": [], "finals-collected": False,
+                       "delivered-iterations": delivered})
+    return trace
 
 
 def _client_side_metrics(server_metrics: MetricRecord, forwarded: MetricRecord | None) -> _TrainMetrics:

@@ -50,10 +50,11 @@ class SimulationConfig:
         accountant: record level ``"opacus-prv"`` (default) or ``"opacus-rdp"``; party level ``"exact"``
             (default) or either Opacus accountant. The names before 0.2 (``"prv"``, ``"rdp"``, ``"gdp"``)
             still work, warn (``DeprecationWarning``) and are stored under the new name.
-        reserve_stopped_round: IncA with a budget: a round starts only if the most it could cost when
-            stopped before its final messages also fits (``max_epsilon`` then holds always; default).
-            False: only the predicted cost is checked, and a stopped round's exact cost may take the total
-            past ``epsilon`` (see ``flwr_inca.flower.PrivacyTarget.reserve_stopped_round``).
+        reserve_stopped_round: IncA with a budget: the budget guard (default; ``epsilon`` then holds
+            always): a round whose cost does not fit is stopped before its final messages, or before the
+            first iteration whose messages would not fit, and charged what was revealed until then.
+            False: it is always stopped only before its finals and charged their no-finals cost, which
+            may take the total past ``epsilon`` (see ``flwr_inca.flower.PrivacyTarget.reserve_stopped_round``).
         mu_resolution: a round is charged its mu rounded *up* to this relative grid (0.005: at most
             0.5% more), so the PRV accountant composes few distinct rounds (its cost grows with them);
             0 charges mu exactly.

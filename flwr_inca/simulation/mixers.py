@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -47,7 +48,8 @@ from .._checks import check_int, check_probability, check_real
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.conversions import epsilon_for_delta
 from ..privacy.prefinal import no_finals_bound
-from ..privacy.rounds import certification_seeds, certify_round
+from ..privacy.prefix import RoundPrefix
+from ..privacy.rounds import certification_seeds
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel
 from ..protocol.engine import replay, sample_trace
@@ -152,15 +154,18 @@ class Mixer(ABC):
     def abandon(self, plan: RoundPlan) -> None:
         """The planned round will not be mixed (its charge was refused): release what it holds."""
 
-    def stopped_cost(self, plan: RoundPlan) -> float:
+    def stopped_cost(self, plan: RoundPlan, fits: Callable[[float], bool] | None = None) -> float:
         """What a round whose charge was refused has spent anyway (GDP mu): 0 for a mechanism that reveals
         nothing before its release. A deployment learns a round's exact cost only as it runs (IncA: before
-        its final messages), so such a mechanism has spent what it revealed until then."""
+        its final messages), so such a mechanism has spent what it revealed until then. ``fits`` (the
+        budget guard): a deployment that checks ``fits`` before each step it reveals stops at the last
+        step that fits; the cost is then that step's (``plan.info["delivered_iterations"]`` for IncA)."""
         return 0.0
 
     def stopped_ceiling(self, participants: int) -> float:
         """The most :meth:`stopped_cost` can be for any plan of ``participants`` clients (0 by default).
-        The runner starts a round only if this fits the budget, so a refused round never overruns it."""
+        Informative: the runner reserves nothing; with the budget guard a refused round is charged the
+        largest part of it that fits (``stopped_cost(plan, fits)``), so it never overruns the budget."""
         return 0.0
 
     def describe(self) -> str:
@@ -437,18 +442,33 @@ class IncaMixer(Mixer):
         sets), drawn by :func:`flwr_inca.privacy.rounds.certification_views`: the same draws as ``IncaStrategy``
         for its seed (tests/test_simulation_flower.py checks it). ``finals``: the parties whose final
         messages are observed (None: every party online at T; ``[]``: a round stopped before them)."""
-        return certify_round(trace, certification_seeds(int(seed), round), self.threat_draws,
-                             collusion=self.collusion, observed_fraction=self.observed_fraction, finals=finals,
-                             value_sensitivity=self.context.value_sensitivity).mu
+        return self.round_prefix(trace, round, seed).with_finals(finals).mu
 
-    def stopped_cost(self, plan: RoundPlan) -> float:
+    def round_prefix(self, trace: ExecutionTrace, round: int, seed: int) -> RoundPrefix:
+        """The round's adversaries factorized once (:class:`flwr_inca.privacy.prefix.RoundPrefix`, as
+        ``IncaStrategy`` computes them): the cost with any finals and of any prefix of the round."""
+        return RoundPrefix(trace, certification_seeds(int(seed), round), self.threat_draws,
+                           collusion=self.collusion, observed_fraction=self.observed_fraction,
+                           value_sensitivity=self.context.value_sensitivity)
+
+    def stopped_cost(self, plan: RoundPlan, fits: Callable[[float], bool] | None = None) -> float:
         """IncaStrategy's pre-final rule: a round whose cost with its final messages does not fit is
         stopped before them, having spent what its mixing revealed without them, certified exactly on
-        the same adversaries (and never above a certified plan's cost, which bounds it)."""
+        the same adversaries (and never above a certified plan's cost, which bounds it). With ``fits``,
+        its budget guard too: the round stops before the first iteration whose messages would reveal
+        more than fits, and costs what the iterations before it revealed (the whole trace is known, so
+        the largest affordable prefix is found directly: :meth:`RoundPrefix.largest_affordable`).
+        ``plan.info["delivered_iterations"]``: the iterations whose messages were delivered."""
         if plan.trace is None:
             return 0.0
-        mu = self.certify(plan.trace, plan.round, self.threat_seed(self.context.seed), finals=[])
-        return min(mu, plan.mu) if plan.certified else mu
+        prefix = self.round_prefix(plan.trace, plan.round, self.threat_seed(self.context.seed))
+        T = plan.trace.iterations
+        if fits is None:
+            delivered, cert = T, prefix.through(T)
+        else:
+            delivered, cert = prefix.largest_affordable(fits)
+        plan.info["delivered_iterations"] = delivered
+        return min(cert.mu, plan.mu) if plan.certified else cert.mu
 
     def stopped_ceiling(self, participants: int) -> float:
         """:func:`flwr_inca.privacy.prefinal.no_finals_bound` at the sigmas of a round of this size."""

@@ -6,10 +6,11 @@ Each round, in this order (charge first, then do anything that can fail):
 2. the mixer's plan: for IncA a fresh execution trace (topology and in-round dropouts; it does not
    depend on any value) certified against the threat;
 3. the ledger is charged the plan's cost; a round whose charge would exceed the budget releases
-   nothing, and training stops, saying why. As in a deployment (IncaStrategy's pre-final rule), IncA
-   learns that only before the round's final messages: the round is charged what its mixing revealed
-   without them (``Mixer.stopped_cost``), and a round starts only if that cannot exceed the budget
-   either (``Mixer.stopped_ceiling``), so the ledger never does;
+   nothing, and training stops, saying why. As in a deployment (IncaStrategy's pre-final rule and
+   budget guard), IncA learns that only as the round runs: the round is charged what its mixing revealed
+   until it stopped (``Mixer.stopped_cost``): before its final messages, or, when even that does not
+   fit, before the first iteration whose messages would not fit (``reserve_stopped_round``, default),
+   so the ledger never exceeds the budget;
 4. the participants train locally from the current global model (Ray actors, vectorized);
 5. the mixer computes the round's update, which is applied (released) and evaluated.
 
@@ -298,15 +299,6 @@ def simulate(
                 )
             )
             record.participants = int(count)
-            if ledger is not None and ledger.max_epsilon is not None and config.reserve_stopped_round:
-                ceiling = charge_resolution(mixer.stopped_ceiling(int(count)), config.mu_resolution)
-                if ceiling > 0 and ledger.epsilon_after(ceiling, plan.sample_rate) > ledger.max_epsilon:
-                    history.stopped = (
-                        f"stopped before round {rnd}: stopped before its final messages it could still cost "
-                        f"mu = {ceiling:.4g}, which would take epsilon past max_epsilon = "
-                        f"{ledger.max_epsilon:g} (spent: {ledger.epsilon():.4g}); nothing of it was spent"
-                    )
-                    break
 
             # local training starts now on the actors: it releases nothing, so it may run while the
             # round is certified and charged; only the mixer's output is released, and only after
@@ -354,31 +346,49 @@ def simulate(
                 try:
                     record.epsilon, record.seconds_charge = charge.result()
                 except BudgetExceededError as exc:
+                    # --- pre-final rule and budget guard (issue 15) ---
                     mixer.abandon(round_plan)
-                    stopped_mu = charge_resolution(mixer.stopped_cost(round_plan), config.mu_resolution)
-                    if stopped_mu > 0:
-                        # the pre-final rule: its mixing ran, its finals are not revealed; charge the former
+                    fits = None
+                    if config.reserve_stopped_round and ledger.max_epsilon is not None:
+                        # the guard: deliver an iteration's messages only if what they reveal fits
+                        def fits(mu: float) -> bool:
+                            charged = charge_resolution(mu, config.mu_resolution)
+                            return ledger.epsilon_after(charged, plan.sample_rate) <= ledger.max_epsilon
+
+                    stopped_mu = charge_resolution(mixer.stopped_cost(round_plan, fits), config.mu_resolution)
+                    delivered = round_plan.info.get("delivered_iterations")
+                    iterations = round_plan.trace.iterations if round_plan.trace is not None else None
+                    guarded = delivered is not None and delivered != iterations
+                    where = (
+                        f"by the budget guard before delivering the messages of iteration {delivered + 1}"
+                        if guarded
+                        else "before its final messages"
+                    )
+                    if stopped_mu > 0 or guarded:
+                        # its mixing ran up to there, nothing after it is revealed; charge what was
                         record.epsilon = ledger.spend(
-                            stopped_mu,
-                            plan.sample_rate,
-                            force=True,
-                            note=f"round {rnd}: stopped before its final messages",
+                            stopped_mu, plan.sample_rate, force=True, note=f"round {rnd}: stopped {where}"
                         )
                         record.charged_mu = stopped_mu  # record.mu stays the cost with the finals
-                        record.cost = "stopped before its final messages: charged their no-finals certificate"
-                        record.failed = "stopped before its final messages (the model is unchanged)"
+                        record.cost = (
+                            f"stopped {where}: charged the certificate of the messages of iterations "
+                            f"1..{delivered}"
+                            if guarded
+                            else "stopped before its final messages: charged their no-finals certificate"
+                        )
+                        record.failed = f"stopped {where} (the model is unchanged)"
                         record.seconds = time.perf_counter() - start
                         history.records.append(record)
                         history.stopped = (
-                            f"round {rnd} stopped before its final messages: with them it would exceed the "
-                            f"budget; it was charged what its mixing revealed without them "
+                            f"round {rnd} stopped {where}: with them it would exceed the "
+                            f"budget; it was charged what its mixing revealed until then "
                             f"(mu = {stopped_mu:.4g}, epsilon = {record.epsilon:.4g}); the model is unchanged. "
                             f"{exc}"
                         )
                         if ledger.max_epsilon is not None and record.epsilon > ledger.max_epsilon:
                             history.stopped += (
-                                f" max_epsilon = {ledger.max_epsilon:g} was exceeded: no reserve was taken "
-                                "for a round stopped before its finals (reserve_stopped_round=False)"
+                                f" max_epsilon = {ledger.max_epsilon:g} was exceeded: the budget guard is off "
+                                "(reserve_stopped_round=False)"
                             )
                     else:
                         history.stopped = (
