@@ -10,6 +10,7 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
     python benchmarks/bench_accountant.py --screening 1000               # could a cheap pass screen parties?
     python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
+    python benchmarks/bench_accountant.py --locality 1000 --radius 1     # near/far split vs exact (ratios)
     python benchmarks/bench_accountant.py --baseline 200                 # vs a dense pseudo-inverse
     python benchmarks/bench_accountant.py --extrapolate 100000           # one batch of the bound, extrapolated
     python benchmarks/bench_accountant.py --full                         # the paper's 1000-run calibration
@@ -228,19 +229,106 @@ def calibrate_large(ns: list[int], runs: int) -> None:
               f"success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB", flush=True)
 
 
-def strategy(ns: list[int], draws: int) -> None:
-    """What IncaStrategy pays per round: ``threat_draws`` certificates of the round's trace (auto)."""
-    from flwr_inca.privacy import certify, random_collusion
+def strategy(ns: list[int], draws: int, repeats: int = 3) -> None:
+    """What IncaStrategy pays per round: ``threat_draws`` certificates of the round's trace (auto), with
+    certify's one-pair Cholesky path, against the pencil method (every pair; what certify used before),
+    alternating, medians of ``repeats``; and where the time goes."""
+    import cProfile
+    import pstats
+
+    from flwr_inca.privacy import certify, profile, random_collusion
 
     for n in ns:
         trace, _ = _setting(n)
-        start = time.perf_counter()
-        methods = set()
-        for draw in range(draws):
-            cert = certify(trace, random_collusion(trace, 0.1, [0, 1, draw]))
-            methods.add(cert.method)
-        dt = time.perf_counter() - start
-        print(f"n = {n}: per-round certification ({draws} threat draws, {sorted(methods)}) {dt:.2f} s", flush=True)
+        views = [random_collusion(trace, 0.1, [0, 1, draw]) for draw in range(draws)]
+        fast, pencil, methods = [], [], set()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for view in views:
+                methods.add(certify(trace, view).method)
+            t1 = time.perf_counter()
+            for view in views:
+                profile(trace, view).mu(trace.sigma_star, trace.sigma_delta)
+            t2 = time.perf_counter()
+            fast.append(t1 - t0)
+            pencil.append(t2 - t1)
+        print(f"n = {n}: per-round certification ({draws} threat draws, {sorted(methods)}): "
+              f"{np.median(fast):.2f} s (pencil method {np.median(pencil):.2f} s, "
+              f"ratio {np.median(fast) / np.median(pencil):.2f}; medians of {repeats})", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for view in views:
+            certify(trace, view)
+        prof.disable()
+        stats = pstats.Stats(prof)
+        total = sum(v[2] for v in stats.stats.values())
+        top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:5]
+        print("  where the time goes (tottime): " + "; ".join(
+            f"{k[2]} {v[2]:.2f} s ({v[2] / total:.0%})" for k, v in top), flush=True)
+
+
+def locality(ns: list[int], radius: int = 1, parties: int = 8, deflate: int = 0) -> None:
+    """Does a near-field / far-field split work? For the weakest parties and a few random ones: the
+    least-squares optimum over ``dy = a G + u``, u on the columns touching the parties within
+    ``radius`` hops of i in the party graph (parties linked by a message), G the optimal ``dy`` of the
+    mean right-hand side (with ``deflate`` > 0: also the ``deflate`` eigenvectors of ``L^T L`` with the
+    smallest eigenvalues, a coarse space), against the exact mu; and the size of the r-hop
+    neighbourhoods (ratios, not timings)."""
+    import scipy.sparse as sp
+    import scipy.sparse.linalg as spla
+
+    from flwr_inca.privacy import certify
+    from flwr_inca.privacy.bound import BoundSettings, _cg, _Operator
+    from flwr_inca.privacy.message_space import MessageSpace
+
+    for n in ns:
+        trace, view = _setting(n)
+        ms = MessageSpace(trace, view, S_STAR, S_DELTA)
+        rows, cols, vals = [], [], []
+        for g in ms.groups:
+            if g.blocked:
+                continue
+            q = np.arange(g.start, g.stop)
+            for t, s in zip(*np.nonzero(g.P)):
+                rows.append(ms.rowid(t, q))
+                cols.append(ms.rowid(s, q))
+                vals.append(np.full(q.size, g.P[t, s]))
+        P = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(ms.R, ms.R))
+        w = np.where(ms.row_t == 0, 1 / S_STAR, 1 / S_DELTA)
+        L = (sp.diags(w) @ P @ ms.Dz).tocsc()
+        coo = L.tocoo()
+        touches = sp.csr_matrix((np.ones(coo.nnz), (coo.col, ms.row_q[coo.row])), shape=(ms.U, ms.nH))
+        touched_by = touches.T.tocsr()
+        op = _Operator(ms, S_STAR, S_DELTA, BoundSettings())
+        b_all = w[:, None] * ms.apply_P(ms.target(np.arange(ms.nH)))
+        b_mean = b_all.mean(axis=1, keepdims=True)
+        LG = L @ _cg(op, b_mean, np.zeros((ms.U, 1)), 60).astype(float)
+        if deflate:
+            vals, vecs = spla.eigsh((L.T @ L).tocsc(), k=deflate, sigma=-1e-3, which="LM")
+            print(f"n = {n}: the {deflate} smallest eigenvalues of L^T L: {vals.min():.3g} .. {vals.max():.3g}")
+            LG = np.hstack([LG, L @ vecs])
+        exact = certify(trace, view, solver="exact")
+        mu = np.array([exact.mu[int(p)] for p in ms.parties])
+        rng = np.random.default_rng(0)
+        pick = list(np.argsort(-mu)[: parties // 2]) + list(rng.choice(ms.nH, parties - parties // 2, replace=False))
+        print(f"n = {n}: {ms.U} unknowns, {ms.nH} honest parties; dy = a G + u(r-hop), r = {radius}")
+        for q in pick:
+            near = np.zeros(ms.nH, dtype=bool)
+            near[q] = True
+            sizes = []
+            for _ in range(max(radius, 2)):
+                c = np.flatnonzero(touched_by[np.flatnonzero(near)].sum(axis=0).A1 > 0)
+                near[np.flatnonzero(touches[c].sum(axis=0).A1 > 0)] = True
+                sizes.append(int(near.sum()))
+                if len(sizes) == radius:
+                    support = np.flatnonzero(touched_by[np.flatnonzero(near)].sum(axis=0).A1 > 0)
+            A = sp.hstack([L[:, support], sp.csc_matrix(LG)]).tocsc()
+            b = b_all[:, q]
+            x = spla.lsqr(A, b, atol=1e-12, btol=1e-12, iter_lim=3000)[0]
+            local = float(np.sqrt(np.sum((A @ x - b) ** 2)))
+            print(f"  party {ms.parties[q]:>6}: exact mu {mu[q]:.5f}, local+global {local:.5f} "
+                  f"(ratio {local / mu[q]:.3f}; {support.size} columns); parties within 1, 2 hops: "
+                  f"{sizes[0]}, {sizes[1]}", flush=True)
 
 
 def baseline(ns: list[int]) -> None:
@@ -295,6 +383,9 @@ def main() -> None:
     p.add_argument("--screening", type=int, nargs="*", help="bounds after 0..8 CG iterations")
     p.add_argument("--strategy", type=int, nargs="*")
     p.add_argument("--draws", type=int, default=3)
+    p.add_argument("--locality", type=int, nargs="*", help="near-field / far-field split vs exact (ratios)")
+    p.add_argument("--radius", type=int, default=1)
+    p.add_argument("--deflate", type=int, default=0, help="--locality: add this many eigenvectors of L^T L")
     p.add_argument("--baseline", type=int, nargs="*")
     p.add_argument("--extrapolate", type=int, nargs="*")
     p.add_argument("--full", action="store_true", help="calibrate(procedure='paper', runs=1000) at n = 200")
@@ -317,6 +408,8 @@ def main() -> None:
         calibrate_large(args.calibrate_large, args.runs)
     if args.strategy:
         strategy(args.strategy, args.draws)
+    if args.locality:
+        locality(args.locality, args.radius, deflate=args.deflate)
     if args.baseline:
         baseline(args.baseline)
     if args.extrapolate:
@@ -324,7 +417,7 @@ def main() -> None:
     if args.full:
         full()
     if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline,
-                args.structure, args.screening, args.full, args.extrapolate]):
+                args.structure, args.screening, args.full, args.extrapolate, args.locality]):
         p.print_help()
 
 

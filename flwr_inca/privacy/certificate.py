@@ -217,6 +217,45 @@ def _whiten(K: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return coords / np.sqrt(kappa)[:, None], lost
 
 
+@dataclass(frozen=True)
+class _FixedSigmas:
+    """Exact mu of every honest party at one pair of sigmas: ``mu_i = ||C^{-1} h_i||`` with
+    ``C C^T = Sigma = sigma_star^2 G_B + sigma_delta^2 G_A`` (Thm 4.1, Sigma invertible).
+
+    What :func:`certify` needs (one pair): about half the work of :class:`SensitivityProfile`, which
+    also diagonalizes the pencil to serve every pair."""
+
+    honest: np.ndarray
+    mu_at: np.ndarray  # (n_H,)
+    sigmas: tuple[float, float]
+    method: str = "exact"
+
+    @classmethod
+    def from_model(cls, model: ObservationModel, sigma_star: float, sigma_delta: float) -> _FixedSigmas | None:
+        """None when Sigma is singular or ill conditioned (reciprocal condition <= 1e-10): the pencil
+        method then handles its null space (noise-free sums, mu = inf for unrepresentable h)."""
+        if not (sigma_star > 0 and sigma_delta > 0):
+            return None
+        if model.H.shape[0] == 0:
+            return cls(model.honest, np.zeros(model.honest.size), (sigma_star, sigma_delta))
+        Sigma = sigma_star**2 * model.G_B
+        Sigma += sigma_delta**2 * model.G_A
+        norm1 = float(np.abs(Sigma).sum(axis=0).max())
+        try:
+            C = la.cholesky(Sigma, lower=True, check_finite=False, overwrite_a=True)
+        except la.LinAlgError:
+            return None
+        if not la.lapack.dpocon(C.T, norm1)[0] > 1e-10:
+            return None
+        Y = la.solve_triangular(C, model.H, lower=True, check_finite=False)
+        return cls(model.honest, np.sqrt(np.einsum("ij,ij->j", Y, Y)), (sigma_star, sigma_delta))
+
+    def mu(self, sigma_star: float, sigma_delta: float) -> np.ndarray:
+        if (sigma_star, sigma_delta) != self.sigmas:
+            raise ValueError("this profile holds mu at one pair of sigmas only")
+        return self.mu_at
+
+
 def _check_view(trace: ExecutionTrace, view: AdversaryView) -> None:
     if view.parties != trace.parties or view.observed.shape[0] != trace.iterations + 1:
         raise ValueError("adversary view does not match the trace (parties or iterations differ)")
@@ -298,8 +337,13 @@ def certify(
     value_sensitivity = check_real("value_sensitivity", value_sensitivity, 0.0, low_open=True)
     if delta is not None:
         delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    prof = profile(trace, view, method, solver=solver, sigma_star=s_star, sigma_delta=s_delta,
-                   bound_settings=bound_settings)
+    prof: SensitivityProfile | SensitivityBound | _FixedSigmas
+    if choose_solver(trace, view, solver) == "exact":
+        model = build_model(trace, view, method)
+        # one pair of sigmas is certified: a Cholesky factor of the covariance, no pencil eigenbasis
+        prof = _FixedSigmas.from_model(model, s_star, s_delta) or SensitivityProfile.from_model(model)
+    else:
+        prof = bound_profile(trace, view, sigma_star=s_star, sigma_delta=s_delta, settings=bound_settings)
     mu = prof.mu(s_star, s_delta) * value_sensitivity
     cert = Certificate({int(i): float(m) for i, m in zip(prof.honest, mu)}, s_star, s_delta,
                        float(value_sensitivity), view, delta, method=prof.method)
