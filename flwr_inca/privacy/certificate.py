@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.linalg as la
+from scipy.linalg.blas import dtrsm
 
 from .._checks import check_real
 from .._json import jsonable
@@ -217,6 +218,31 @@ def _whiten(K: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return coords / np.sqrt(kappa)[:, None], lost
 
 
+def lower_solve(L: np.ndarray, B: np.ndarray) -> np.ndarray:
+    """``L^{-1} B`` for lower triangular L, by BLAS ``dtrsm`` (``scipy.linalg.solve_triangular`` adds
+    about 10 ms per call here, which dominates small solves)."""
+    if B.size == 0:
+        return np.zeros(B.shape)
+    return dtrsm(1.0, L, B, lower=1)
+
+
+def whiten_at(model: ObservationModel, sigma_star: float, sigma_delta: float,
+              rcond: float = 1e-10) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(L, L^{-1} H)`` with ``L L^T = Sigma = sigma_star^2 G_B + sigma_delta^2 G_A`` (Thm 4.1:
+    ``mu_i = ||L^{-1} h_i||``), or None when Sigma is singular or its reciprocal condition is at most
+    ``rcond`` (the pencil method then handles the null space)."""
+    Sigma = sigma_star**2 * model.G_B
+    Sigma += sigma_delta**2 * model.G_A
+    norm1 = float(np.abs(Sigma).sum(axis=0).max())
+    try:
+        L = la.cholesky(Sigma, lower=True, check_finite=False, overwrite_a=True)
+    except la.LinAlgError:
+        return None
+    if not la.lapack.dpocon(L.T, norm1)[0] > rcond:
+        return None
+    return L, lower_solve(L, model.H)
+
+
 @dataclass(frozen=True)
 class _FixedSigmas:
     """Exact mu of every honest party at one pair of sigmas: ``mu_i = ||C^{-1} h_i||`` with
@@ -238,16 +264,10 @@ class _FixedSigmas:
             return None
         if model.H.shape[0] == 0:
             return cls(model.honest, np.zeros(model.honest.size), (sigma_star, sigma_delta))
-        Sigma = sigma_star**2 * model.G_B
-        Sigma += sigma_delta**2 * model.G_A
-        norm1 = float(np.abs(Sigma).sum(axis=0).max())
-        try:
-            C = la.cholesky(Sigma, lower=True, check_finite=False, overwrite_a=True)
-        except la.LinAlgError:
+        factor = whiten_at(model, sigma_star, sigma_delta)
+        if factor is None:
             return None
-        if not la.lapack.dpocon(C.T, norm1)[0] > 1e-10:
-            return None
-        Y = la.solve_triangular(C, model.H, lower=True, check_finite=False)
+        Y = factor[1]
         return cls(model.honest, np.sqrt(np.einsum("ij,ij->j", Y, Y)), (sigma_star, sigma_delta))
 
     def mu(self, sigma_star: float, sigma_delta: float) -> np.ndarray:

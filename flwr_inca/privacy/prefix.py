@@ -48,12 +48,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg as la
-from scipy.linalg.blas import dtrsm
 
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.topology import Messages
 from ..protocol.trace import ExecutionTrace, TraceStep
-from .certificate import EXACT_MAX_ROWS, certify
+from .certificate import EXACT_MAX_ROWS, certify, lower_solve, whiten_at
 from .linear_system import build_model
 from .rounds import RoundCertificate, certification_views
 from .views import AdversaryView, with_finals
@@ -61,7 +60,6 @@ from .views import AdversaryView, with_finals
 __all__ = ["ROUND_UP", "PrefixProfile", "RoundPrefix", "prefix_ceilings", "prefix_view"]
 
 ROUND_UP = 1e-9  # relative: every mu computed here is charged at most this much above its exact value
-_RCOND = 1e-10  # the same conditioning threshold as the exact certificate's Cholesky whitening
 
 
 def prefix_view(view: AdversaryView, through: int) -> AdversaryView:
@@ -114,15 +112,10 @@ class PrefixProfile:
             empty = np.zeros((0, 0))
             return cls(model.honest, np.zeros((T + 2, nH)), np.zeros(0, np.int64), empty,
                        np.zeros((0, nH)), float(value_sensitivity))
-        sigma = s_star**2 * model.G_B + s_delta**2 * model.G_A
-        try:
-            L = la.cholesky(sigma, lower=True, check_finite=False)
-        except la.LinAlgError:
+        factor = whiten_at(model, s_star, s_delta)
+        if factor is None:
             return None
-        rcond = la.lapack.dpocon(L.T, np.abs(sigma).sum(axis=0).max())[0]
-        if not rcond > _RCOND:
-            return None
-        W = _lower_solve(L, model.H)
+        L, W = factor
         csum = np.zeros((m + 1, nH))
         np.cumsum(W * W, axis=0, out=csum[1:])
         a = int(offsets[T])
@@ -149,23 +142,15 @@ class PrefixProfile:
         if 2 * lost.size <= kept.size:  # remove the lost finals' information from the full view
             E = np.zeros((kept.size, lost.size))
             E[lost, np.arange(lost.size)] = 1.0
-            X = _lower_solve(self.last_factor, E)
-            z = _lower_solve(la.cholesky(X.T @ X, lower=True, check_finite=False), X.T @ self.last_whitened)
+            X = lower_solve(self.last_factor, E)
+            z = lower_solve(la.cholesky(X.T @ X, lower=True, check_finite=False), X.T @ self.last_whitened)
             removed = np.einsum("ij,ij->j", z, z)
             if np.all(full - removed >= 1e-4 * full):  # at most 4 digits cancel (error ~1e-12 relative)
                 return np.sqrt(np.maximum(full - removed, before)) * self.value_sensitivity
         # the finals that arrived, conditioned on everything before them: S_FF = L_F L_F^T, R_F = L_F W_2
         L_F = self.last_factor[keep]
-        z = _lower_solve(la.cholesky(L_F @ L_F.T, lower=True, check_finite=False), L_F @ self.last_whitened)
+        z = lower_solve(la.cholesky(L_F @ L_F.T, lower=True, check_finite=False), L_F @ self.last_whitened)
         return np.sqrt(before + np.einsum("ij,ij->j", z, z)) * self.value_sensitivity
-
-
-def _lower_solve(L: np.ndarray, B: np.ndarray) -> np.ndarray:
-    """``L^{-1} B`` for lower triangular L: BLAS ``dtrsm`` (``scipy.linalg.solve_triangular`` adds about
-    10 ms per call here, which would dominate the small solves of lost finals)."""
-    if B.size == 0:
-        return np.zeros(B.shape)
-    return dtrsm(1.0, L, B, lower=1)
 
 
 def _worst(mus: Iterable[float]) -> float:
