@@ -287,3 +287,40 @@ def test_study_small_n_calibrates_on_more_executions_at_a_quantile_and_certifies
         StudyGrid(small_calibration_success=0)
     with pytest.raises(ValueError, match="small_certify_every"):
         StudyGrid(small_certify_every=0)
+
+
+@pytest.mark.parametrize("clients, every, runs", [(8, 1, 5), (12, 10, 2)])
+def test_study_inca_run_uses_the_settings_of_its_n(monkeypatch, clients, every, runs):
+    """run_one gives the simulator and IncA's calibration the small-n settings at n <= small_clients
+    (every round certified, more calibration executions), the others above (a spy on simulate: the real
+    simulation is run by the pipeline test)."""
+    from flwr_inca import simulation
+    from flwr_inca.study.mnist import _CalibrationCache, run_one, split_data
+
+    grid = StudyGrid(iterations=3, calibration_runs=2, certify_every=10, small_clients=10, small_calibration_runs=5,
+                     small_calibration_success=0.8, small_certify_every=1, validation=200, batch_size=10)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(model_fn, parts, test_set, config, *, mixer, **kwargs):
+        seen["config"] = config
+        mixer.prepare(simulation.MixContext(0.2, 0.5, 1e-5, clients - 1, 7850, 0))
+        seen["calibration"] = mixer.calibration
+        raise Stop
+
+    monkeypatch.setattr(simulation, "simulate", spy)
+    data = split_data(_dataset_784(), grid)
+    cache = _CalibrationCache(grid)
+    with pytest.raises(Stop):
+        run_one(data, grid, "inca", clients, "iid", 1.0, 0.1, 0, 1.0, 1.0, 3, "tune", cache)
+    assert seen["config"].certify_every == every
+    assert seen["calibration"].runs == runs
+
+
+def _dataset_784():
+    rng = np.random.default_rng(3)
+    x = rng.random((600, 784), dtype=np.float32)
+    y = rng.integers(0, 10, 600)
+    return Dataset(x[:500], y[:500], x[500:], y[500:], "random")
