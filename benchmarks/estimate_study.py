@@ -6,8 +6,9 @@
 Cost model, per method and n, from the runs that were executed (not reused) in the given runs.csv
 files: seconds = a + b * rounds (least squares over that method's runs at that n; one run: b only);
 test runs are assumed to use the largest tuned rounds (``--eval-rounds`` to change).
-IncA's certificate, taken every ``certify_every`` rounds in the measured runs, is taken every round in
-the full grid: each extra certificate is charged ``--certify n:seconds`` (measure it with
+IncA's certificate, taken every ``certify_every`` rounds in the measured runs (the default grid's rule
+for that n, ``StudyGrid.inca_settings``: every 10th round at n = 1000, every round at n <= 300), is taken
+every round in the full grid: each extra certificate is charged ``--certify n:seconds`` (measure it with
 ``benchmarks/bench_simulation.py certify``). n without measurements is scaled linearly from the
 nearest measured n (the per-round part b; training and mixing grow about linearly; an estimate). The output is an
 *estimate*, not a measurement.
@@ -63,7 +64,9 @@ def main() -> None:
     p.add_argument("runs", nargs="+", help="runs.csv files of executed studies")
     p.add_argument("--grid", choices=["full", "default"], default="full")
     p.add_argument("--certify", nargs="*", default=[], help="n:seconds of one exact IncA certificate")
-    p.add_argument("--measured-certify-every", type=int, default=DEFAULT_GRID.certify_every)
+    p.add_argument("--measured-certify-every", type=int, default=None,
+                   help="IncA certified every k rounds in the measured runs (default: the default grid's rule at "
+                        "the measured n)")
     p.add_argument("--eval-rounds", type=int, default=None,
                    help="rounds of each test run (default: the largest tuned rounds, as the default study chose)")
     args = p.parse_args()
@@ -87,8 +90,10 @@ def main() -> None:
         near = min(measured, key=lambda m: abs(np.log(m / n)))
         a, b = models[(method, near)]
         seconds = a + b * rounds * n / near  # per-run overhead (privacy plan, set-up) does not scale with n
-        if method.startswith("inca") and grid.certify_every < args.measured_certify_every:
-            extra = rounds * (1 / grid.certify_every - 1 / args.measured_certify_every)
+        every = grid.inca_settings(n)[2]
+        measured_every = args.measured_certify_every or DEFAULT_GRID.inca_settings(near)[2]
+        if method.startswith("inca") and every < measured_every:
+            extra = rounds * (1 / every - 1 / measured_every)
             seconds += extra * certify.get(n, certify.get(near, 0.0) * (n / near) ** 2.5)
         return seconds
 

@@ -248,7 +248,79 @@ def test_study_calibration_cache_scales_like_a_direct_calibration():
     direct = calibrate(epsilon_for_delta(mu, 1e-5), 1e-5, n, iterations=4, neighbors=1, collusion=0.1,
                        dropout=PermanentDropout(gamma), runs=2, seed=1414 + 7919 * n + 100, procedure="exact",
                        value_sensitivity=S)
-    cached = cache.get("exact", n, gamma, mu, 1e-5, S)
+    cached = cache.get("exact", n, gamma, mu, 1e-5, S, clients=1000)  # a large study: calibration_runs
     assert cached.sigma_star == pytest.approx(direct.sigma_star, rel=1e-3)
     assert cached.sigma_delta == pytest.approx(direct.sigma_delta, rel=1e-2)
-    assert cache.get("exact", n, gamma, mu / 2, 1e-5, S).sigma_star == pytest.approx(2 * cached.sigma_star)
+    assert cache.get("exact", n, gamma, mu / 2, 1e-5, S, clients=1000).sigma_star == pytest.approx(
+        2 * cached.sigma_star)
+
+
+def test_study_small_n_calibrates_on_more_executions_at_a_quantile_and_certifies_every_round():
+    """At n <= small_clients (n = 100 in docs/results.md: a fresh round certified up to 17% above a target
+    calibrated on 3 executions, and the steep per-round budget ran out after 8 of 25 rounds) IncA is
+    calibrated on small_calibration_runs executions at the small_calibration_success share, exactly as
+    a direct calibration with those settings, and every round is certified."""
+    from flwr_inca.privacy.calibration import calibrate
+    from flwr_inca.privacy.conversions import epsilon_for_delta
+    from flwr_inca.protocol.dropout import PermanentDropout
+    from flwr_inca.study.mnist import _CalibrationCache
+
+    grid = StudyGrid(iterations=4, calibration_runs=2, certify_every=10, small_clients=30,
+                     small_calibration_runs=8, small_calibration_success=0.5, small_certify_every=1)
+    assert grid.inca_settings(30) == (8, 0.5, 1) and grid.inca_settings(31) == (2, 1.0, 10)
+    n, gamma, mu, S = 20, 0.1, 0.3, 2.0
+
+    def direct(runs, success):
+        return calibrate(epsilon_for_delta(mu, 1e-5), 1e-5, n, iterations=4, neighbors=1, collusion=0.1,
+                         dropout=PermanentDropout(gamma), runs=runs, seed=1414 + 7919 * n + 100, procedure="exact",
+                         value_sensitivity=S, target_success=success)
+
+    cache = _CalibrationCache(grid)
+    small, large = cache.get("exact", n, gamma, mu, 1e-5, S, clients=25), cache.get("exact", n, gamma, mu, 1e-5, S,
+                                                                                   clients=1000)
+    assert small.runs == 8 and large.runs == 2
+    assert small.success_fraction >= 0.5
+    want = direct(8, 0.5)
+    assert small.sigma_delta == pytest.approx(want.sigma_delta, rel=1e-2)
+    assert small.sigma_star == pytest.approx(want.sigma_star, rel=1e-3)
+    with pytest.raises(ValueError, match="small_calibration_success"):
+        StudyGrid(small_calibration_success=0)
+    with pytest.raises(ValueError, match="small_certify_every"):
+        StudyGrid(small_certify_every=0)
+
+
+@pytest.mark.parametrize("clients, every, runs", [(8, 1, 5), (12, 10, 2)])
+def test_study_inca_run_uses_the_settings_of_its_n(monkeypatch, clients, every, runs):
+    """run_one gives the simulator and IncA's calibration the small-n settings at n <= small_clients
+    (every round certified, more calibration executions), the others above (a spy on simulate: the real
+    simulation is run by the pipeline test)."""
+    from flwr_inca import simulation
+    from flwr_inca.study.mnist import _CalibrationCache, run_one, split_data
+
+    grid = StudyGrid(iterations=3, calibration_runs=2, certify_every=10, small_clients=10, small_calibration_runs=5,
+                     small_calibration_success=0.8, small_certify_every=1, validation=200, batch_size=10)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(model_fn, parts, test_set, config, *, mixer, **kwargs):
+        seen["config"] = config
+        mixer.prepare(simulation.MixContext(0.2, 0.5, 1e-5, clients - 1, 7850, 0))
+        seen["calibration"] = mixer.calibration
+        raise Stop
+
+    monkeypatch.setattr(simulation, "simulate", spy)
+    data = split_data(_dataset_784(), grid)
+    cache = _CalibrationCache(grid)
+    with pytest.raises(Stop):
+        run_one(data, grid, "inca", clients, "iid", 1.0, 0.1, 0, 1.0, 1.0, 3, "tune", cache)
+    assert seen["config"].certify_every == every
+    assert seen["calibration"].runs == runs
+
+
+def _dataset_784():
+    rng = np.random.default_rng(3)
+    x = rng.random((600, 784), dtype=np.float32)
+    y = rng.integers(0, 10, 600)
+    return Dataset(x[:500], y[:500], x[500:], y[500:], "random")

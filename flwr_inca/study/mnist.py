@@ -83,6 +83,16 @@ class StudyGrid:
     neighbors: int = 1
     certify_every: int = 10
     calibration_runs: int = 3
+    calibration_success: float = 1.0  # share of the calibration runs the noise must certify
+    # at n <= small_clients the per-round target is steep (docs/results.md, n = 100): a small q = B / N_local
+    # puts mu_round near 1, where a few percent more mu per round costs tens of percent of epsilon, and a
+    # fresh execution's certificate spreads more around the target than at n = 1000. There IncA calibrates
+    # on more executions at a success quantile and certifies every round (an exact certificate costs
+    # ~0.4 s at 90 participants), instead of charging in-between rounds the largest certified mu so far.
+    small_clients: int = 300
+    small_calibration_runs: int = 60
+    small_calibration_success: float = 0.9
+    small_certify_every: int = 1
     train_examples: int | None = None  # None: all (60,000 - validation); tests use fewer
     test_examples: int | None = None
 
@@ -104,8 +114,21 @@ class StudyGrid:
             raise ValueError(f"gammas must be in [0, 1), got {self.gammas}")
         if any(r < 1 for r in self.tune_rounds) or any(x <= 0 for x in self.tune_lr + self.tune_clip):
             raise ValueError("tune_rounds must be >= 1, tune_lr and tune_clip > 0")
+        for name in ("calibration_success", "small_calibration_success"):
+            if not (0 < getattr(self, name) <= 1):
+                raise ValueError(f"{name} (a share of the calibration runs) must be in (0, 1], got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("calibration_runs", "small_calibration_runs", "certify_every", "small_certify_every"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not (0 < self.validation < 60000):
             raise ValueError(f"validation (examples held out of training) must be in (0, 60000), got {self.validation}")
+
+    def inca_settings(self, clients: int) -> tuple[int, float, int]:
+        """IncA's ``(calibration runs, calibration success share, certify every)`` at ``clients``."""
+        if clients <= self.small_clients:
+            return self.small_calibration_runs, self.small_calibration_success, self.small_certify_every
+        return self.calibration_runs, self.calibration_success, self.certify_every
 
     def tuning_settings(self) -> list[tuple[float, float, int]]:
         return [(lr, c, r) for lr in self.tune_lr for c in self.tune_clip for r in self.tune_rounds]
@@ -128,7 +151,10 @@ class StudyGrid:
                 f", seeds {list(self.seeds)}; tuning grid lr {list(self.tune_lr)} x clip {list(self.tune_clip)} x "
                 f"rounds {list(self.tune_rounds)} at epsilon = {self.tune_epsilon}, gamma = {self.tune_gamma}; "
                 f"batch {self.batch_size}, IncA T = {self.iterations}, k = {self.neighbors}, "
-                f"{self.collusion:.0%} colluders, certified every {self.certify_every} round(s)")
+                f"{self.collusion:.0%} colluders, calibrated on {self.calibration_runs} execution(s) "
+                f"(success share {self.calibration_success:g}) and certified every {self.certify_every} round(s); "
+                f"at n <= {self.small_clients}: {self.small_calibration_runs} execution(s), success share "
+                f"{self.small_calibration_success:g}, certified every {self.small_certify_every} round(s)")
 
 
 def _partition_alpha(name: str) -> float | None:
@@ -151,7 +177,8 @@ FULL_GRID = StudyGrid(clients=(100, 1000), partitions=("iid", "dirichlet:0.5"), 
                       calibration_runs=10)
 TINY_GRID = StudyGrid(clients=(8,), epsilons=(1.0, 4.0), gammas=(0.0, 0.25), tune_lr=(2.0,), tune_clip=(1.0,),
                       tune_rounds=(2,), tune_gamma=0.25, gamma_at_epsilon=0.25, validation=300, batch_size=10,
-                      iterations=3, calibration_runs=1, certify_every=1, train_examples=800, test_examples=300)
+                      iterations=3, calibration_runs=1, certify_every=1, train_examples=800, test_examples=300,
+                      small_calibration_runs=4, small_calibration_success=0.75)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -223,20 +250,25 @@ class _CalibrationCache:
         self.cache: dict[tuple, Any] = {}
         self.seconds = 0.0
 
-    def get(self, procedure: str, n: int, gamma: float, mu_target: float, delta: float, sensitivity: float):
+    def get(self, procedure: str, n: int, gamma: float, mu_target: float, delta: float, sensitivity: float, *,
+            clients: int | None = None):
+        """The calibration for ``n`` expected participants of a study with ``clients`` clients (default
+        ``n``), whose size picks the runs and success share (:meth:`StudyGrid.inca_settings`)."""
         from ..privacy.calibration import calibrate
         from ..privacy.conversions import epsilon_for_delta
         from ..protocol.dropout import PermanentDropout
 
+        runs, success, _ = self.grid.inca_settings(n if clients is None else clients)
         ref = 0.05 if procedure == "exact" else mu_target
-        key = (procedure, n, gamma, round(ref, 12))
+        key = (procedure, n, gamma, round(ref, 12), runs, success)
         if key not in self.cache:
             start = time.perf_counter()
             self.cache[key] = calibrate(
                 epsilon_for_delta(ref, delta), delta, n, iterations=self.grid.iterations,
                 neighbors=min(self.grid.neighbors, n - 1), collusion=self.grid.collusion,
-                dropout=PermanentDropout(gamma) if gamma > 0 else None, runs=self.grid.calibration_runs,
-                seed=1414 + 7919 * n + round(gamma * 1000), procedure=procedure, value_sensitivity=1.0)
+                dropout=PermanentDropout(gamma) if gamma > 0 else None, runs=runs,
+                seed=1414 + 7919 * n + round(gamma * 1000), procedure=procedure, value_sensitivity=1.0,
+                target_success=success)
             self.seconds += time.perf_counter() - start
         cal = self.cache[key]
         scale = sensitivity * ref / mu_target
@@ -244,7 +276,7 @@ class _CalibrationCache:
                        mu_target=mu_target, value_sensitivity=sensitivity)
 
 
-def _inca_mixer(config: Any, procedure: str, gamma: float, cache: _CalibrationCache):
+def _inca_mixer(config: Any, procedure: str, gamma: float, cache: _CalibrationCache, clients: int):
     from ..simulation.mixers import IncaMixer, Mixer
 
     class StudyInca(IncaMixer):
@@ -254,7 +286,8 @@ def _inca_mixer(config: Any, procedure: str, gamma: float, cache: _CalibrationCa
             Mixer.prepare(self, context)
             n = max(2, int(context.participants))
             target = context.mu_round * (1.0 - self.calibration_margin)
-            self.calibration = cache.get(procedure, n, gamma, target, context.delta, context.value_sensitivity)
+            self.calibration = cache.get(procedure, n, gamma, target, context.delta, context.value_sensitivity,
+                                         clients=clients)
             self._calibrated_n = n
 
     return StudyInca.from_config(config)
@@ -300,20 +333,18 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
              else dirichlet(data.x_train, data.y_train, clients, alpha=alpha, seed=seed))
     evaluation = (data.x_val, data.y_val) if phase == "tune" else (data.x_test, data.y_test)
     mode = "inca" if method.startswith("inca") else method
+    calibration_runs, _, certify_every = grid.inca_settings(clients)
     config = SimulationConfig(
         rounds=rounds, mode=mode, epsilon=None if method == "fedavg" else epsilon, delta=grid.delta,
         privacy_unit="record", lr=lr, clip_norm=clip, batch_size=grid.batch_size,
         availability=MarkovAvailability(p_off=0.5 * gamma / (1 - gamma), p_on=0.5) if gamma > 0 else None,
         dropout=PermanentDropout(gamma) if (mode == "inca" and gamma > 0) else None,
         iterations=grid.iterations, neighbors=grid.neighbors, collusion=grid.collusion,
-        certify_every=grid.certify_every, calibration_runs=grid.calibration_runs,
-        backend="inline", seed=seed, eval_every=rounds + 1,
-        # the pre-final rule without the all-executions reserve for a stopped round: that reserve alone
-        # exceeds epsilon = 1 at n = 1000 with the improved calibration (docs/results.md); a stopped
-        # round is still charged exactly, and any overrun shows in the epsilon spent column
-        reserve_stopped_round=False)
+        certify_every=certify_every, calibration_runs=calibration_runs,
+        # the default budget guard (reserve_stopped_round=True): epsilon is a hard limit for IncA too
+        backend="inline", seed=seed, eval_every=rounds + 1)
     if mode == "inca":
-        mixer = _inca_mixer(config, "paper" if method == "inca-paper" else "exact", gamma, cache)
+        mixer = _inca_mixer(config, "paper" if method == "inca-paper" else "exact", gamma, cache, clients)
     else:
         mixer = create_mixer(config)
         if method == "muffliato" and phase == "tune":  # the average model only: no per-party gossip needed
