@@ -199,6 +199,62 @@ def test_study_pipeline_tunes_on_validation_and_writes_table_and_plots(tmp_path)
     assert "| central DP (trusted server) |" in (tmp_path / "table.md").read_text()
 
 
+def test_an_interrupted_study_loses_no_runs_and_resume_completes_it(tmp_path, monkeypatch, capsys):
+    """runs.csv is replaced only at the end; an interruption leaves runs.csv.partial, which --resume
+    reuses; an earlier grid's rows in the same folder survive; without --resume nothing is touched."""
+    from dataclasses import replace
+
+    from flwr_inca.cli import main
+    from flwr_inca.study import mnist
+
+    grid = replace(TINY_GRID, methods=("fedavg", "central-dp"), epsilons=(1.0,), gammas=(0.0,),
+                   tune_lr=(0.5,), tune_clip=(1.0,), tune_rounds=(2,), validation=200,
+                   train_examples=None, test_examples=None)
+    data = _dataset()
+    run_study(data, grid, tmp_path, log=lambda s: None)
+    first = (tmp_path / "runs.csv").read_text()
+    first_rows = list(csv.DictReader(first.splitlines()))
+    assert first_rows
+
+    real, calls = mnist.run_one, []
+
+    def dies_on_the_third(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mnist, "run_one", dies_on_the_third)
+    other = replace(grid, seeds=(5,))  # a second grid in the same folder: new tuning and test runs
+    with pytest.raises(KeyboardInterrupt):
+        run_study(data, other, tmp_path, resume=True, log=lambda s: None)
+    assert (tmp_path / "runs.csv").read_text() == first  # untouched until the study finishes
+    partial = list(csv.DictReader((tmp_path / "runs.csv.partial").open()))
+    assert len(partial) >= 2  # what finished before the interruption
+
+    # without --resume: refused with one line naming the file, nothing deleted
+    assert main(["study", "mnist", "--grid", "tiny", "--out", str(tmp_path), "--data-dir", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and (tmp_path / "runs.csv").read_text() == first
+    with pytest.raises(mnist.StudyOutputExists, match="--resume"):
+        run_study(data, other, tmp_path, log=lambda s: None)
+
+    calls.clear()
+    monkeypatch.setattr(mnist, "run_one", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    run_study(data, other, tmp_path, resume=True, log=lambda s: None)
+    assert not (tmp_path / "runs.csv.partial").exists()
+    final = list(csv.DictReader((tmp_path / "runs.csv").open()))
+    keys = [mnist._key(r) for r in final]
+    assert len(keys) == len(set(keys))
+    assert {mnist._key(r) for r in first_rows} <= set(keys)  # the earlier grid's rows survive
+    assert {mnist._key(r) for r in partial} <= set(keys)
+    assert {r["seed"] for r in final} == {"0", "5"}
+    # the runs finished before the interruption were not run again; the rest were
+    ran = {(a[11], a[2], a[3], a[4], float(a[5]), float(a[6]), a[7], float(a[8]), float(a[9]), int(a[10]))
+           for a in calls}
+    assert ran and not ran & {mnist._key(r) for r in partial}
+
+
 def test_study_grid_and_cli_errors_name_the_parameter(tmp_path, capsys):
     from flwr_inca.cli import main
 

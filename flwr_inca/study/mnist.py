@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -397,6 +398,39 @@ def _key(r: dict | RunResult) -> tuple:
             int(d["seed"]), float(d["lr"]), float(d["clip"]), int(d["rounds"]))
 
 
+class StudyOutputExists(ValueError):
+    """The output folder holds an earlier study's runs and ``resume`` was not asked for."""
+
+
+def check_output(out_dir: str | Path, resume: bool) -> None:
+    """Raise :class:`StudyOutputExists` if ``out_dir`` holds an earlier study's runs and ``resume`` is
+    False (a study never deletes runs it did not make)."""
+    for p in (Path(out_dir) / "runs.csv", Path(out_dir) / "runs.csv.partial"):
+        if p.exists() and not resume:
+            raise StudyOutputExists(
+                f"{p} holds runs of an earlier study: pass --resume to reuse them (nothing is deleted), "
+                "or choose another --out")
+
+
+def _finish_runs(runs_path: Path, partial: Path, rows: list[dict], old_rows: list[dict]) -> None:
+    """Atomically replace ``runs.csv`` by this study's rows followed by every earlier row it did not
+    reach (another grid's runs in the same folder are kept), then drop the partial file."""
+    keys = {_key(r) for r in rows}
+    kept, seen = [], set()
+    for r in old_rows:
+        k = _key(r)
+        if k not in keys and k not in seen:
+            seen.add(k)
+            kept.append(r)
+    tmp = runs_path.with_name(runs_path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows + kept)
+    os.replace(tmp, runs_path)
+    partial.unlink(missing_ok=True)
+
+
 def _read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -431,10 +465,12 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs_path = out / "runs.csv"
-    done = {_key(r): r for r in _read_rows(runs_path)} if resume else {}
-    if runs_path.exists():  # rewritten: the runs reused (resume) are recorded again as the grid reaches them
-        runs_path.unlink()
+    check_output(out, resume)
+    runs_path, partial = out / "runs.csv", out / "runs.csv.partial"
+    # Runs of this study go to runs.csv.partial as they finish; runs.csv is replaced only at the end (by
+    # this study's rows plus every earlier row it did not reach), so an interruption loses nothing.
+    old_rows = _read_rows(runs_path) + _read_rows(partial)
+    done = {_key(r): r for r in old_rows}
     data = split_data(dataset, grid)
     cache = _CalibrationCache(grid)
     settings = grid.tuning_settings()
@@ -464,8 +500,8 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
 
     def record(r: RunResult | dict) -> dict:
         d = asdict(r) if isinstance(r, RunResult) else r
-        new = not runs_path.exists()
-        with runs_path.open("a", newline="") as f:
+        new = not partial.exists()
+        with partial.open("a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)
             if new:
                 w.writeheader()
@@ -516,6 +552,7 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
         lr, clip, rnds = tuned[(n, part, method)]
         run("test", method, n, part, eps, gamma, seed, lr, clip, rnds)
 
+    _finish_runs(runs_path, partial, rows, old_rows)
     summary = summarise(rows, grid, points)
     summary.update(
         grid=asdict(grid), tuned={f"{m} n={n} {p}": {"lr": v[0], "clip": v[1], "rounds": v[2]}
@@ -660,7 +697,8 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
     s.add_argument("--seeds", type=_ints, help="override the grid's seeds, e.g. 0,1,2")
     s.add_argument("--methods", type=lambda t: tuple(v for v in t.split(",") if v),
                    help=f"subset of {','.join(METHODS)}")
-    s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT/runs.csv")
+    s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
+                   "without it, a folder holding runs is refused")
     s.set_defaults(func=_cmd_study)
 
 
@@ -673,6 +711,11 @@ def _cmd_study(args: Any) -> int:
     try:
         grid = replace(grid, **changes)
     except ValueError as exc:
+        print(f"flwr-inca study: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_output(args.out, args.resume)  # before loading anything
+    except StudyOutputExists as exc:
         print(f"flwr-inca study: {exc}", file=sys.stderr)
         return 2
     dataset = load_mnist(args.data_dir)
