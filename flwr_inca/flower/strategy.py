@@ -50,7 +50,6 @@ from flwr.supercore import log
 from .._checks import check_int
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
-from ..privacy.prefinal import no_finals_bound
 from ..privacy.prefix import RoundPrefix, padded_trace, prefix_ceilings
 from ..privacy.rounds import RoundCertificate, certification_seeds
 from ..protocol.config import IncaConfig
@@ -300,7 +299,6 @@ class IncaStrategy(FedAvg):
         self._predicted: dict[int, float] = {}
         self._pending: dict[int, _PendingRound] = {}
         self._ended: set[int] = set()  # nodes told that the run is over
-        self._no_finals_mu: dict[int, float] = {}  # no_finals_bound by number of parties
         self._prefix_ceilings: dict[int, np.ndarray] = {}  # prefix_ceilings by number of parties
         self._stopped_round: int | None = None  # a round stopped before its finals: no round after it
 
@@ -903,12 +901,9 @@ class IncaStrategy(FedAvg):
 
     def no_finals_mu(self, n: int) -> float:
         """The most a round of n parties can cost if stopped before its final messages, on any execution
-        (:func:`flwr_inca.privacy.prefinal.no_finals_bound` at this round's sigmas; cached per n)."""
-        if n not in self._no_finals_mu:
-            s_star, s_delta = self._sigmas(n)
-            schedule = InjectionSchedule.resolve(self.mixing.schedule, self.mixing.iterations)
-            self._no_finals_mu[n] = no_finals_bound(schedule, s_star, s_delta, self.privacy.sensitivity)
-        return self._no_finals_mu[n]
+        (:func:`flwr_inca.privacy.prefinal.no_finals_bound` at this round's sigmas: the last of
+        :meth:`prefix_ceilings`)."""
+        return float(self.prefix_ceilings(n)[-1])
 
     def predicted_mu(self, n: int) -> float:
         """Predicted cost of a round with n parties: the worst certified mu over ``budget_check_runs``
