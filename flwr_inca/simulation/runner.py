@@ -51,6 +51,8 @@ __all__ = ["simulate", "RoundContext", "charge_resolution"]
 
 Progress = Callable[[RoundRecord, History], None]
 
+DRIVER_BLAS_THREADS = 1  # BLAS threads of this process during the rounds (see _driver_blas_limit)
+
 
 @dataclass
 class RoundContext:
@@ -272,6 +274,7 @@ def simulate(
     history.records.append(initial)
     if report:
         report(initial, history)
+    blas = _driver_blas_limit()
     try:
         for rnd in range(1, config.rounds + 1):
             start = time.perf_counter()
@@ -426,6 +429,8 @@ def simulate(
             save()
     finally:
         charger.shutdown(wait=True)
+        if blas is not None:
+            blas.restore_original_limits()
         try:
             history.memory = {"driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                               "actors_peak_mb": backend.peak_memory_mb()}
@@ -438,6 +443,22 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _driver_blas_limit() -> Any:
+    """Single-threaded BLAS in this process during the rounds (restored after the run).
+
+    The driver's BLAS work (the certificate's factorizations) overlaps the actors' training and the
+    noise drawn ahead. With OpenBLAS's default of one thread per core, its threads wait for cores the
+    actors hold, and a factorization of a few hundred rows then takes up to a second instead of
+    milliseconds (benchmarks/RESULTS.md, "Simulator"). A fixed thread count also fixes the last bits of
+    the certificates, which depend on it: a run gives the same numbers on any backend, with any number
+    of actors, on machines with any number of cores."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a core dependency
+        return None
+    return threadpool_limits(limits=DRIVER_BLAS_THREADS, user_api="blas")
 
 
 def _check_fits(model: nn.Module, loss_fn: LossFn | None, x: np.ndarray, y: np.ndarray, what: str) -> None:
