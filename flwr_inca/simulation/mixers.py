@@ -47,7 +47,7 @@ from .._checks import check_int, check_probability, check_real
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.conversions import epsilon_for_delta
 from ..privacy.prefinal import no_finals_bound
-from ..privacy.rounds import certification_seeds, certify_round
+from ..privacy.rounds import RoundCertificate, certification_seeds, certify_round
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel
 from ..protocol.engine import replay, sample_trace
@@ -241,7 +241,8 @@ class CentralDPMixer(Mixer):
             participants,
             1.0 / z,
             True,
-            info={"noise_multiplier": z, "noise_std": z * self.context.value_sensitivity / participants},
+            info={"noise_multiplier": z, "noise_std": z * self.context.value_sensitivity / participants,
+                  "method": "gaussian"},
         )
 
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
@@ -437,9 +438,14 @@ class IncaMixer(Mixer):
         sets), drawn by :func:`flwr_inca.privacy.rounds.certification_views`: the same draws as ``IncaStrategy``
         for its seed (tests/test_simulation_flower.py checks it). ``finals``: the parties whose final
         messages are observed (None: every party online at T; ``[]``: a round stopped before them)."""
+        return self.certificate(trace, round, seed, finals).mu
+
+    def certificate(self, trace: ExecutionTrace, round: int, seed: int,
+                    finals: list[int] | None = None) -> RoundCertificate:
+        """:meth:`certify`'s worst mu with the certificate methods that gave it (for the ledger)."""
         return certify_round(trace, certification_seeds(int(seed), round), self.threat_draws,
                              collusion=self.collusion, observed_fraction=self.observed_fraction, finals=finals,
-                             value_sensitivity=self.context.value_sensitivity).mu
+                             value_sensitivity=self.context.value_sensitivity)
 
     def stopped_cost(self, plan: RoundPlan) -> float:
         """IncaStrategy's pre-final rule: a round whose cost with its final messages does not fit is
@@ -477,14 +483,17 @@ class IncaMixer(Mixer):
         if self.certification == "local-bound":
             mu, certified = self.context.value_sensitivity / config.sigma_star, False
             info["cost"] = "local bound S / sigma_star (valid for any execution; not a certificate)"
+            info["method"] = "local-bound"
         elif (round - 1) % self.certify_every == 0 or self._worst_certified == 0.0:
-            mu = self.certify(trace, round, self.threat_seed(self.context.seed))
-            certified = True
+            cert = self.certificate(trace, round, self.threat_seed(self.context.seed))
+            mu, certified = cert.mu, True
             self._worst_certified = max(self._worst_certified, mu)
             info["cost"] = "certified"
+            info["method"] = cert.method
         else:
             mu, certified = self._worst_certified, False
             info["cost"] = "predicted: largest certified mu so far (not certified)"
+            info["method"] = "predicted"
         info["seconds_trace"] = sampled - start
         info["seconds_certify"] = time.perf_counter() - sampled
         return RoundPlan(round, participants, mu, certified, trace, info)

@@ -333,7 +333,8 @@ def simulate(
             if ledger is not None:
                 record.charged_mu = charge_resolution(record.mu, config.mu_resolution)
                 charge = charger.submit(
-                    _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}"
+                    _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}",
+                    round_plan.info.get("method"), record.mu,
                 )
             else:
                 record.charged_mu, record.epsilon = math.inf, math.inf
@@ -495,10 +496,13 @@ def _zero_diverged(updates: np.ndarray, participants: np.ndarray, rnd: int, hist
         )
 
 
-def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str) -> tuple[float, float]:
-    """Spend one round in the ledger: ``(composed epsilon, seconds)``; raises BudgetExceededError."""
+def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str, method: str | None = None,
+            certified_mu: float | None = None) -> tuple[float, float]:
+    """Spend one round in the ledger: ``(composed epsilon, seconds)``; raises BudgetExceededError. ``mu``
+    is charged; ``certified_mu`` (the round's cost, ``mu`` before rounding up) and ``method`` (what gave
+    it) are recorded beside it."""
     start = time.perf_counter()
-    epsilon = ledger.spend(mu, sample_rate, note=note)
+    epsilon = ledger.spend(mu, sample_rate, note=note, method=method, certified_mu=certified_mu)
     return epsilon, time.perf_counter() - start
 
 

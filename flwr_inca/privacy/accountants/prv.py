@@ -13,53 +13,14 @@ discretisations and FFTs instead of recomposing the whole history from scratch.
 from __future__ import annotations
 
 import math
-import threading
 import warnings
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
-from .base import RoundAccountant, RoundCost, grouped, require_opacus
+from .base import Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
 
 __all__ = ["OpacusPrvAccountant", "prv_epsilon"]
-
-
-class _Memo:
-    """A small least-recently-used memo (bounded: a long run's history of queries is not kept); safe to
-    share between threads (a ledger charges in a thread beside the round)."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self._items, self._lock = int(size), OrderedDict(), threading.Lock()
-
-    def get(self, key: Hashable, compute) -> Any:
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-        value = compute()  # outside the lock: two threads may compute the same value, never a wrong one
-        with self._lock:
-            self._items[key] = value
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return value
-
-
-def rdp_per_step(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...],
-                 memo: _Memo | None = None) -> np.ndarray:
-    """Opacus's ``compute_rdp(q, sigma, steps=1, orders)`` (read-only; memoized in ``memo``)."""
-    from opacus.accountants.analysis.rdp import compute_rdp
-
-    def compute() -> np.ndarray:
-        rdp = np.asarray(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
-                                     orders=list(orders)), dtype=float)
-        rdp.setflags(write=False)
-        return rdp
-
-    if memo is None:
-        return compute()
-    return memo.get((float(sample_rate), float(noise_multiplier), orders), compute)
 
 
 def _rdp_epsilon(orders: tuple[float, ...], rdp: np.ndarray, delta: float) -> float:
@@ -71,7 +32,7 @@ def _rdp_epsilon(orders: tuple[float, ...], rdp: np.ndarray, delta: float) -> fl
 
 
 def prv_epsilon(groups: Sequence[tuple[float, float, int]], delta: float, eps_error: float = 0.01,
-                memo: dict[str, _Memo] | None = None) -> float:
+                memo: dict[str, Memo] | None = None) -> float:
     """Opacus's PRV upper bound on epsilon at ``delta`` for ``groups`` of ``(noise_multiplier,
     sample_rate, count)`` (``PRVAccountant`` with that history, ``get_epsilon(delta, eps_error=...)``).
 
@@ -87,7 +48,7 @@ def prv_epsilon(groups: Sequence[tuple[float, float, int]], delta: float, eps_er
         discretize,
     )
 
-    memo = memo if memo is not None else {"rdp": _Memo(64), "mean": _Memo(64)}
+    memo = memo if memo is not None else {"rdp": Memo(64), "mean": Memo(64)}
     orders = tuple(RDPAccountant.DEFAULT_ALPHAS)
     delta_error = delta / 1000  # PRVAccountant.get_epsilon's default
     counts = [count for _, _, count in groups]
@@ -130,7 +91,7 @@ class OpacusPrvAccountant(RoundAccountant):
             raise ValueError(f"eps_error must be > 0, got {eps_error!r}")
         require_opacus(self.name)
         self.eps_error = float(eps_error)
-        self._memo = {"rdp": _Memo(64), "mean": _Memo(64), "epsilon": _Memo(16)}
+        self._memo = {"rdp": Memo(64), "mean": Memo(64), "epsilon": Memo(16)}
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
         if any(r.mu == math.inf for r in rounds):
@@ -138,7 +99,7 @@ class OpacusPrvAccountant(RoundAccountant):
         groups = grouped(rounds)
         if not groups:
             return 0.0
-        key = (tuple(groups), float(delta))
+        key = (tuple(groups), float(delta), self.eps_error)
         return self._memo["epsilon"].get(key, lambda: self._compose(groups, delta))
 
     def _compose(self, groups: list[tuple[float, float, int]], delta: float) -> float:
