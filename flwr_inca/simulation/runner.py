@@ -336,6 +336,11 @@ def simulate(
                     _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}",
                     round_plan.info.get("method"), record.mu,
                 )
+                if ledger.max_epsilon is not None and config.reserve_stopped_round:
+                    # the next round starts by asking the ledger whether its stopped-round ceiling fits;
+                    # ask it now, after this charge, in the ledger's thread: the accountant remembers the
+                    # answer, and the next round's start (serial) finds it composed
+                    charger.submit(_ask_ahead, ledger, mixer, int(count), config.mu_resolution, plan.sample_rate)
             else:
                 record.charged_mu, record.epsilon = math.inf, math.inf
             if out_dir is not None and config.save_traces and round_plan.trace is not None:
@@ -504,6 +509,17 @@ def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str, met
     start = time.perf_counter()
     epsilon = ledger.spend(mu, sample_rate, note=note, method=method, certified_mu=certified_mu)
     return epsilon, time.perf_counter() - start
+
+
+def _ask_ahead(ledger: PrivacyLedger, mixer: Mixer, participants: int, resolution: float,
+               sample_rate: float) -> None:
+    """Compose what the next round's start will ask (``epsilon_after`` its stopped-round ceiling at this
+    round's size), so that the accountant has it memoized. Only a speed-up: a failure here changes
+    nothing, the round's start asks again and reports what goes wrong."""
+    try:
+        ledger.epsilon_after(charge_resolution(mixer.stopped_ceiling(participants), resolution), sample_rate)
+    except Exception:  # noqa: BLE001, S110  (see the docstring)
+        pass
 
 
 def _open_ledger(config: SimulationConfig, plan: PrivacyPlan, out_dir: Path | None) -> PrivacyLedger:

@@ -6,7 +6,7 @@ import importlib.util
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,23 +51,37 @@ def grouped(rounds: Sequence[RoundCost]) -> list[tuple[float, float, int]]:
 
 
 class Memo:
-    """A small least-recently-used memo (bounded: a long run's history of queries is not kept); safe to
-    share between threads (a ledger charges in a thread beside the round)."""
+    """A small least-recently-used memo (bounded: a long run's history of queries is not kept), shared
+    between threads: a value being computed is waited for, not computed twice (a ledger charges, and
+    can be asked ahead, in a thread beside the round)."""
 
     def __init__(self, size: int) -> None:
-        self.size, self._items, self._lock = int(size), OrderedDict(), threading.Lock()
+        self.size, self._items = int(size), OrderedDict()
+        self._lock = threading.Lock()
+        self._pending: dict[Hashable, threading.Event] = {}
 
-    def get(self, key: Hashable, compute) -> Any:
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                return self._items[key]
-        value = compute()  # outside the lock: two threads may compute the same value, never a wrong one
-        with self._lock:
-            self._items[key] = value
-            if len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return value
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        while True:
+            with self._lock:
+                if key in self._items:
+                    self._items.move_to_end(key)
+                    return self._items[key]
+                running = self._pending.get(key)
+                if running is None:
+                    running = self._pending[key] = threading.Event()
+                    break
+            running.wait()  # another thread computes it; if it failed, try again here
+        try:
+            value = compute()
+            with self._lock:
+                self._items[key] = value
+                if len(self._items) > self.size:
+                    self._items.popitem(last=False)
+            return value
+        finally:
+            with self._lock:
+                del self._pending[key]
+            running.set()
 
 
 def rdp_per_step(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...],
