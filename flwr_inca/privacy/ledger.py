@@ -326,8 +326,8 @@ def _check_certified(certified: float | None, mu: float, what: str) -> float | N
         return None
     certified = check_real(what, certified, 0.0, finite=False)
     if certified > mu:
-        raise ValueError(f"{what} = {certified!r} exceeds the charged mu = {mu!r}: a round must be charged at "
-                         "least its cost")
+        raise ValueError(f"{what} = {certified!r} exceeds the charged mu = {mu!r}: a round must be charged "
+                         "at least its cost")
     return None if certified == mu else certified
 
 

@@ -444,8 +444,8 @@ class IncaMixer(Mixer):
                     finals: list[int] | None = None) -> RoundCertificate:
         """:meth:`certify`'s worst mu with the certificate methods that gave it (for the ledger)."""
         return certify_round(trace, certification_seeds(int(seed), round), self.threat_draws,
-                             collusion=self.collusion, observed_fraction=self.observed_fraction, finals=finals,
-                             value_sensitivity=self.context.value_sensitivity)
+                             collusion=self.collusion, observed_fraction=self.observed_fraction,
+                             finals=finals, value_sensitivity=self.context.value_sensitivity)
 
     def stopped_cost(self, plan: RoundPlan) -> float:
         """IncaStrategy's pre-final rule: a round whose cost with its final messages does not fit is

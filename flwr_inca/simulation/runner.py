@@ -336,11 +336,15 @@ def simulate(
                     _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}",
                     round_plan.info.get("method"), record.mu,
                 )
-                if ledger.max_epsilon is not None and config.reserve_stopped_round:
+                ask_ahead = ledger.max_epsilon is not None and config.reserve_stopped_round
+                if ask_ahead and config.availability is None:
                     # the next round starts by asking the ledger whether its stopped-round ceiling fits;
                     # ask it now, after this charge, in the ledger's thread: the accountant remembers the
-                    # answer, and the next round's start (serial) finds it composed
-                    charger.submit(_ask_ahead, ledger, mixer, int(count), config.mu_resolution, plan.sample_rate)
+                    # answer, and the next round's start (serial) finds it composed. Only when every
+                    # client is available every round: the next round then has this round's size
+                    charger.submit(
+                        _ask_ahead, ledger, mixer, int(count), config.mu_resolution, plan.sample_rate
+                    )
             else:
                 record.charged_mu, record.epsilon = math.inf, math.inf
             if out_dir is not None and config.save_traces and round_plan.trace is not None:

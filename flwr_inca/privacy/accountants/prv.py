@@ -66,7 +66,8 @@ def prv_epsilon(groups: Sequence[tuple[float, float, int]], delta: float, eps_er
 
     dprvs = []
     for sigma, q, _ in groups:
-        tprv = TruncatedPrivacyRandomVariable(PoissonSubsampledGaussianPRV(q, sigma), domain.t_min, domain.t_max)
+        prv = PoissonSubsampledGaussianPRV(q, sigma)
+        tprv = TruncatedPrivacyRandomVariable(prv, domain.t_min, domain.t_max)
         key = (float(q), float(sigma), float(domain.t_min), float(domain.t_max))
         mean = memo["mean"].get(key, tprv.mean)
         tprv.mean = lambda mean=mean: mean  # discretize() asks for it once; the same number, memoized
