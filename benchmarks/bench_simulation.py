@@ -2,6 +2,7 @@
 
     python benchmarks/bench_simulation.py main      # 1000 clients, 40 rounds, floors side by side
     python benchmarks/bench_simulation.py flower --clients 100 --rounds 5   # vs the Flower route
+    python benchmarks/bench_simulation.py simulator --clients 100 --rounds 4  # its simulator side alone
     python benchmarks/bench_simulation.py p2pfl --nodes 10 50               # vs p2pfl (own venv)
     python benchmarks/bench_simulation.py scaling --clients 100 1000 10000
     python benchmarks/bench_simulation.py actors    # 1 vs 2 Ray actors
@@ -204,6 +205,47 @@ def part_main(args):
 
 
 # -------------------------------------------------------------------------------------------- flower
+def _simulator_rounds(args, clients, rounds):
+    """The simulator's side of ``flower``: ``args.seeds`` runs of ``rounds`` rounds at ``clients``."""
+    from flwr_inca.simulation import SimulationConfig
+
+    data = _data(args)
+    sims = []
+    for seed in range(args.seeds):
+        config = SimulationConfig(rounds=rounds, budget_rounds=40, backend="ray", seed=seed, **MAIN)
+        hist = _simulate(data, clients, config)
+        sims.append(
+            {
+                "per_round": _breakdown(hist, skip_first=False),
+                "accuracy": hist.column("accuracy"),
+                "epsilon": hist.epsilon,
+            }
+        )
+    return sims
+
+
+def part_simulator(args):
+    """The simulator's side of ``flower`` alone (per-round breakdown, median of each seed's rounds):
+    run it with ``PYTHONPATH`` at another checkout to compare two versions side by side."""
+    import flwr_inca
+
+    results = []
+    for clients in args.clients:
+        sims = _simulator_rounds(args, clients, args.rounds)
+        per_round = [s["per_round"] for s in sims]
+        row = {"clients": clients, "rounds": args.rounds, "package": str(Path(flwr_inca.__file__).parent),
+               "uptime": _uptime(), "simulator": sims,
+               "simulator_round_seconds": _median([p["seconds"] for p in per_round])}
+        results.append(row)
+        keys = ["seconds", "seconds_plan", "seconds_train", "seconds_train_wait", "seconds_charge",
+                "seconds_mix", "seconds_eval"]
+        print(f"flwr_inca from {row['package']}")
+        print(_table([[clients, s] + [p[k] for k in keys] for s, p in enumerate(per_round)],
+                     ["clients", "seed", "round", "certify", "train", "train wait", "ledger", "mix", "eval"]),
+              flush=True)
+    return results
+
+
 def part_flower(args):
     """Per-round time and accuracy: the simulator vs IncaStrategy in Flower's simulation engine, the
     same model, data, split and privacy settings (budget planned for 40 rounds; a few are run)."""
@@ -227,20 +269,7 @@ def part_flower(args):
             raise RuntimeError(f"Flower route at {clients} clients failed")
         flower = json.loads(proc.stdout.split("RESULT", 1)[1])
         flower["wall"] = time.perf_counter() - t
-        from flwr_inca.simulation import SimulationConfig
-
-        data = _data(args)
-        sims = []
-        for seed in range(args.seeds):
-            config = SimulationConfig(rounds=rounds, budget_rounds=40, backend="ray", seed=seed, **MAIN)
-            hist = _simulate(data, clients, config)
-            sims.append(
-                {
-                    "per_round": _breakdown(hist, skip_first=False),
-                    "accuracy": hist.column("accuracy"),
-                    "epsilon": hist.epsilon,
-                }
-            )
+        sims = _simulator_rounds(args, clients, rounds)
         sim_round = _median([s["per_round"]["seconds"] for s in sims])
         flower_round = _median(flower["round_seconds"][1:] or flower["round_seconds"])
         accs = np.array([s["accuracy"][-1] for s in sims])
@@ -681,6 +710,7 @@ def main(argv=None):
         choices=[
             "main",
             "flower",
+            "simulator",
             "p2pfl",
             "scaling",
             "actors",
@@ -741,6 +771,9 @@ def main(argv=None):
         args.clients = args.clients or [100]
         args.rounds_per_size = args.rounds_per_size or [args.rounds or 5] * len(args.clients)
         result = part_flower(args)
+    elif args.part == "simulator":
+        args.clients, args.rounds = args.clients or [100], args.rounds or 4
+        result = part_simulator(args)
     elif args.part == "p2pfl":
         args.rounds = args.rounds or 3
         result = part_p2pfl(args)

@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from flwr_inca.privacy import PrivacyLedger  # noqa: E402
 from flwr_inca.privacy.plan import privacy_plan  # noqa: E402
 from flwr_inca.protocol import PermanentDropout  # noqa: E402
 from flwr_inca.simulation import (  # noqa: E402
@@ -55,6 +56,7 @@ XT, YT = (a[960:] for a in _data(1260))
 MODEL = functools.partial(torch.nn.Linear, FEATURES, CLASSES)  # picklable by reference for Ray
 PARTS = iid(X, Y, 24)
 FAST = dict(rounds=3, backend="inline", calibration_runs=2, iterations=5, lr=2.0, progress=None)
+FAST_CONFIG = {k: v for k, v in FAST.items() if k != "progress"}
 
 
 def run(config=None, parts=PARTS, **kw):
@@ -275,6 +277,27 @@ def test_charge_is_never_below_the_cost():
         charged = charge_resolution(float(mu), 0.005)
         assert mu <= charged <= mu * 1.005 * (1 + 1e-12)
     assert charge_resolution(0.3, 0.0) == 0.3 and math.isinf(charge_resolution(math.inf, 0.01))
+
+
+def test_the_ledger_records_each_rounds_method_and_cost_beside_its_rounded_charge(tmp_path):
+    hist = run(rounds=3, epsilon=4.0, certify_every=2, output_dir=str(tmp_path))
+    entries = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant=hist.plan["accountant"]).entries
+    assert [e.method for e in entries] == ["exact", "predicted", "exact"]
+    for entry, record in zip(entries, hist.rounds):
+        assert entry.mu == record.charged_mu >= record.mu  # charged: the cost rounded up, never less
+        assert (entry.mu if entry.certified_mu is None else entry.certified_mu) == record.mu
+    assert any(e.certified_mu is not None for e in entries)  # the grid rounded some up (0.5% steps)
+
+
+def test_a_charge_below_the_cost_stops_the_run_before_anything_is_released(monkeypatch):
+    from flwr_inca.simulation import runner
+
+    monkeypatch.setattr(runner, "charge_resolution", lambda mu, resolution: mu * (1 - resolution))
+    released = []
+    with pytest.raises(ValueError, match="must be charged at least its cost"):
+        simulate(MODEL, PARTS, (XT, YT), SimulationConfig(**{**FAST_CONFIG, "epsilon": 4.0}), progress=False,
+                 on_round=released.append)
+    assert released == []
 
 
 def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
@@ -645,7 +668,8 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("schedule", ["incremental", "early"])
 @pytest.mark.parametrize("max_bytes", [64 * 2**20, 1])  # everything ahead / one draw at a time
-def test_noise_drawn_ahead_is_the_seeded_noise(schedule, max_bytes):
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_noise_drawn_ahead_is_the_seeded_noise(schedule, max_bytes, workers):
     from flwr_inca.protocol import IncaConfig, TemporaryDropout, replay, sample_trace
     from flwr_inca.simulation.noise import NoiseAhead
 
@@ -657,17 +681,18 @@ def test_noise_drawn_ahead_is_the_seeded_noise(schedule, max_bytes):
         config = IncaConfig(sigma_star=0.4, sigma_delta=2.0, iterations=6, schedule=schedule, dropout=dropout)
         trace = sample_trace(30, config, seed=5)
         x = np.random.default_rng(1).standard_normal((30, 17)).astype(dtype)
-        ahead = NoiseAhead(77, trace, 17, dtype, max_bytes=max_bytes)
+        ahead = NoiseAhead(77, trace, 17, dtype, max_bytes=max_bytes, workers=workers)
         got = replay(trace, x, seed=77, noise=ahead)
         ahead.close()
         want = replay(trace, x, seed=77)
         assert np.array_equal(got.estimate, want.estimate) and np.array_equal(
             got.final_messages, want.final_messages
         )
-    abandoned = NoiseAhead(77, trace, 17, np.float32, max_bytes=1)
+    abandoned = NoiseAhead(77, trace, 17, np.float32, max_bytes=1, workers=workers)
     abandoned.close()
-    abandoned._thread.join(timeout=5)
-    assert not abandoned._thread.is_alive()  # a refused round's thread ends
+    for thread in abandoned._threads:
+        thread.join(timeout=5)
+        assert not thread.is_alive()  # a refused round's threads end
 
 
 # ------------------------------------------------------------------------------------------ failures

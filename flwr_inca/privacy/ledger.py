@@ -48,6 +48,9 @@ class LedgerEntry:
     note: str = ""
     owner: str | None = None  # who spent it (differs from the file's owner only in a shared ledger)
     method: str | None = None  # the certificate that gave mu: "exact", "bound", ... (None: not recorded)
+    # the round's cost as certified (or bounded, or predicted: see method) when mu, what was charged and
+    # composed, is that cost rounded up; never above mu (None: mu is the cost itself)
+    certified_mu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"round": self.round, "mu": self.mu, "sample_rate": self.sample_rate,
@@ -56,6 +59,8 @@ class LedgerEntry:
             out["owner"] = self.owner
         if self.method is not None:
             out["method"] = self.method
+        if self.certified_mu is not None:
+            out["certified_mu"] = self.certified_mu
         return out
 
 
@@ -133,9 +138,12 @@ class PrivacyLedger:
 
     # ------------------------------------------------------------------ updates
     def spend(self, mu: float, sample_rate: float = 1.0, *, force: bool = False, note: str = "",
-              method: str | None = None) -> float:
+              method: str | None = None, certified_mu: float | None = None) -> float:
         """Record one round; return the composed epsilon. ``method``: the certificate that gave ``mu``
         (:attr:`~flwr_inca.privacy.Certificate.method`, e.g. ``"exact"`` or ``"bound"``), kept in the entry.
+        ``certified_mu``: when ``mu`` is a round's cost rounded up (so that the accountant composes few
+        distinct rounds), that cost, kept beside it; it must not exceed ``mu`` (``ValueError``): what is
+        charged and composed is ``mu``, and charging less than the cost would under-count the privacy spent.
 
         Under the file's lock, the file is re-read first (other processes may have spent meanwhile) and
         the budget is checked against that total. Raises :class:`BudgetExceededError` (recording
@@ -146,6 +154,7 @@ class PrivacyLedger:
         sample_rate = _check_rate(sample_rate)
         note = str(note)
         method = None if method is None else str(method)
+        certified_mu = _check_certified(certified_mu, mu, "certified_mu")
         with self._lock():
             self._reload()
             self._check_owner()
@@ -156,7 +165,7 @@ class PrivacyLedger:
                     f"epsilon to {eps:.4g} > max_epsilon = {self.max_epsilon:.4g} at delta = {self.delta:g} "
                     f"(spent so far: {self.epsilon():.4g} over {self.rounds} round(s))"
                 )
-            entry = LedgerEntry(self.rounds + 1, mu, sample_rate, eps, note, self.owner, method)
+            entry = LedgerEntry(self.rounds + 1, mu, sample_rate, eps, note, self.owner, method, certified_mu)
             self._entries.append(entry)
             try:
                 self._save()
@@ -287,10 +296,14 @@ class PrivacyLedger:
             mu = _check_mu(float_from_json(r.get("mu"), f"{where} mu"))
             rate = _check_rate(float_from_json(r.get("sample_rate", 1.0), f"{where} sample_rate"))
             eps = float_from_json(r.get("epsilon"), f"{where} epsilon")
-            spender, method = r.get("owner"), r.get("method")  # both absent from older files
+            spender, method = r.get("owner"), r.get("method")  # absent from older files, as certified_mu
+            certified = r.get("certified_mu")
+            if certified is not None:
+                certified = _check_certified(float_from_json(certified, f"{where} certified_mu"), mu,
+                                             f"{where} certified_mu")
             entries.append(LedgerEntry(k, mu, rate, eps, str(r.get("note", "")),
                                        spender if isinstance(spender, str) else None,
-                                       method if isinstance(method, str) else None))
+                                       method if isinstance(method, str) else None, certified))
         if len(entries) < len(self._entries):  # rewritten behind our back with fewer rounds
             raise ValueError(f"ledger {self.path} now holds {len(entries)} round(s), fewer than the "
                              f"{len(self._entries)} read before: refusing to forget spent budget")
@@ -305,6 +318,17 @@ class PrivacyLedger:
 
 def _check_mu(mu: float) -> float:
     return check_real("mu", mu, 0.0, finite=False)
+
+
+def _check_certified(certified: float | None, mu: float, what: str) -> float | None:
+    """The cost kept beside a charged ``mu``: None when it is ``mu`` itself; never above ``mu``."""
+    if certified is None:
+        return None
+    certified = check_real(what, certified, 0.0, finite=False)
+    if certified > mu:
+        raise ValueError(f"{what} = {certified!r} exceeds the charged mu = {mu!r}: a round must be charged "
+                         "at least its cost")
+    return None if certified == mu else certified
 
 
 def _check_rate(q: float) -> float:

@@ -47,14 +47,12 @@ import numpy as np
 from .._checks import check_int, check_probability, check_real
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.conversions import epsilon_for_delta
-from ..privacy.prefinal import no_finals_bound
 from ..privacy.prefix import RoundPrefix
-from ..privacy.rounds import certification_seeds
+from ..privacy.rounds import RoundCertificate, certification_seeds
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel
 from ..protocol.engine import replay, sample_trace
 from ..protocol.noise import NoiseSource
-from ..protocol.schedules import InjectionSchedule
 from ..protocol.trace import ExecutionTrace
 from . import seeding
 from .noise import NoiseAhead
@@ -162,12 +160,6 @@ class Mixer(ABC):
         step that fits; the cost is then that step's (``plan.info["delivered_iterations"]`` for IncA)."""
         return 0.0
 
-    def stopped_ceiling(self, participants: int) -> float:
-        """The most :meth:`stopped_cost` can be for any plan of ``participants`` clients (0 by default).
-        Informative: the runner reserves nothing; with the budget guard a refused round is charged the
-        largest part of it that fits (``stopped_cost(plan, fits)``), so it never overruns the budget."""
-        return 0.0
-
     def describe(self) -> str:
         return self.name
 
@@ -246,7 +238,8 @@ class CentralDPMixer(Mixer):
             participants,
             1.0 / z,
             True,
-            info={"noise_multiplier": z, "noise_std": z * self.context.value_sensitivity / participants},
+            info={"noise_multiplier": z, "noise_std": z * self.context.value_sensitivity / participants,
+                  "method": "gaussian"},
         )
 
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
@@ -442,7 +435,12 @@ class IncaMixer(Mixer):
         sets), drawn by :func:`flwr_inca.privacy.rounds.certification_views`: the same draws as ``IncaStrategy``
         for its seed (tests/test_simulation_flower.py checks it). ``finals``: the parties whose final
         messages are observed (None: every party online at T; ``[]``: a round stopped before them)."""
-        return self.round_prefix(trace, round, seed).with_finals(finals).mu
+        return self.certificate(trace, round, seed, finals).mu
+
+    def certificate(self, trace: ExecutionTrace, round: int, seed: int,
+                    finals: list[int] | None = None) -> RoundCertificate:
+        """:meth:`certify`'s worst mu with the certificate methods that gave it (for the ledger)."""
+        return self.round_prefix(trace, round, seed).with_finals(finals)
 
     def round_prefix(self, trace: ExecutionTrace, round: int, seed: int) -> RoundPrefix:
         """The round's adversaries factorized once (:class:`flwr_inca.privacy.prefix.RoundPrefix`, as
@@ -470,12 +468,6 @@ class IncaMixer(Mixer):
         plan.info["delivered_iterations"] = delivered
         return min(cert.mu, plan.mu) if plan.certified else cert.mu
 
-    def stopped_ceiling(self, participants: int) -> float:
-        """:func:`flwr_inca.privacy.prefinal.no_finals_bound` at the sigmas of a round of this size."""
-        s_star, s_delta = self.sigmas(participants)
-        schedule = InjectionSchedule.resolve(self.schedule, self.iterations)
-        return no_finals_bound(schedule, s_star, s_delta, self.context.value_sensitivity)
-
     def plan(self, round: int, participants: int) -> RoundPlan:
         config = self.inca_config(participants)
         start = time.perf_counter()
@@ -497,14 +489,17 @@ class IncaMixer(Mixer):
         if self.certification == "local-bound":
             mu, certified = self.context.value_sensitivity / config.sigma_star, False
             info["cost"] = "local bound S / sigma_star (valid for any execution; not a certificate)"
+            info["method"] = "local-bound"
         elif (round - 1) % self.certify_every == 0 or self._worst_certified == 0.0:
-            mu = self.certify(trace, round, self.threat_seed(self.context.seed))
-            certified = True
+            cert = self.certificate(trace, round, self.threat_seed(self.context.seed))
+            mu, certified = cert.mu, True
             self._worst_certified = max(self._worst_certified, mu)
             info["cost"] = "certified"
+            info["method"] = cert.method
         else:
             mu, certified = self._worst_certified, False
             info["cost"] = "predicted: largest certified mu so far (not certified)"
+            info["method"] = "predicted"
         info["seconds_trace"] = sampled - start
         info["seconds_certify"] = time.perf_counter() - sampled
         return RoundPlan(round, participants, mu, certified, trace, info)

@@ -52,6 +52,8 @@ __all__ = ["simulate", "RoundContext", "charge_resolution"]
 
 Progress = Callable[[RoundRecord, History], None]
 
+DRIVER_BLAS_THREADS = 1  # BLAS threads of this process during the rounds (see _driver_blas_limit)
+
 
 @dataclass
 class RoundContext:
@@ -273,6 +275,7 @@ def simulate(
     history.records.append(initial)
     if report:
         report(initial, history)
+    blas = _driver_blas_limit()
     try:
         for rnd in range(1, config.rounds + 1):
             start = time.perf_counter()
@@ -322,7 +325,8 @@ def simulate(
             if ledger is not None:
                 record.charged_mu = charge_resolution(record.mu, config.mu_resolution)
                 charge = charger.submit(
-                    _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}"
+                    _charge, ledger, record.charged_mu, plan.sample_rate, f"round {rnd}: {record.cost}",
+                    round_plan.info.get("method"), record.mu,
                 )
             else:
                 record.charged_mu, record.epsilon = math.inf, math.inf
@@ -436,6 +440,8 @@ def simulate(
             save()
     finally:
         charger.shutdown(wait=True)
+        if blas is not None:
+            blas.restore_original_limits()
         try:
             history.memory = {"driver_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                               "actors_peak_mb": backend.peak_memory_mb()}
@@ -448,6 +454,22 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _driver_blas_limit() -> Any:
+    """Single-threaded BLAS in this process during the rounds (restored after the run).
+
+    The driver's BLAS work (the certificate's factorizations) overlaps the actors' training and the
+    noise drawn ahead. With OpenBLAS's default of one thread per core, its threads wait for cores the
+    actors hold, and a factorization of a few hundred rows then takes up to a second instead of
+    milliseconds (benchmarks/RESULTS.md, "Simulator"). A fixed thread count also fixes the last bits of
+    the certificates, which depend on it: a run gives the same numbers on any backend, with any number
+    of actors, on machines with any number of cores."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a core dependency
+        return None
+    return threadpool_limits(limits=DRIVER_BLAS_THREADS, user_api="blas")
 
 
 def _check_fits(model: nn.Module, loss_fn: LossFn | None, x: np.ndarray, y: np.ndarray, what: str) -> None:
@@ -484,10 +506,13 @@ def _zero_diverged(updates: np.ndarray, participants: np.ndarray, rnd: int, hist
         )
 
 
-def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str) -> tuple[float, float]:
-    """Spend one round in the ledger: ``(composed epsilon, seconds)``; raises BudgetExceededError."""
+def _charge(ledger: PrivacyLedger, mu: float, sample_rate: float, note: str, method: str | None = None,
+            certified_mu: float | None = None) -> tuple[float, float]:
+    """Spend one round in the ledger: ``(composed epsilon, seconds)``; raises BudgetExceededError. ``mu``
+    is charged; ``certified_mu`` (the round's cost, ``mu`` before rounding up) and ``method`` (what gave
+    it) are recorded beside it."""
     start = time.perf_counter()
-    epsilon = ledger.spend(mu, sample_rate, note=note)
+    epsilon = ledger.spend(mu, sample_rate, note=note, method=method, certified_mu=certified_mu)
     return epsilon, time.perf_counter() - start
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
 from abc import ABC, abstractmethod
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["RoundCost", "RoundAccountant", "grouped", "require_opacus"]
+import numpy as np
+
+__all__ = ["Memo", "RoundAccountant", "RoundCost", "grouped", "rdp_per_step", "require_opacus"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,56 @@ def grouped(rounds: Sequence[RoundCost]) -> list[tuple[float, float, int]]:
     irrelevant for composition). Rounds with mu = 0 cost nothing and are dropped."""
     counts = Counter((r.mu, r.sample_rate) for r in rounds if r.mu > 0)
     return [(1.0 / mu, q, c) for (mu, q), c in sorted(counts.items())]
+
+
+class Memo:
+    """A small least-recently-used memo (bounded: a long run's history of queries is not kept), shared
+    between threads: a value being computed is waited for, not computed twice (a ledger charges, and
+    can be asked ahead, in a thread beside the round)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self._items = int(size), OrderedDict()
+        self._lock = threading.Lock()
+        self._pending: dict[Hashable, threading.Event] = {}
+
+    def get(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        while True:
+            with self._lock:
+                if key in self._items:
+                    self._items.move_to_end(key)
+                    return self._items[key]
+                running = self._pending.get(key)
+                if running is None:
+                    running = self._pending[key] = threading.Event()
+                    break
+            running.wait()  # another thread computes it; if it failed, try again here
+        try:
+            value = compute()
+            with self._lock:
+                self._items[key] = value
+                if len(self._items) > self.size:
+                    self._items.popitem(last=False)
+            return value
+        finally:
+            with self._lock:
+                del self._pending[key]
+            running.set()
+
+
+def rdp_per_step(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...],
+                 memo: Memo | None = None) -> np.ndarray:
+    """Opacus's ``compute_rdp(q, sigma, steps=1, orders)`` (read-only; memoized in ``memo``)."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    def compute() -> np.ndarray:
+        rdp = np.asarray(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
+                                     orders=list(orders)), dtype=float)
+        rdp.setflags(write=False)
+        return rdp
+
+    if memo is None:
+        return compute()
+    return memo.get((float(sample_rate), float(noise_multiplier), orders), compute)
 
 
 def require_opacus(accountant: str) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .base import RoundAccountant, RoundCost, grouped, require_opacus
+from .base import Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
 
 __all__ = ["OpacusRdpAccountant"]
 
@@ -31,9 +31,10 @@ class OpacusRdpAccountant(RoundAccountant):
     def __init__(self, orders: Sequence[float] | None = None) -> None:
         require_opacus(self.name)
         self.orders = list(orders) if orders is not None else list(ORDERS)
+        self._memo = Memo(64)  # per-step RDP curve of each distinct round (c rounds: c times the curve)
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
-        from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+        from opacus.accountants.analysis.rdp import get_privacy_spent
 
         groups = grouped(rounds)
         if any(r.mu == math.inf for r in rounds):
@@ -41,7 +42,8 @@ class OpacusRdpAccountant(RoundAccountant):
         if not groups:
             return 0.0
         rdp = np.zeros(len(self.orders))
-        for sigma, q, count in groups:
-            rdp += compute_rdp(q=q, noise_multiplier=sigma, steps=count, orders=self.orders)
+        orders = tuple(self.orders)
+        for sigma, q, count in groups:  # = compute_rdp(q=q, noise_multiplier=sigma, steps=count, orders=...)
+            rdp += rdp_per_step(q, sigma, orders, self._memo) * count
         eps, _ = get_privacy_spent(orders=self.orders, rdp=rdp, delta=delta)
         return float(eps)
