@@ -663,8 +663,15 @@ def test_run_data_is_removed_when_the_run_ends_and_stale_runs_when_joining(task_
         past = time_.time() - age
         for path in [stale / "value.f64", stale, stale.parent, stale.parent.parent]:
             os.utime(path, (past, past))
+    # the join of run 7 scanned just now: joins within min(stale_after / 10, 600 s) do not scan again
     app._registered_funcs["train.default"](_join_message(), _context(run_id=8))
-    assert sorted(p.name for p in root.iterdir()) == ["run-4", "run-7", "run-8"]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("run-")) == ["run-3", "run-4", "run-7",
+                                                                                  "run-8"]
+    past = time_.time() - 400
+    os.utime(root / ".stale-scan", (past, past))  # the last scan is now 400 s old (> 360 s)
+    app._registered_funcs["train.default"](_join_message(), _context(run_id=8))
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("run-")) == ["run-4", "run-7", "run-8"]
+    assert time_.time() - (root / ".stale-scan").stat().st_mtime < 60  # this scan is recorded
     # the strategy's end-of-run message: the node removes its data of the run and forgets its secrets
     end = Message(RecordDict({"inca": ConfigRecord({"end": True})}), dst_node_id=5, message_type="query.inca_end")
     assert "inca-secrets" in context.state.config_records

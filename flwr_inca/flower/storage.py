@@ -75,34 +75,59 @@ def check_private_root(path: str | os.PathLike[str], *, default: bool = False) -
         os.chmod(path, 0o700)
 
 
-def remove_stale_runs(root: str | os.PathLike[str], keep: str, older_than: float) -> list[str]:
-    """Remove the ``run-*`` directories under ``root`` other than ``keep`` whose newest file is more than
-    ``older_than`` seconds old (the data of runs that ended without telling their nodes, e.g. killed);
-    returns their names. Runs in progress write every mixing step, so they are never that old."""
-    removed = []
+SCAN_MARK = ".stale-scan"  # under the root: its mtime is when runs were last scanned for staleness
+
+
+def remove_stale_runs(root: str | os.PathLike[str], keep: str, older_than: float,
+                      every: float | None = None) -> list[str]:
+    """Remove the ``run-*`` directories under ``root`` other than ``keep`` in which nothing changed for
+    more than ``older_than`` seconds (the data of runs that ended without telling their nodes, e.g.
+    killed); returns their names. Runs in progress write every mixing step, so they are never that old.
+
+    Every node calls this when it joins a round, so the scan runs at most once every ``every`` seconds
+    per root (default ``min(older_than / 10, 600)``): the mtime of ``<root>/.stale-scan`` says when the
+    last one ran, for every node and process sharing the root. Without that, each of n nodes walked every
+    file of every run left under the root at each join (a round of 100 nodes took 3x longer with 143
+    runs' leftovers). A run directory's walk also stops at its first recent file."""
+    every = min(older_than / 10, 600.0) if every is None else float(every)
+    mark = os.path.join(root, SCAN_MARK)
+    now = time.time()
     try:
+        if now - os.stat(mark).st_mtime < every:
+            return []
         entries = list(os.scandir(root))
     except FileNotFoundError:
-        return removed
-    cutoff = time.time() - older_than
+        if not os.path.isdir(root):
+            return []
+        entries = list(os.scandir(root))
+    try:  # claim this scan first: nodes joining meanwhile see a fresh mark and skip theirs
+        os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.utime(mark, (now, now))
+    except OSError:
+        pass
+    removed = []
+    cutoff = now - older_than
     for entry in entries:
         if not entry.name.startswith("run-") or entry.name == keep or not entry.is_dir(follow_symlinks=False):
             continue
-        if _newest_mtime(entry.path) < cutoff:
+        if not _changed_since(entry.path, cutoff):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
     return removed
 
 
-def _newest_mtime(path: str) -> float:
-    newest = os.lstat(path).st_mtime
+def _changed_since(path: str, cutoff: float) -> bool:
+    """Whether ``path`` or anything under it was modified after ``cutoff`` (stops at the first such)."""
+    if os.lstat(path).st_mtime >= cutoff:
+        return True
     for top, dirs, files in os.walk(path):
         for name in dirs + files:
             try:
-                newest = max(newest, os.lstat(os.path.join(top, name)).st_mtime)
+                if os.lstat(os.path.join(top, name)).st_mtime >= cutoff:
+                    return True
             except FileNotFoundError:
                 pass
-    return newest
+    return False
 
 
 class NodeStore(Protocol):
