@@ -28,6 +28,7 @@ from flwr_inca import replay  # noqa: E402
 from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy  # noqa: E402
 from flwr_inca.flower.node import RoundSecrets  # noqa: E402
 from flwr_inca.flower.shared import INCA_KEY, clip, flatten_arrays  # noqa: E402
+from flwr_inca.flower.storage import SCAN_MARK  # noqa: E402
 from flwr_inca.flower.wire import FIELD, peek_request  # noqa: E402
 from flwr_inca.privacy import RoundCost  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise  # noqa: E402
@@ -405,7 +406,10 @@ def scenarios(tmp_path_factory):
     finally:
         os.environ.pop(flower_apps.HOSTILE_ENV, None)
         os.environ.pop("FLWR_INCA_STATE_DIR", None)
-    out["node_files"] = sorted(str(p.relative_to(node_state)) for p in node_state.rglob("*") if p.is_file())
+    # the root keeps only the zero-byte mark of the last stale-run scan (storage.SCAN_MARK)
+    out["scan_mark"] = (node_state / SCAN_MARK).stat().st_size if (node_state / SCAN_MARK).exists() else None
+    out["node_files"] = sorted(str(p.relative_to(node_state)) for p in node_state.rglob("*")
+                               if p.is_file() and p.name != SCAN_MARK)
     out["node_dirs"] = sorted(str(p.relative_to(node_state)) for p in node_state.rglob("*") if p.is_dir())
     return out
 
@@ -539,4 +543,4 @@ def test_failures_after_the_charge_lose_neither_the_charge_nor_the_model(scenari
 def test_nodes_remove_their_run_data_when_the_run_is_over(scenarios):
     # every strategy.start ended by telling its nodes; they removed their data of the run (the value,
     # the noise drawn ahead, the states), and the last one the run's directory
-    assert scenarios["node_files"] == [] and scenarios["node_dirs"] == []
+    assert scenarios["node_files"] == [] and scenarios["node_dirs"] == [] and scenarios["scan_mark"] == 0
