@@ -311,6 +311,7 @@ def scenarios(tmp_path_factory):
     plan.write_text("{}")
     os.environ[flower_apps.HOSTILE_ENV] = str(plan)
     node_state = tmp / "node-state"
+    before = os.environ.get("FLWR_INCA_STATE_DIR")
     os.environ["FLWR_INCA_STATE_DIR"] = str(node_state)
     common = {"fraction_evaluate": 0.0, "min_available_nodes": NODES, "min_train_nodes": NODES,
               "exchange_timeout": 120}
@@ -405,7 +406,10 @@ def scenarios(tmp_path_factory):
         _simulate(app, flower_apps.secure_client)
     finally:
         os.environ.pop(flower_apps.HOSTILE_ENV, None)
-        os.environ.pop("FLWR_INCA_STATE_DIR", None)
+        if before is None:
+            os.environ.pop("FLWR_INCA_STATE_DIR", None)
+        else:
+            os.environ["FLWR_INCA_STATE_DIR"] = before
     # the root keeps only the zero-byte mark of the last stale-run scan (storage.SCAN_MARK)
     out["scan_mark"] = (node_state / SCAN_MARK).stat().st_size if (node_state / SCAN_MARK).exists() else None
     out["node_files"] = sorted(str(p.relative_to(node_state)) for p in node_state.rglob("*")
