@@ -101,10 +101,10 @@ def _trace(n=8, T=4, seed=1, dropout=None):
 def test_a_round_that_cannot_be_certified_is_recorded_as_unbounded(monkeypatch):
     strategy = IncaStrategy(**SIGMAS)
 
-    def broken(trace, seeds, finals=None):
+    def broken(trace, seeds):
         raise np.linalg.LinAlgError("SVD did not converge")
 
-    monkeypatch.setattr(strategy, "_certify_round", broken)
+    monkeypatch.setattr(strategy, "_round_prefix", broken)
     with pytest.raises(np.linalg.LinAlgError):
         strategy._certify_and_spend(_trace(), 1)
     assert strategy.ledger.rounds == 1 and math.isinf(strategy.ledger.epsilon())

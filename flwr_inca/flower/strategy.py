@@ -855,13 +855,14 @@ class IncaStrategy(FedAvg):
             note += (": stopped before its final messages" if not finals
                      else f": {len(finals)} of {len(online)} final messages revealed")
         try:
+            if prefix is None and (prefinal_mu is None or partial):
+                prefix = self._round_prefix(trace, seeds)  # one factorization serves both certificates
             if prefinal_mu is None:
-                pre = self._certify_round(trace, seeds)
+                pre = prefix.with_finals()
                 prefinal_mu, prefinal_method = pre.mu, pre.method
             mu, method = prefinal_mu, prefinal_method
             if partial:
-                observed = (self._certify_round(trace, seeds, finals=finals) if prefix is None
-                            else prefix.with_finals(finals))
+                observed = prefix.with_finals(finals)
                 if observed.mu < prefinal_mu:
                     mu, method = observed.mu, observed.method
         except Exception:

@@ -42,7 +42,6 @@ never make a charge smaller than the exact cost.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -54,7 +53,7 @@ from ..protocol.topology import Messages
 from ..protocol.trace import ExecutionTrace, TraceStep
 from .certificate import EXACT_MAX_ROWS, certify, lower_solve, whiten_at
 from .linear_system import build_model
-from .rounds import RoundCertificate, certification_views
+from .rounds import RoundCertificate, certification_views, worst_mu
 from .views import AdversaryView, with_finals
 
 __all__ = ["ROUND_UP", "PrefixProfile", "RoundPrefix", "prefix_ceilings", "prefix_view"]
@@ -153,14 +152,6 @@ class PrefixProfile:
         return np.sqrt(before + np.einsum("ij,ij->j", z, z)) * self.value_sensitivity
 
 
-def _worst(mus: Iterable[float]) -> float:
-    """The largest mu, a NaN counting as unbounded (inf), never as 0; rounded up by :data:`ROUND_UP`."""
-    worst = 0.0
-    for mu in mus:
-        worst = max(worst, math.inf if math.isnan(mu) else float(mu))
-    return worst * (1.0 + ROUND_UP)
-
-
 class RoundPrefix:
     """A round's certification adversaries (:func:`~flwr_inca.privacy.rounds.certification_views`, the
     same draws as :func:`~flwr_inca.privacy.rounds.certify_round`), each factorized once: the round's
@@ -196,7 +187,7 @@ class RoundPrefix:
                 cert = certify(self.trace, restrict(view), value_sensitivity=self.value_sensitivity)
                 mus.append(float(cert.max_mu))
                 methods.append(cert.method)
-        return RoundCertificate(_worst(mus), tuple(methods))
+        return RoundCertificate(worst_mu(mus) * (1.0 + ROUND_UP), tuple(methods))
 
     def with_finals(self, finals: Iterable[int] | None = None) -> RoundCertificate:
         """The round's cost observing the finals of ``finals`` (None: every party online at T, the

@@ -18,7 +18,8 @@ from ..protocol.trace import ExecutionTrace
 from .certificate import certify
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
-__all__ = ["CERTIFY_KEY", "RoundCertificate", "certification_seeds", "certification_views", "certify_round"]
+__all__ = ["CERTIFY_KEY", "RoundCertificate", "certification_seeds", "certification_views", "certify_round",
+           "worst_mu"]
 
 CERTIFY_KEY = 0  # first spawn_key entry of the certification seeds (IncaStrategy's other keys follow it)
 
@@ -78,11 +79,13 @@ def certify_round(
 ) -> RoundCertificate:
     """The worst certified mu of the honest parties over :func:`certification_views`. A NaN (a numerical
     failure) is no bound at all: it counts as unbounded (inf), never as 0."""
-    worst, methods = 0.0, []
-    for view in certification_views(trace, seeds, draws, collusion=collusion,
-                                    observed_fraction=observed_fraction, finals=finals):
-        cert = certify(trace, view, value_sensitivity=value_sensitivity)
-        mu = float(cert.max_mu)
-        worst = max(worst, math.inf if math.isnan(mu) else mu)
-        methods.append(cert.method)
-    return RoundCertificate(worst, tuple(methods))
+    certs = [certify(trace, view, value_sensitivity=value_sensitivity)
+             for view in certification_views(trace, seeds, draws, collusion=collusion,
+                                             observed_fraction=observed_fraction, finals=finals)]
+    return RoundCertificate(worst_mu(c.max_mu for c in certs), tuple(c.method for c in certs))
+
+
+def worst_mu(mus: Iterable[float]) -> float:
+    """The largest of ``mus`` (0 for none), a NaN (a numerical failure) counting as unbounded (inf),
+    never as 0."""
+    return max((math.inf if math.isnan(m) else float(m) for m in mus), default=0.0)
