@@ -12,25 +12,19 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from synthetic import CLASSES, FEATURES, linear_task
+
 from flwr_inca.privacy import PrivacyLedger, certify, random_collusion
 from flwr_inca.privacy.prefix import ROUND_UP, prefix_view
 from flwr_inca.protocol.trace import ExecutionTrace
 from flwr_inca.simulation import IncaMixer, MixContext, SimulationConfig, iid, simulate
 from flwr_inca.simulation.runner import charge_resolution
 
-FEATURES, CLASSES, BUDGET = 12, 3, 1.5
+BUDGET = 1.5
 
 
-def _data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((FEATURES, CLASSES))
-    x = rng.standard_normal((n, FEATURES)).astype(np.float32)
-    y = np.argmax(x @ w + 0.3 * rng.standard_normal((n, CLASSES)), axis=1).astype(np.int64)
-    return x, y
-
-
-X, Y = _data(960)
-XT, YT = _data(300, seed=1)
+X, Y = linear_task(960)
+XT, YT = linear_task(300, seed=1)
 MODEL = functools.partial(torch.nn.Linear, FEATURES, CLASSES)
 PARTS = iid(X, Y, 24)
 

@@ -16,6 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from synthetic import CLASSES, FEATURES, linear_task  # noqa: E402
+
 from flwr_inca.privacy import PrivacyLedger  # noqa: E402
 from flwr_inca.privacy.plan import privacy_plan  # noqa: E402
 from flwr_inca.protocol import PermanentDropout  # noqa: E402
@@ -40,19 +42,8 @@ from flwr_inca.simulation.backend import WorkPlanner  # noqa: E402
 from flwr_inca.simulation.runner import charge_resolution  # noqa: E402
 from flwr_inca.simulation.training import CohortTrainer  # noqa: E402
 
-FEATURES, CLASSES = 12, 3
-
-
-def _data(n, seed=0):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal((FEATURES, CLASSES))
-    x = rng.standard_normal((n, FEATURES)).astype(np.float32)
-    y = np.argmax(x @ w + 0.3 * rng.standard_normal((n, CLASSES)), axis=1).astype(np.int64)
-    return x, y
-
-
-X, Y = (a[:960] for a in _data(1260))
-XT, YT = (a[960:] for a in _data(1260))
+X, Y = (a[:960] for a in linear_task(1260))
+XT, YT = (a[960:] for a in linear_task(1260))
 MODEL = functools.partial(torch.nn.Linear, FEATURES, CLASSES)  # picklable by reference for Ray
 PARTS = iid(X, Y, 24)
 FAST = dict(rounds=3, backend="inline", calibration_runs=2, iterations=5, lr=2.0, progress=None)
