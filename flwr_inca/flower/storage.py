@@ -95,11 +95,12 @@ def remove_stale_runs(root: str | os.PathLike[str], keep: str, older_than: float
     try:
         if now - os.stat(mark).st_mtime < every:
             return []
+    except FileNotFoundError:
+        pass  # no scan yet under this root
+    try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
-        if not os.path.isdir(root):
-            return []
-        entries = list(os.scandir(root))
+        return []
     try:  # claim this scan first: nodes joining meanwhile see a fresh mark and skip theirs
         os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, 0o600))
         os.utime(mark, (now, now))
