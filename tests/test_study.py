@@ -380,3 +380,33 @@ def _dataset_784():
     x = rng.random((600, 784), dtype=np.float32)
     y = rng.integers(0, 10, 600)
     return Dataset(x[:500], y[:500], x[500:], y[500:], "random")
+
+
+def test_plots_have_one_panel_per_clients_and_partition(tmp_path):
+    """The full grid has two n and two partitions: each plot gets a 2 x 2 grid of panels, every panel
+    with its own curves (not only the last n and first partition)."""
+    import matplotlib.image as mpimg
+
+    from flwr_inca.study.mnist import plot
+
+    def table(clients, partitions):
+        return {"table": [
+            {"method": m, "clients": n, "partition": p, "epsilon": e, "gamma": g, "accuracy": 0.8 + 0.01 * e,
+             "spread": 0.0}
+            for m in ("fedavg", "inca") for n in clients for p in partitions for e, g in ((1.0, 0.1), (4.0, 0.1))]}
+
+    sizes = {}
+    for name, clients, partitions in (("one", (8,), ("iid",)), ("four", (8, 16), ("iid", "dirichlet:0.5"))):
+        out = tmp_path / name
+        out.mkdir()
+        grid = StudyGrid(clients=clients, partitions=partitions, methods=("fedavg", "inca"), epsilons=(1.0, 4.0))
+        plot(table(clients, partitions), grid, out)
+        image = mpimg.imread(out / "accuracy_vs_epsilon.png")
+        sizes[name] = image.shape[:2]
+    assert sizes["four"][0] == pytest.approx(2 * sizes["one"][0], rel=0.02)
+    assert sizes["four"][1] == pytest.approx(2 * sizes["one"][1], rel=0.02)
+    coloured = np.ptp(image[..., :3], axis=2) > 0.3  # the curves; axes and text are grey
+    h, w = coloured.shape
+    for quadrant in (coloured[: h // 2, : w // 2], coloured[: h // 2, w // 2:], coloured[h // 2:, : w // 2],
+                     coloured[h // 2:, w // 2:]):
+        assert quadrant.sum() > 50

@@ -629,33 +629,38 @@ def markdown_table(table: list[dict]) -> str:
 
 
 def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
+    """``accuracy_vs_epsilon.png`` (at ``gamma_at_epsilon``) and ``accuracy_vs_gamma.png`` (at
+    ``epsilon_at_gamma``): one panel per (n, partition) of the grid, rows n, columns partitions."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     table = summary["table"]
-    n, part = grid.clients[-1], grid.partitions[0]
+    rows, cols = len(grid.clients), len(grid.partitions)
     for name, x_key, fixed_key, fixed in (("accuracy_vs_epsilon", "epsilon", "gamma", grid.gamma_at_epsilon),
                                           ("accuracy_vs_gamma", "gamma", "epsilon", grid.epsilon_at_gamma)):
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        for method in grid.methods:
-            pts = sorted((r[x_key], r["accuracy"], r["spread"]) for r in table
-                         if r["method"] == method and r["clients"] == n and r["partition"] == part
-                         and r[fixed_key] == fixed and r["accuracy"] is not None)
-            if not pts:
-                continue
-            xs, ys, sp = (np.array(v, dtype=float) for v in zip(*pts))
-            style = "--" if method in TRUSTED else ":" if method == "muffliato" else "-"
-            ax.errorbar(xs, 100 * ys, yerr=100 * sp, label=METHODS[method], linestyle=style, marker="o", capsize=2)
-        if x_key == "epsilon":
-            ax.set_xscale("log", base=2)
-        ax.set_xlabel("ε (total, δ = 1e-5)" if x_key == "epsilon" else "γ (dropouts within and across rounds)")
-        ax.set_ylabel("test accuracy (%)")
+        fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False)
         where = f"γ = {fixed:g}" if x_key == "epsilon" else f"ε = {fixed:g}"
-        ax.set_title(f"MNIST logistic regression, n = {n}, {part}, {where}", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower left")
+        for (n, part), ax in zip(((n, p) for n in grid.clients for p in grid.partitions), axes.flat):
+            for method in grid.methods:
+                pts = sorted((r[x_key], r["accuracy"], r["spread"]) for r in table
+                             if r["method"] == method and r["clients"] == n and r["partition"] == part
+                             and r[fixed_key] == fixed and r["accuracy"] is not None)
+                if not pts:
+                    continue
+                xs, ys, sp = (np.array(v, dtype=float) for v in zip(*pts))
+                style = "--" if method in TRUSTED else ":" if method == "muffliato" else "-"
+                ax.errorbar(xs, 100 * ys, yerr=100 * sp, label=METHODS[method], linestyle=style, marker="o",
+                            capsize=2)
+            if x_key == "epsilon":
+                ax.set_xscale("log", base=2)
+            ax.set_xlabel("ε (total, δ = 1e-5)" if x_key == "epsilon" else "γ (dropouts within and across rounds)")
+            ax.set_ylabel("test accuracy (%)")
+            ax.set_title(f"MNIST logistic regression, n = {n}, {part}, {where}", fontsize=10)
+            ax.grid(alpha=0.3)
+            if ax.has_data():
+                ax.legend(fontsize=8, loc="lower left")
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=120)
         plt.close(fig)
