@@ -10,7 +10,7 @@ the Ray backend runs.
                        SimulationConfig(rounds=40, epsilon=1.0, iterations=10))
 """
 
-from . import baseline_mixers  # noqa: F401  (registers the local-dp, dp-gossip and muffliato modes)
+from . import baseline_mixers  # noqa: F401  (registers the local-dp, dp-gossip, muffliato and gopa modes)
 from .availability import AlwaysAvailable, Availability, AvailabilityTable, MarkovAvailability
 from .config import SimulationConfig
 from .data import Dataset, load_mnist

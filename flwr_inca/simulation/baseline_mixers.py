@@ -1,4 +1,4 @@
-"""The baselines as training mechanisms: local DP, DP gossip / D-SGD and Muffliato as simulator
+"""The baselines as training mechanisms: local DP, DP gossip / D-SGD, Muffliato and GOPA as simulator
 ``Mixer`` s, plus within-round dropouts for any mixer.
 
 Each mixer reuses the averaging core of :mod:`flwr_inca.baselines` (no second implementation):
@@ -18,6 +18,12 @@ Each mixer reuses the averaging core of :mod:`flwr_inca.baselines` (no second im
   round target; the local-DP guarantee a colluding neighbour actually faces (``S / sigma``, weaker
   than the target when ``T d_max < n``: 1.55x the target at 900 participants) is in the plan's
   ``info["mu_collusion"]``.
+* ``gopa`` (:class:`GOPAMixer`): GOPA (Sabater et al. 2022; paper App. D.3, Alg. 4) among the round's
+  participants: each adds its own ``eta*_i ~ N(0, sigma_star^2)`` and pairwise terms with k_PR random
+  neighbours, a share drops out before publishing and a share during the roll-back round
+  (:class:`flwr_inca.baselines.GOPA`). Each round's execution is certified exactly against the
+  colluders (the baselines' Collusion-DP view, :func:`flwr_inca.baselines.pairwise_model`), before any
+  value exists, and that mu is charged: the same accounting as IncA's.
 
 The gossip mixers release the *average* of the parties' estimates as the model update (the
 simulator keeps one model) and put each party's own estimate in ``plan.info["node_updates"]`` (rows in
@@ -33,30 +39,44 @@ rest. (IncA has its own in-round dropout model, ``SimulationConfig.dropout``.)
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import connected_components
 
+from .._checks import check_int, check_probability, check_real
 from ..baselines import (
+    GOPA,
     DPGossip,
     GossipExecution,
     LocalDP,
     Muffliato,
+    PairwiseExecution,
+    Threat,
+    calibrate_baseline,
     gossip_matrix,
     graph_adjacency,
     noisy_gossip_step,
     pndp_mean_privacy_loss,
 )
+from ..baselines.calibration import NoiseCalibration
+from ..baselines.pairwise import pairwise_estimate, pairwise_masked_values
+from ..privacy.certificate import SensitivityProfile
+from ..privacy.conversions import epsilon_for_delta
+from ..privacy.rounds import certification_seeds, worst_mu
+from ..protocol.dropout import PermanentDropout
 from . import seeding
 from .mixers import MixContext, Mixer, RoundPlan, register_mixer
 
-__all__ = ["DPGossipMixer", "LocalDPMixer", "MuffliatoMixer", "WithinRoundDropout"]
+__all__ = ["DPGossipMixer", "GOPAMixer", "LocalDPMixer", "MuffliatoMixer", "WithinRoundDropout"]
 
 # purposes of this module's streams (beside seeding's; never reorder)
-_GRAPH, _DROPOUT = 101, 102
+_GRAPH, _DROPOUT, _PAIR = 101, 102, 103
 
 
 class _LocalNoiseMixer(Mixer):
@@ -217,6 +237,217 @@ class MuffliatoMixer(Mixer):
 
     def abandon(self, plan: RoundPlan) -> None:
         plan.info.pop("execution", None)
+
+
+@register_mixer
+class GOPAMixer(Mixer):
+    """GOPA among the round's participants, certified exactly on each round's execution.
+
+    Each round (paper App. D.3, Alg. 4, as :class:`flwr_inca.baselines.GOPA` runs it): every participant
+    adds ``eta*_i ~ N(0, sigma_star^2)`` to its clipped update and, for every edge of a graph in which
+    each party picks ``neighbors`` (k_PR) random others, one end adds and the other subtracts a term
+    ``p_e ~ N(0, sigma_delta^2)``; ``round(gamma n)`` participants drop out, ``round(gamma_rollback n)``
+    of them during the roll-back round (after publishing; their terms with the first-phase dropouts stay
+    in the sum), the others before publishing (their updates are lost). The released update is GOPA's
+    estimate: the mean of the published masked updates less the terms rolled back.
+
+    Noise: ``sigma_star``/``sigma_delta`` given (value units), or calibrated once for the round target
+    (less ``calibration_margin``) at the expected participants by the baselines' exact procedure
+    (:func:`flwr_inca.baselines.calibrate_baseline` on ``calibration_runs`` simulated executions, each
+    against random colluders); with ``n`` participants sigma_star is scaled by ``sqrt(n_cal / n)`` and
+    sigma_delta kept, as :meth:`IncaMixer.sigmas` does.
+
+    Cost: :meth:`plan` samples the round's execution (graph and dropouts: no value) and certifies it
+    exactly against ``threat_draws`` random coalitions of a ``collusion`` share of the participants
+    (drawn from the same seeds as IncA's, :func:`flwr_inca.privacy.rounds.certification_seeds`), by the
+    baselines' certificate (:func:`flwr_inca.baselines.pairwise_model`, then
+    :class:`~flwr_inca.privacy.certificate.SensitivityProfile`); the runner charges that mu before the
+    round's update exists. A round whose charge is refused (:meth:`stopped_cost`) has published its
+    masked updates and is stopped before its roll-back: it is charged the exact certificate of what was
+    published (which reveals no more than the whole round).
+
+    ``draw``: ``"uncancelled"`` (default) draws every participant's ``eta*`` and only the pairwise
+    terms that stay in the estimate, ``O((n + U) d)`` for U uncancelled terms: a term of two publishing
+    ends, or one that was rolled back, leaves the estimate exactly, so its draw is skipped. ``"all"``
+    draws every term of every edge (``O(E d)``, E about ``k_PR n``) and runs the protocol's own
+    arithmetic (:func:`~flwr_inca.baselines.pairwise.pairwise_masked_values`, then
+    :func:`~flwr_inca.baselines.pairwise.pairwise_estimate`); each term has its own stream, so both give
+    the same estimate up to rounding (tested).
+    """
+
+    name = "gopa"
+
+    def __init__(
+        self,
+        *,
+        neighbors: int = 20,
+        gamma: float = 0.0,
+        gamma_rollback: float | None = None,
+        collusion: float = 0.1,
+        threat_draws: int = 1,
+        sigma_star: float | None = None,
+        sigma_delta: float | None = None,
+        calibration_runs: int = 10,
+        calibration_success: float = 1.0,
+        calibration_margin: float = 0.01,
+        draw: str = "uncancelled",
+    ) -> None:
+        super().__init__()
+        if (sigma_star is None) != (sigma_delta is None):
+            raise ValueError("give both sigma_star and sigma_delta, or neither (then they are calibrated)")
+        gamma = check_probability("gamma (share of the participants that drop out in a round)", gamma, one=False)
+        if gamma_rollback is None:
+            gamma_rollback = gamma / 4.0  # the middle of the paper's cases (Fig. 3b: gamma/2, gamma/4, 1/n)
+        # validates neighbors, gamma_rollback in [0, gamma] and the sigmas, naming them
+        GOPA(sigma_star or 0.0, sigma_delta or 0.0, gamma, neighbors=neighbors, gamma_rollback=gamma_rollback)
+        self.neighbors, self.gamma, self.gamma_rollback = int(neighbors), float(gamma), float(gamma_rollback)
+        self.collusion = check_probability("collusion (a fraction of the participants)", collusion, one=False)
+        self.threat_draws = check_int("threat_draws", threat_draws)
+        self.calibration_runs = check_int("calibration_runs", calibration_runs)
+        self.calibration_success = check_real("calibration_success (a share of the calibration runs)",
+                                              calibration_success, 0.0, 1.0, low_open=True)
+        self.calibration_margin = check_real("calibration_margin", calibration_margin, 0.0, 1.0, high_open=True)
+        if draw not in ("uncancelled", "all"):
+            raise ValueError(f"draw must be 'uncancelled' or 'all', got {draw!r}")
+        self.draw = draw
+        self.sigma_star = None if sigma_star is None else float(sigma_star)
+        self.sigma_delta = None if sigma_delta is None else float(sigma_delta)
+        self.calibration: NoiseCalibration | None = None
+        self._calibrated_n = 0
+
+    @classmethod
+    def from_config(cls, config: Any) -> Mixer:
+        """``collusion``, ``threat_draws``, the sigmas and ``calibration_runs`` from the config (unless
+        ``mixer_options`` gives them); the
+        dropouts from ``mixer_options`` (``gamma``, ``gamma_rollback``) or a ``PermanentDropout(gamma)``;
+        k_PR from ``mixer_options["neighbors"]`` (default 20: ``config.neighbors`` is IncA's k)."""
+        options = dict(config.mixer_options)
+        if config.dropout is not None:
+            if not isinstance(config.dropout, PermanentDropout):
+                raise ValueError(f"dropout: gopa takes PermanentDropout(gamma) or mixer_options['gamma'], got "
+                                 f"{config.dropout!r}")
+            if "gamma" in options and options["gamma"] != config.dropout.gamma:
+                raise ValueError("dropout and mixer_options['gamma'] disagree: give one of them")
+            options["gamma"] = config.dropout.gamma
+        kwargs = {"collusion": config.collusion, "threat_draws": config.threat_draws, "sigma_star": config.sigma_star,
+                  "sigma_delta": config.sigma_delta, "calibration_runs": config.calibration_runs}
+        return cls(**{**kwargs, **options})  # mixer_options win
+
+    def describe(self) -> str:
+        return (f"gopa (k_PR = {self.neighbors}, gamma = {self.gamma:g} of which {self.gamma_rollback:g} during "
+                f"the roll-back; threat: collusion of {self.collusion:.0%} of the participants; exact "
+                "certificate every round)")
+
+    # ------------------------------------------------------------------------ noise
+    def _baseline(self, n: int, sigma_star: float, sigma_delta: float) -> GOPA:
+        return GOPA(sigma_star, sigma_delta, self.gamma, neighbors=min(self.neighbors, n - 1),
+                    gamma_rollback=self.gamma_rollback)
+
+    def prepare(self, context: MixContext) -> None:
+        super().prepare(context)
+        if self.sigma_star is not None:
+            return
+        if context.mu_round is None:
+            raise ValueError("gopa needs sigma_star and sigma_delta, or a budget (epsilon) to calibrate them")
+        n = max(2, int(context.participants))
+        target = context.mu_round * (1.0 - self.calibration_margin)
+        cal = calibrate_baseline(
+            self._baseline(n, 1.0, 1.0), n, epsilon_for_delta(target, context.delta), context.delta,
+            Threat.collusion(self.collusion), runs=self.calibration_runs,
+            seed=seeding.seed_of(context.seed, seeding.CALIBRATION), procedures=("exact",),
+            value_sensitivity=context.value_sensitivity, target_success=self.calibration_success)["exact"]
+        if not (math.isfinite(cal.sigma_star) and math.isfinite(cal.sigma_delta)):
+            raise ValueError(f"gopa: no finite noise meets the round target mu = {target:.4g} against "
+                             f"{self.collusion:.0%} colluders among {n} participants")
+        self.calibration, self._calibrated_n = cal, n
+
+    def sigmas(self, participants: int) -> tuple[float, float]:
+        """(sigma_star, sigma_delta) in value units for a round of ``participants`` parties."""
+        if self.sigma_star is not None:
+            return self.sigma_star, float(self.sigma_delta)
+        cal = self.calibration
+        return cal.sigma_star * math.sqrt(self._calibrated_n / participants), cal.sigma_delta
+
+    # ------------------------------------------------------------------------ round
+    def certify(self, execution: PairwiseExecution, round: int, sigma_star: float, sigma_delta: float) -> float:
+        """The worst mu (value sensitivity applied) over the round's ``threat_draws`` coalitions, each
+        honest party's exact certificate of ``execution`` (a NaN counts as unbounded)."""
+        gopa = self._baseline(execution.parties, sigma_star, sigma_delta)
+        threat = Threat.collusion(self.collusion)
+        mus = []
+        for draw in certification_seeds(seeding.seed_of(self.context.seed, seeding.THREAT), round).spawn(
+                self.threat_draws):
+            view = gopa.adversary(execution, threat, int(draw.generate_state(1, dtype=np.uint64)[0]))
+            profile = SensitivityProfile.from_model(gopa.observation_model(execution, view))
+            mus.append(worst_mu(profile.mu(sigma_star, sigma_delta)))
+        return worst_mu(mus) * self.context.value_sensitivity
+
+    def plan(self, round: int, participants: int) -> RoundPlan:
+        n = check_int("participants (GOPA needs two parties)", participants, 2)
+        start = time.perf_counter()
+        s_star, s_delta = self.sigmas(n)
+        execution = self._baseline(n, s_star, s_delta).sample_execution(
+            n, seeding.seed_of(self.context.seed, seeding.TRACE, round))
+        sampled = time.perf_counter()
+        mu = self.certify(execution, round, s_star, s_delta)
+        revealed, uncancelled = execution.edge_status()
+        return RoundPlan(round, n, mu, True, info={
+            "sigma_star": s_star, "sigma_delta": s_delta, "execution": execution, "edges": len(execution.edges),
+            "published": int(execution.published.sum()), "rolled_back_terms": int(revealed.sum()),
+            "uncancelled_terms": int(uncancelled.sum()), "cost": "certified", "method": "exact",
+            "seconds_trace": sampled - start, "seconds_certify": time.perf_counter() - sampled})
+
+    def _terms(self, round: int, edges: np.ndarray, d: int) -> np.ndarray:
+        """Unit draws of the pairwise terms of ``edges`` (indices), (len(edges), d): one stream per term,
+        so a term has the same value whichever others are drawn."""
+        out = np.empty((len(edges), d))
+        for row, e in enumerate(edges):
+            seeding.stream(self.context.seed, _PAIR, round, int(e)).standard_normal(out=out[row])
+        return out
+
+    def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
+        execution: PairwiseExecution = plan.info["execution"]
+        n, d = updates.shape
+        if n != execution.parties:
+            raise ValueError(f"updates has {n} rows but the round's plan has {execution.parties} participants")
+        pub = execution.published
+        if not pub.any():
+            return np.full(d, np.nan, dtype=updates.dtype)
+        s_star, s_delta = plan.info["sigma_star"], plan.info["sigma_delta"]
+        x_tilde = updates.astype(np.float64)
+        x_tilde += s_star * seeding.stream(self.context.seed, seeding.NOISE, plan.round).standard_normal((n, d))
+        if self.draw == "all":  # the protocol's arithmetic: every term added and subtracted
+            pair = s_delta * self._terms(plan.round, np.arange(len(execution.edges)), d)
+            estimate = pairwise_estimate(pairwise_masked_values(x_tilde, execution.edges, pair), execution, pair)
+        else:  # only what stays in the sum: the same estimate, O((n + U) d)
+            _, uncancelled = execution.edge_status()
+            index = np.flatnonzero(uncancelled)
+            # the published end of a dangling term added it (the edge's j) or subtracted it (its i)
+            sign = np.where(pub[execution.edges[index, 1]], 1.0, -1.0)
+            total = x_tilde[pub].sum(axis=0) + s_delta * (sign @ self._terms(plan.round, index, d))
+            estimate = total / pub.sum()
+        return estimate.astype(updates.dtype)
+
+    def stopped_cost(self, plan: RoundPlan, fits: Callable[[float], bool] | None = None) -> float:
+        """A round whose charge was refused (GOPA's pre-final rule): its masked updates were published, it
+        stops before the roll-back, and is charged the exact certificate of what was published (no term
+        revealed; at most the round's cost). With ``fits`` (the budget guard) a deployment publishes only
+        when the local ceiling ``S / sigma_star`` fits, a bound for any dropouts (everything about x_i
+        passes through x_i + eta*_i), since the first-phase dropouts are known only once published: if it
+        does not fit the round stopped before publishing, having spent nothing.
+
+        The simulator runs a round whose exact cost fits even when that ceiling does not (a deployment with
+        the guard would stop it): only rounds at the end of the budget differ, and every charge is exact."""
+        execution: PairwiseExecution | None = plan.info.get("execution")
+        if execution is None:
+            return 0.0
+        s_star, s_delta = plan.info["sigma_star"], plan.info["sigma_delta"]
+        if fits is not None and not fits(self.context.value_sensitivity / s_star if s_star > 0 else math.inf):
+            plan.info["stopped"] = "before publishing"
+            return 0.0
+        published = self.certify(dataclasses.replace(execution, rollback=False), plan.round, s_star, s_delta)
+        plan.info["stopped"] = "before its roll-back"
+        return min(published, plan.mu)
 
 
 class WithinRoundDropout(Mixer):

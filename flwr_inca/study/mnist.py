@@ -49,6 +49,8 @@ METHODS: dict[str, str] = {
     "local-dp": "local DP",
     "dp-gossip": "DP gossip / D-SGD",
     "muffliato": "Muffliato (PNDP accounting: weaker)",
+    # --- GOPA (issue 14): its own dropouts, gamma/4 of them during the roll-back; certified like IncA ---
+    "gopa": "GOPA (k_PR = 20, roll-back)",
 }
 TRUSTED = ("fedavg", "central-dp")
 
@@ -346,6 +348,9 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
         backend="inline", seed=seed, eval_every=rounds + 1)
     if mode == "inca":
         mixer = _inca_mixer(config, "paper" if method == "inca-paper" else "exact", gamma, cache, clients)
+    elif method == "gopa":  # --- GOPA: its own in-round dropouts; calibrated on IncA's runs and success share ---
+        _, success, _ = grid.inca_settings(clients)
+        mixer = create_mixer(replace(config, mixer_options={"gamma": gamma, "calibration_success": success}))
     else:
         mixer = create_mixer(config)
         if method == "muffliato" and phase == "tune":  # the average model only: no per-party gossip needed
