@@ -300,17 +300,31 @@ class _Local:
         self.touches = sp.csr_matrix((np.ones(coo.nnz), (coo.col, ms.row_q[coo.row])), shape=(ms.U, ms.nH))
         self.touched_by = self.touches.T.tocsr()
         self.op = _Operator(ms, S_STAR, S_DELTA, BoundSettings())
-        b_mean = np.zeros((ms.R, 1))
-        for a in range(0, ms.nH, 256):  # never all right-hand sides at once (R x n_H floats)
-            b_mean[:, 0] += self.b(np.arange(a, min(a + 256, ms.nH))).sum(axis=1)
-        b_mean /= ms.nH
+        t_sum = np.zeros((ms.R, 1))  # the sum of every party's target, without R x n_H floats
+        slots = np.arange(ms.nH)
+        rows = ms.rowid(np.arange(ms.T + 1)[:, None], slots[None, :])
+        hon = ms.parties[slots]
+        t_sum[rows.ravel(), 0] = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).ravel()
+        b_mean = self.w[:, None] * ms.apply_P(t_sum) / ms.nH
         self.G = _cg(self.op, b_mean, np.zeros((ms.U, 1)), g_iterations).astype(float)
         self.LG = (self.L @ self.G).ravel()
         self.LG2 = float(self.LG @ self.LG)
 
-    def b(self, slots: np.ndarray) -> np.ndarray:
-        """(R, B) whitened right-hand sides of the parties in ``slots``."""
-        return self.w[:, None] * self.ms.apply_P(self.ms.target(np.atleast_1d(slots)))
+    def b(self, q: int) -> tuple[np.ndarray, np.ndarray]:
+        """Whitened right-hand side of the party in slot q: (rows, values), its own T + 1 rows only."""
+        ms = self.ms
+        rows = ms.rowid(np.arange(ms.T + 1), q)
+        g = ms.groups[int(ms.group_of[q])]
+        j = int(ms.parties[q])
+        t = np.where(ms.online[:, j], ms.c_o[:, j], 0.0)
+        vals = np.zeros(ms.T + 1) if g.blocked else g.P @ t
+        return rows, self.w[rows] * vals
+
+    def b_dense(self, q: int) -> np.ndarray:
+        out = np.zeros(self.ms.R)
+        rows, vals = self.b(q)
+        out[rows] = vals
+        return out
 
     def support(self, q: int, radius: int) -> np.ndarray:
         """The unseen messages that touch a party within ``radius`` hops of slot q (party graph: parties
@@ -328,7 +342,7 @@ class _Local:
             near[self.touches[np.unique(self.touched_by[np.flatnonzero(near)].indices)].indices] = True
         return int(near.sum())
 
-    def compact(self, S: np.ndarray, b: np.ndarray):
+    def compact(self, S: np.ndarray, b_rows: np.ndarray):
         """``L[:, S]`` on the rows it (or b) touches: (A, rows). Outside them the residual of
         ``a G + u`` is ``a LG``, whose squared norm there is ``LG2 - ||LG[rows]||^2``."""
         import scipy.sparse as sp
@@ -338,32 +352,37 @@ class _Local:
         lens = ends - starts
         first = np.concatenate([[0], np.cumsum(lens)])
         idx = np.repeat(starts - first[:-1], lens) + np.arange(first[-1])
-        rows, inv = np.unique(np.concatenate([Lc.indices[idx], np.flatnonzero(b)]), return_inverse=True)
+        rows, inv = np.unique(np.concatenate([Lc.indices[idx], b_rows]), return_inverse=True)
         return sp.csc_matrix((Lc.data[idx], inv[: idx.size], first), shape=(rows.size, S.size)), rows
+
+    def _local(self, q: int, S: np.ndarray):
+        b_rows, b_vals = self.b(q)
+        A, rows = self.compact(S, b_rows)
+        bN = np.zeros(rows.size)
+        bN[np.searchsorted(rows, b_rows)] = b_vals
+        return A, rows, bN
 
     def normal(self, q: int, S: np.ndarray, extra: np.ndarray | None = None) -> float:
         """min over (a, u on S) of ||a LG + L_S u - b_q|| by dense normal equations (a ratio tool)."""
         import scipy.linalg as la
 
-        b = self.b(np.array([q]))[:, 0]
-        A, rows = self.compact(S, b)
+        A, rows, bN = self._local(q, S)
         E = self.LG[rows][:, None] if extra is None else np.column_stack([self.LG[rows], extra[rows]])
         off = np.zeros(E.shape[1])
         out = np.ones(self.ms.R, dtype=bool)
         out[rows] = False
         Eo = (self.LG[out][:, None] if extra is None else np.column_stack([self.LG[out], extra[out]]))
         M = np.block([[(A.T @ A).toarray(), A.T @ E], [(A.T @ E).T, E.T @ E + Eo.T @ Eo]])
-        rhs = np.concatenate([A.T @ b[rows], E.T @ b[rows] + off])
+        rhs = np.concatenate([A.T @ bN, E.T @ bN + off])
         d = np.sqrt(np.maximum(np.diag(M), 1e-300))
         z = la.solve(M / d[:, None] / d[None, :] + 1e-10 * np.eye(d.size), rhs / d, assume_a="pos") / d
-        r = A @ z[: S.size] + E @ z[S.size:] - b[rows]
+        r = A @ z[: S.size] + E @ z[S.size:] - bN
         return float(np.sqrt(r @ r + np.sum((Eo @ z[S.size:]) ** 2)))
 
     def cgls(self, q: int, S: np.ndarray, iterations: int) -> tuple[np.ndarray, list[float]]:
         """Jacobi-preconditioned CGLS on the same problem; (coefficients (u, a), residual norm after each
         iteration)."""
-        b = self.b(np.array([q]))[:, 0]
-        A, rows = self.compact(S, b)
+        A, rows, bN = self._local(q, S)
         AT = A.T.tocsr()
         g = self.LG[rows]
         c = math.sqrt(max(self.LG2 - float(g @ g), 0.0))
@@ -377,7 +396,7 @@ class _Local:
         def mtv(r):
             return np.concatenate([AT @ r[:-1], [g @ r[:-1] + c * r[-1]]]) / d
 
-        r = np.concatenate([b[rows], [0.0]])
+        r = np.concatenate([bN, [0.0]])
         z = np.zeros(S.size + 1)
         s = mtv(r)
         p, gam, hist = s.copy(), float(s @ s), []
@@ -398,7 +417,7 @@ class _Local:
         """Grow the support from r = 1 by the columns of the 2-hop support with the largest
         ``(gradient / column norm)^2`` (what adding each alone would gain), ``step`` at a time;
         (columns, local optimum) after each growth."""
-        b = self.b(np.array([q]))[:, 0]
+        b = self.b_dense(q)
         S = self.support(q, 1)
         pool = self.support(q, 2)
         Lp = self.L[:, pool]
@@ -443,7 +462,7 @@ def locality(ns: list[int], radius: int = 1, parties: int = 8, deflate: int = 0)
         for q in pick:
             support = loc.support(q, radius)
             A = sp.hstack([L[:, support], sp.csc_matrix(LG)]).tocsc()
-            b = loc.b(np.array([q]))[:, 0]
+            b = loc.b_dense(q)
             x = spla.lsqr(A, b, atol=1e-12, btol=1e-12, iter_lim=3000)[0]
             local = float(np.sqrt(np.sum((A @ x - b) ** 2)))
             print(f"  party {ms.parties[q]:>6}: exact mu {mu[q]:.5f}, local+global {local:.5f} "
