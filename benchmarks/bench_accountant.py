@@ -448,8 +448,7 @@ def locality(ns: list[int], radius: int = 1, parties: int = 8, deflate: int = 0)
 
     for n in ns:
         loc = _Local(n)
-        ms, L, LG = loc, loc.L, loc.LG[:, None]
-        ms = loc.ms
+        ms, L, LG = loc.ms, loc.L, loc.LG[:, None]
         if deflate:
             vals, vecs = spla.eigsh((L.T @ L).tocsc(), k=deflate, sigma=-1e-3, which="LM")
             print(f"n = {n}: the {deflate} smallest eigenvalues of L^T L: {vals.min():.3g} .. {vals.max():.3g}")
