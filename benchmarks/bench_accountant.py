@@ -11,6 +11,7 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --screening 1000               # could a cheap pass screen parties?
     python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
     python benchmarks/bench_accountant.py --locality 1000 --radius 1     # near/far split vs exact (ratios)
+    python benchmarks/bench_accountant.py --charged 1000 4000            # cheap local bound vs the charged max
     python benchmarks/bench_accountant.py --baseline 200                 # vs a dense pseudo-inverse
     python benchmarks/bench_accountant.py --extrapolate 100000           # one batch of the bound, extrapolated
     python benchmarks/bench_accountant.py --full                         # the paper's 1000-run calibration
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -267,6 +269,171 @@ def strategy(ns: list[int], draws: int, repeats: int = 3) -> None:
             f"{k[2]} {v[2]:.2f} s ({v[2] / total:.0%})" for k, v in top), flush=True)
 
 
+class _Local:
+    """The whitened least-squares operator ``L = W P Dz`` of one execution (``min_dy ||L dy - b_i||`` is
+    mu_i^2) and what a near-field / far-field ``dy = a G + u`` needs: ``LG`` for the shared global
+    ``G`` (60 CG iterations on the mean right-hand side) and the column / party incidence."""
+
+    def __init__(self, n: int, g_iterations: int = 60) -> None:
+        import scipy.sparse as sp
+
+        from flwr_inca.privacy.bound import BoundSettings, _cg, _Operator
+        from flwr_inca.privacy.message_space import MessageSpace
+
+        self.trace, self.view = _setting(n)
+        ms = self.ms = MessageSpace(self.trace, self.view, S_STAR, S_DELTA)
+        rows, cols, vals = [], [], []
+        for g in ms.groups:
+            if g.blocked:
+                continue
+            q = np.arange(g.start, g.stop)
+            for t, s in zip(*np.nonzero(g.P)):
+                rows.append(ms.rowid(t, q))
+                cols.append(ms.rowid(s, q))
+                vals.append(np.full(q.size, g.P[t, s]))
+        P = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                          shape=(ms.R, ms.R))
+        self.w = np.where(ms.row_t == 0, 1 / S_STAR, 1 / S_DELTA)
+        self.L = (sp.diags(self.w) @ P @ ms.Dz).tocsc()
+        self.L.sort_indices()
+        coo = self.L.tocoo()
+        self.touches = sp.csr_matrix((np.ones(coo.nnz), (coo.col, ms.row_q[coo.row])), shape=(ms.U, ms.nH))
+        self.touched_by = self.touches.T.tocsr()
+        self.op = _Operator(ms, S_STAR, S_DELTA, BoundSettings())
+        t_sum = np.zeros((ms.R, 1))  # the sum of every party's target, without R x n_H floats
+        slots = np.arange(ms.nH)
+        rows = ms.rowid(np.arange(ms.T + 1)[:, None], slots[None, :])
+        hon = ms.parties[slots]
+        t_sum[rows.ravel(), 0] = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).ravel()
+        b_mean = self.w[:, None] * ms.apply_P(t_sum) / ms.nH
+        self.G = _cg(self.op, b_mean, np.zeros((ms.U, 1)), g_iterations).astype(float)
+        self.LG = (self.L @ self.G).ravel()
+        self.LG2 = float(self.LG @ self.LG)
+
+    def b(self, q: int) -> tuple[np.ndarray, np.ndarray]:
+        """Whitened right-hand side of the party in slot q: (rows, values), its own T + 1 rows only."""
+        ms = self.ms
+        rows = ms.rowid(np.arange(ms.T + 1), q)
+        g = ms.groups[int(ms.group_of[q])]
+        j = int(ms.parties[q])
+        t = np.where(ms.online[:, j], ms.c_o[:, j], 0.0)
+        vals = np.zeros(ms.T + 1) if g.blocked else g.P @ t
+        return rows, self.w[rows] * vals
+
+    def b_dense(self, q: int) -> np.ndarray:
+        out = np.zeros(self.ms.R)
+        rows, vals = self.b(q)
+        out[rows] = vals
+        return out
+
+    def support(self, q: int, radius: int) -> np.ndarray:
+        """The unseen messages that touch a party within ``radius`` hops of slot q (party graph: parties
+        linked by a message in any iteration)."""
+        near = np.zeros(self.ms.nH, dtype=bool)
+        near[q] = True
+        for _ in range(radius):
+            near[self.touches[np.unique(self.touched_by[np.flatnonzero(near)].indices)].indices] = True
+        return np.unique(self.touched_by[np.flatnonzero(near)].indices)
+
+    def hops(self, q: int, radius: int) -> int:
+        near = np.zeros(self.ms.nH, dtype=bool)
+        near[q] = True
+        for _ in range(radius):
+            near[self.touches[np.unique(self.touched_by[np.flatnonzero(near)].indices)].indices] = True
+        return int(near.sum())
+
+    def compact(self, S: np.ndarray, b_rows: np.ndarray):
+        """``L[:, S]`` on the rows it (or b) touches: (A, rows). Outside them the residual of
+        ``a G + u`` is ``a LG``, whose squared norm there is ``LG2 - ||LG[rows]||^2``."""
+        import scipy.sparse as sp
+
+        Lc = self.L
+        starts, ends = Lc.indptr[S], Lc.indptr[S + 1]
+        lens = ends - starts
+        first = np.concatenate([[0], np.cumsum(lens)])
+        idx = np.repeat(starts - first[:-1], lens) + np.arange(first[-1])
+        rows, inv = np.unique(np.concatenate([Lc.indices[idx], b_rows]), return_inverse=True)
+        return sp.csc_matrix((Lc.data[idx], inv[: idx.size], first), shape=(rows.size, S.size)), rows
+
+    def _local(self, q: int, S: np.ndarray):
+        b_rows, b_vals = self.b(q)
+        A, rows = self.compact(S, b_rows)
+        bN = np.zeros(rows.size)
+        bN[np.searchsorted(rows, b_rows)] = b_vals
+        return A, rows, bN
+
+    def normal(self, q: int, S: np.ndarray, extra: np.ndarray | None = None) -> float:
+        """min over (a, u on S) of ||a LG + L_S u - b_q|| by dense normal equations (a ratio tool)."""
+        import scipy.linalg as la
+
+        A, rows, bN = self._local(q, S)
+        E = self.LG[rows][:, None] if extra is None else np.column_stack([self.LG[rows], extra[rows]])
+        off = np.zeros(E.shape[1])
+        out = np.ones(self.ms.R, dtype=bool)
+        out[rows] = False
+        Eo = (self.LG[out][:, None] if extra is None else np.column_stack([self.LG[out], extra[out]]))
+        M = np.block([[(A.T @ A).toarray(), A.T @ E], [(A.T @ E).T, E.T @ E + Eo.T @ Eo]])
+        rhs = np.concatenate([A.T @ bN, E.T @ bN + off])
+        d = np.sqrt(np.maximum(np.diag(M), 1e-300))
+        z = la.solve(M / d[:, None] / d[None, :] + 1e-10 * np.eye(d.size), rhs / d, assume_a="pos") / d
+        r = A @ z[: S.size] + E @ z[S.size:] - bN
+        return float(np.sqrt(r @ r + np.sum((Eo @ z[S.size:]) ** 2)))
+
+    def cgls(self, q: int, S: np.ndarray, iterations: int) -> tuple[np.ndarray, list[float]]:
+        """Jacobi-preconditioned CGLS on the same problem; (coefficients (u, a), residual norm after each
+        iteration)."""
+        A, rows, bN = self._local(q, S)
+        AT = A.T.tocsr()
+        g = self.LG[rows]
+        c = math.sqrt(max(self.LG2 - float(g @ g), 0.0))
+        d = np.concatenate([np.sqrt(np.asarray(A.multiply(A).sum(axis=0)).ravel()), [math.sqrt(self.LG2)]])
+        d = np.where(d > 0, d, 1.0)
+
+        def mv(z):
+            u, a = z[:-1] / d[:-1], z[-1] / d[-1]
+            return np.concatenate([A @ u + a * g, [a * c]])
+
+        def mtv(r):
+            return np.concatenate([AT @ r[:-1], [g @ r[:-1] + c * r[-1]]]) / d
+
+        r = np.concatenate([bN, [0.0]])
+        z = np.zeros(S.size + 1)
+        s = mtv(r)
+        p, gam, hist = s.copy(), float(s @ s), []
+        for _ in range(iterations):
+            qv = mv(p)
+            al = gam / float(qv @ qv)
+            z += al * p
+            r -= al * qv
+            s = mtv(r)
+            gn = float(s @ s)
+            p = s + (gn / gam) * p
+            gam = gn
+            hist.append(float(np.sqrt(r @ r)))
+        return z / d, hist
+
+
+    def greedy(self, q: int, step: int, max_columns: int, iterations: int = 80) -> list[tuple[int, float]]:
+        """Grow the support from r = 1 by the columns of the 2-hop support with the largest
+        ``(gradient / column norm)^2`` (what adding each alone would gain), ``step`` at a time;
+        (columns, local optimum) after each growth."""
+        b = self.b_dense(q)
+        S = self.support(q, 1)
+        pool = self.support(q, 2)
+        Lp = self.L[:, pool]
+        norms = np.sqrt(np.asarray(Lp.multiply(Lp).sum(axis=0)).ravel()) + 1e-300
+        out = []
+        while True:
+            z, hist = self.cgls(q, S, iterations)
+            out.append((int(S.size), hist[-1]))
+            if S.size >= max_columns:
+                return out
+            u = np.zeros(self.ms.U)
+            u[S] = z[:-1]
+            score = ((Lp.T @ (self.L @ u + z[-1] * self.LG - b)) / norms) ** 2
+            score[np.isin(pool, S)] = -1.0
+            S = np.union1d(S, pool[np.argsort(-score)[:step]])
+
 def locality(ns: list[int], radius: int = 1, parties: int = 8, deflate: int = 0) -> None:
     """Does a near-field / far-field split work? For the weakest parties and a few random ones: the
     least-squares optimum over ``dy = a G + u``, u on the columns touching the parties within
@@ -278,57 +445,105 @@ def locality(ns: list[int], radius: int = 1, parties: int = 8, deflate: int = 0)
     import scipy.sparse.linalg as spla
 
     from flwr_inca.privacy import certify
-    from flwr_inca.privacy.bound import BoundSettings, _cg, _Operator
-    from flwr_inca.privacy.message_space import MessageSpace
 
     for n in ns:
-        trace, view = _setting(n)
-        ms = MessageSpace(trace, view, S_STAR, S_DELTA)
-        rows, cols, vals = [], [], []
-        for g in ms.groups:
-            if g.blocked:
-                continue
-            q = np.arange(g.start, g.stop)
-            for t, s in zip(*np.nonzero(g.P)):
-                rows.append(ms.rowid(t, q))
-                cols.append(ms.rowid(s, q))
-                vals.append(np.full(q.size, g.P[t, s]))
-        P = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(ms.R, ms.R))
-        w = np.where(ms.row_t == 0, 1 / S_STAR, 1 / S_DELTA)
-        L = (sp.diags(w) @ P @ ms.Dz).tocsc()
-        coo = L.tocoo()
-        touches = sp.csr_matrix((np.ones(coo.nnz), (coo.col, ms.row_q[coo.row])), shape=(ms.U, ms.nH))
-        touched_by = touches.T.tocsr()
-        op = _Operator(ms, S_STAR, S_DELTA, BoundSettings())
-        b_all = w[:, None] * ms.apply_P(ms.target(np.arange(ms.nH)))
-        b_mean = b_all.mean(axis=1, keepdims=True)
-        LG = L @ _cg(op, b_mean, np.zeros((ms.U, 1)), 60).astype(float)
+        loc = _Local(n)
+        ms, L, LG = loc.ms, loc.L, loc.LG[:, None]
         if deflate:
             vals, vecs = spla.eigsh((L.T @ L).tocsc(), k=deflate, sigma=-1e-3, which="LM")
             print(f"n = {n}: the {deflate} smallest eigenvalues of L^T L: {vals.min():.3g} .. {vals.max():.3g}")
             LG = np.hstack([LG, L @ vecs])
-        exact = certify(trace, view, solver="exact")
+        exact = certify(loc.trace, loc.view, solver="exact")
         mu = np.array([exact.mu[int(p)] for p in ms.parties])
         rng = np.random.default_rng(0)
         pick = list(np.argsort(-mu)[: parties // 2]) + list(rng.choice(ms.nH, parties - parties // 2, replace=False))
         print(f"n = {n}: {ms.U} unknowns, {ms.nH} honest parties; dy = a G + u(r-hop), r = {radius}")
         for q in pick:
-            near = np.zeros(ms.nH, dtype=bool)
-            near[q] = True
-            sizes = []
-            for _ in range(max(radius, 2)):
-                c = np.flatnonzero(touched_by[np.flatnonzero(near)].sum(axis=0).A1 > 0)
-                near[np.flatnonzero(touches[c].sum(axis=0).A1 > 0)] = True
-                sizes.append(int(near.sum()))
-                if len(sizes) == radius:
-                    support = np.flatnonzero(touched_by[np.flatnonzero(near)].sum(axis=0).A1 > 0)
+            support = loc.support(q, radius)
             A = sp.hstack([L[:, support], sp.csc_matrix(LG)]).tocsc()
-            b = b_all[:, q]
+            b = loc.b_dense(q)
             x = spla.lsqr(A, b, atol=1e-12, btol=1e-12, iter_lim=3000)[0]
             local = float(np.sqrt(np.sum((A @ x - b) ** 2)))
             print(f"  party {ms.parties[q]:>6}: exact mu {mu[q]:.5f}, local+global {local:.5f} "
                   f"(ratio {local / mu[q]:.3f}; {support.size} columns); parties within 1, 2 hops: "
-                  f"{sizes[0]}, {sizes[1]}", flush=True)
+                  f"{loc.hops(q, 1)}, {loc.hops(q, 2)}", flush=True)
+
+
+def charged(ns: list[int], sample: int, reference: dict[int, float], timed: int) -> None:
+    """Only the charged maximum must be tight: how many parties would a cheap sound local bound (r = 1
+    near field + the shared G) leave above the maximum, and what does each tier cost per party?
+
+    For ``sample`` random honest parties: the r = 1 optimum (dense normal equations) against the
+    largest exact mu (n <= 5000) or ``reference[n]`` (a sound bound's maximum, e.g. from ``--large``).
+    Then, for ``timed`` random parties, the per-party time of r = 1 and r = 2 local solves (Jacobi
+    CGLS; extraction of the local matrix included) and their sizes; for the 3 weakest parties (exact
+    only) the greedy growth of the support from r = 1 toward r = 2."""
+    import resource
+
+    from threadpoolctl import threadpool_limits
+
+    from flwr_inca.privacy import certify
+
+    for n in ns:
+        with threadpool_limits(1, user_api="blas"):
+            t0 = time.perf_counter()
+            compare = n <= 5000 or n in reference
+            loc = _Local(n, g_iterations=60 if compare else 10)  # timings only: G's quality does not matter
+            setup = time.perf_counter() - t0
+            ms = loc.ms
+            print(f"n = {n}: {ms.nH} honest parties, {ms.U} unknowns, L has {loc.L.nnz} non-zeros; set-up "
+                  f"(message space, L, G by {60 if compare else 10} CG iterations) {setup:.1f} s", flush=True)
+            rng = np.random.default_rng(0)
+            mu = None
+            if n <= 5000:
+                t0 = time.perf_counter()
+                exact = certify(loc.trace, loc.view, solver="exact")
+                mu = np.array([exact.mu[int(p)] for p in ms.parties])
+                top = float(mu.max())
+                print(f"  exact certificate {time.perf_counter() - t0:.1f} s; exact mu / max: quantiles "
+                      f"(50, 90, 99%) {np.round(np.quantile(mu / top, [0.5, 0.9, 0.99]), 3)}, parties above "
+                      f"0.9x: {(mu > 0.9 * top).sum()}, 0.95x: {(mu > 0.95 * top).sum()}", flush=True)
+            else:
+                top = reference.get(n)
+            if top:
+                pick = rng.choice(ms.nH, min(sample, ms.nH), replace=False)
+                v = np.array([loc.normal(q, loc.support(q, 1)) for q in pick])
+                src = "exact" if mu is not None else "reference"
+                fr = ", ".join(f"{f}x: {(v > f * top).mean():.1%}" for f in (1.0, 1.02, 1.05, 1.1, 1.2))
+                print(f"  r = 1 bound / max mu ({src} {top:.5g}), {pick.size} random parties: median "
+                      f"{np.median(v / top):.3f}, 90% {np.quantile(v / top, 0.9):.3f}; above {fr}", flush=True)
+                if mu is not None:
+                    own = v[mu[pick] > 0] / mu[pick][mu[pick] > 0]
+                    print(f"  r = 1 bound / own exact mu: median {np.median(own):.3f}, min {own.min():.3f}",
+                          flush=True)
+            times: dict[str, list[float]] = {}
+            sizes: dict[str, list[int]] = {}
+            for q in rng.choice(ms.nH, timed, replace=False):
+                for radius, its in ((1, 20), (1, 40), (2, 80)):
+                    key = f"r = {radius}, {its} iterations"
+                    t0 = time.perf_counter()
+                    S = loc.support(q, radius)
+                    loc.cgls(q, S, its)
+                    times.setdefault(key, []).append(time.perf_counter() - t0)
+                    if its != 20:
+                        sizes.setdefault(f"r = {radius}", []).append(S.size)
+                        sizes.setdefault(f"r = {radius} parties", []).append(loc.hops(q, radius))
+                t0 = time.perf_counter()
+                loc.normal(q, loc.support(q, 1))
+                times.setdefault("r = 1, dense normal equations", []).append(time.perf_counter() - t0)
+            for key, ts in times.items():
+                print(f"  per party, {key}: {np.median(ts) * 1e3:.0f} ms (median of {len(ts)}) -> "
+                      f"{np.median(ts) * ms.nH:.0f} s for all {ms.nH}", flush=True)
+            print("  sizes (median): " + ", ".join(f"{k} {np.median(v):.0f}" for k, v in sizes.items())
+                  + " (columns, or parties within r hops)", flush=True)
+            if mu is not None:
+                for q in np.argsort(-mu)[:3]:
+                    t0 = time.perf_counter()
+                    grow = loc.greedy(q, 500, 3000)
+                    print(f"  weakest party {ms.parties[q]}: greedy support (columns: local / exact) "
+                          + " ".join(f"{c}: {val / mu[q]:.3f}" for c, val in grow)
+                          + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"  peak memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB", flush=True)
 
 
 def baseline(ns: list[int]) -> None:
@@ -386,6 +601,11 @@ def main() -> None:
     p.add_argument("--locality", type=int, nargs="*", help="near-field / far-field split vs exact (ratios)")
     p.add_argument("--radius", type=int, default=1)
     p.add_argument("--deflate", type=int, default=0, help="--locality: add this many eigenvectors of L^T L")
+    p.add_argument("--charged", type=int, nargs="*", help="cheap local bound vs the charged maximum; tier costs")
+    p.add_argument("--sample", type=int, default=300, help="--charged: random parties compared with the maximum")
+    p.add_argument("--timed", type=int, default=5, help="--charged: random parties timed per tier")
+    p.add_argument("--reference-max", nargs="*", default=[], metavar="N=MU",
+                   help="--charged beyond the exact method: the maximum to compare with (a sound bound's)")
     p.add_argument("--baseline", type=int, nargs="*")
     p.add_argument("--extrapolate", type=int, nargs="*")
     p.add_argument("--full", action="store_true", help="calibrate(procedure='paper', runs=1000) at n = 200")
@@ -410,6 +630,9 @@ def main() -> None:
         strategy(args.strategy, args.draws)
     if args.locality:
         locality(args.locality, args.radius, deflate=args.deflate)
+    if args.charged:
+        ref = {int(k): float(v) for k, v in (item.split("=") for item in args.reference_max)}
+        charged(args.charged, args.sample, ref, args.timed)
     if args.baseline:
         baseline(args.baseline)
     if args.extrapolate:
@@ -417,7 +640,8 @@ def main() -> None:
     if args.full:
         full()
     if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline,
-                args.structure, args.screening, args.full, args.extrapolate, args.locality]):
+                args.structure, args.screening, args.full, args.extrapolate, args.locality,
+                args.charged]):
         p.print_help()
 
 
