@@ -71,7 +71,7 @@ from ..privacy.conversions import epsilon_for_delta
 from ..privacy.rounds import certification_seeds, worst_mu
 from ..protocol.dropout import PermanentDropout
 from . import seeding
-from .mixers import MixContext, Mixer, RoundPlan, register_mixer
+from .mixers import MixContext, Mixer, RoundPlan, calibration_point, register_mixer
 
 __all__ = ["DPGossipMixer", "GOPAMixer", "LocalDPMixer", "MuffliatoMixer", "WithinRoundDropout"]
 
@@ -347,10 +347,7 @@ class GOPAMixer(Mixer):
         super().prepare(context)
         if self.sigma_star is not None:
             return
-        if context.mu_round is None:
-            raise ValueError("gopa needs sigma_star and sigma_delta, or a budget (epsilon) to calibrate them")
-        n = max(2, int(context.participants))
-        target = context.mu_round * (1.0 - self.calibration_margin)
+        n, target = calibration_point("gopa", context, self.calibration_margin)
         cal = calibrate_baseline(
             self._baseline(n, 1.0, 1.0), n, epsilon_for_delta(target, context.delta), context.delta,
             Threat.collusion(self.collusion), runs=self.calibration_runs,

@@ -250,6 +250,14 @@ class CentralDPMixer(Mixer):
 
 
 # ------------------------------------------------------------------------------------------ IncA
+def calibration_point(name: str, context: MixContext, margin: float) -> tuple[int, float]:
+    """``(participants, per-round target mu less the relative margin)`` a mixer calibrates its noise for;
+    a clear error when there is no budget to calibrate against."""
+    if context.mu_round is None:
+        raise ValueError(f"{name} needs sigma_star and sigma_delta, or a budget (epsilon) to calibrate them")
+    return max(2, int(context.participants)), context.mu_round * (1.0 - margin)
+
+
 @register_mixer
 class IncaMixer(Mixer):
     """IncA among the round's participants: fresh execution per round, certified before it runs.
@@ -383,10 +391,7 @@ class IncaMixer(Mixer):
         super().prepare(context)
         if self.sigma_star is not None:
             return
-        if context.mu_round is None:
-            raise ValueError("inca needs sigma_star and sigma_delta, or a budget (epsilon) to calibrate them")
-        n = max(2, int(context.participants))
-        target = context.mu_round * (1.0 - self.calibration_margin)
+        n, target = calibration_point("inca", context, self.calibration_margin)
         self.calibration = calibrate(
             epsilon_for_delta(target, context.delta),
             context.delta,
