@@ -14,9 +14,11 @@ test images. Methods, each with the accounting of its own threat model:
 * ``local-dp``: each client noises its update;
 * ``dp-gossip``: D-SGD with DP gossip on a sparse Erdos-Renyi graph (average and worst node reported);
 * ``muffliato``: with its own, weaker, Pairwise Network DP accounting (labelled as such).
+* ``gopa``: GOPA (pairwise terms with k_PR = 20 random neighbours, a roll-back round; its own in-round
+  dropouts, a quarter of them during the roll-back), certified every round against the same colluders.
 
 Dropouts ``gamma``: a ``gamma`` share of each round's participants drops out during the round (IncA:
-``PermanentDropout(gamma)`` inside its mixing; the others: their update never arrives), and clients are
+``PermanentDropout(gamma)`` inside its mixing; GOPA: its own dropouts; the others: their update never arrives), and clients are
 unavailable for whole rounds with a Markov chain whose stationary unavailable share is ``gamma``
 (``p_on = 0.5``).
 
@@ -49,7 +51,7 @@ METHODS: dict[str, str] = {
     "local-dp": "local DP",
     "dp-gossip": "DP gossip / D-SGD",
     "muffliato": "Muffliato (PNDP accounting: weaker)",
-    # --- GOPA (issue 14): its own dropouts, gamma/4 of them during the roll-back; certified like IncA ---
+    # GOPA: its own in-round dropouts (gamma/4 of them during the roll-back), certified like IncA
     "gopa": "GOPA (k_PR = 20, roll-back)",
 }
 TRUSTED = ("fedavg", "central-dp")
@@ -356,7 +358,7 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
         backend="inline", seed=seed, eval_every=rounds + 1)
     if mode == "inca":
         mixer = _inca_mixer(config, "paper" if method == "inca-paper" else "exact", gamma, cache, clients)
-    elif method == "gopa":  # --- GOPA: its own in-round dropouts; calibrated on IncA's runs and success share ---
+    elif method == "gopa":  # its own in-round dropouts; calibrated on IncA's runs and success share
         _, success, _ = grid.inca_settings(clients)
         mixer = create_mixer(replace(config, mixer_options={"gamma": gamma, "calibration_success": success}))
     else:
@@ -692,9 +694,9 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
     """Register ``flwr-inca study mnist``; ``parser_options`` go to ``add_parser`` (e.g. the CLI's help
     formatter)."""
     s = sub.add_parser(
-        "study", help="side-by-side learning study: IncA vs central/local DP, DP gossip, Muffliato",
+        "study", help="side-by-side learning study: IncA vs central/local DP, DP gossip, Muffliato, GOPA",
         description="Train MNIST logistic regression with every method (FedAvg without noise, central DP, "
-                    "IncA with both calibrations, local DP, DP gossip, Muffliato) at each epsilon, n and "
+                    "IncA with both calibrations, local DP, DP gossip, Muffliato, GOPA) at each epsilon, n and "
                     "dropout rate of the grid, tuning each method on a validation split with the same budget; "
                     "writes runs.csv, table.csv/.md, results.json and the plots to --out.",
         epilog="examples:\n  flwr-inca study mnist --data-dir /path/to/mnist\n"
