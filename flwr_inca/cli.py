@@ -520,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter)
     s.add_argument("--clients", "-n", type=_positive_int, default=100, help="number of clients")
     s.add_argument("--rounds", "-R", type=_positive_int, default=40, help="training rounds")
-    s.add_argument("--mode", default="inca", help="inca | fedavg (trusted, no noise) | central-dp (trusted, noised)")
+    s.add_argument("--mode", default="inca", help="inca | fedavg (trusted, no noise) | central-dp (trusted, noised) | local-dp | dp-gossip | "
+                                                   "muffliato | gopa (the baselines as mixers)")
     s.add_argument("--model", choices=["logreg", "mlp"], default="logreg", help="model trained by the clients")
     s.add_argument("--partition", default="iid", help="iid | dirichlet:<alpha>")
     s.add_argument("--data-dir", default="", help="MNIST IDX directory (else $FLWR_INCA_MNIST_DIR, Hugging Face, "
