@@ -824,9 +824,7 @@ class IncaStrategy(FedAvg):
             return self.ledger.epsilon_after(mu, rate) <= budget
 
         def certify_through(t: int) -> RoundPrefix:
-            steps = [relay.step(u) for u in range(1, t + 1)]
-            trace = padded_trace(n, steps, relay.T, relay.schedule, relay.sigma_star, relay.sigma_delta)
-            return self._round_prefix(trace, seeds)
+            return self._round_prefix(_trace_through(relay, t), seeds)
 
         return _Guard(self.prefix_ceilings(n), fits, certify_through)
 
@@ -984,12 +982,18 @@ class IncaStrategy(FedAvg):
         return payload
 
 
+def _trace_through(relay: RoundRelay, t: int) -> ExecutionTrace:
+    """The trace of ``relay``'s iterations 1..``t`` as committed, the later ones exchanging nothing: its
+    prefix certificates through ``t`` are those of the round however it continues."""
+    steps = [relay.step(u) for u in range(1, t + 1)]
+    return padded_trace(relay.n, steps, relay.T, relay.schedule, relay.sigma_star, relay.sigma_delta)
+
+
 def _guarded_trace(relay: RoundRelay, delivered: int, server_round: int) -> ExecutionTrace:
     """The trace of a round the guard stopped after delivering the messages of iterations 1..``delivered``:
     the iterations committed so far, the later ones exchanging nothing (``meta["delivered-iterations"]``
     says where the real ones end)."""
-    steps = [relay.step(u) for u in range(1, delivered + 2)]
-    trace = padded_trace(relay.n, steps, relay.T, relay.schedule, relay.sigma_star, relay.sigma_delta)
+    trace = _trace_through(relay, delivered + 1)
     trace.meta.update({"round": server_round, "finalists": [], "finals-collected": False,
                        "delivered-iterations": delivered})
     return trace

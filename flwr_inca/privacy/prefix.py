@@ -243,9 +243,7 @@ def prefix_ceilings(schedule: InjectionSchedule, sigma_star: float, sigma_delta:
     argument as :func:`~flwr_inca.privacy.prefinal.no_finals_bound`, at every t. All T+1 values come
     from one :class:`PrefixProfile` of two parties that exchange nothing (one factorization)."""
     T = schedule.iterations
-    nothing = Messages(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
-    trace = ExecutionTrace(2, T, schedule, float(sigma_star), float(sigma_delta),
-                           [TraceStep(np.arange(2), nothing) for _ in range(T)])
+    trace = padded_trace(2, [], T, schedule, sigma_star, sigma_delta)
     observed = np.ones((T + 1, 2), dtype=bool)
     observed[T] = False
     view = AdversaryView("eavesdrop", np.zeros(0, dtype=np.int64), observed)
