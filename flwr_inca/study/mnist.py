@@ -346,7 +346,7 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
              else dirichlet(data.x_train, data.y_train, clients, alpha=alpha, seed=seed))
     evaluation = (data.x_val, data.y_val) if phase == "tune" else (data.x_test, data.y_test)
     mode = "inca" if method.startswith("inca") else method
-    calibration_runs, _, certify_every = grid.inca_settings(clients)
+    calibration_runs, calibration_success, certify_every = grid.inca_settings(clients)
     config = SimulationConfig(
         rounds=rounds, mode=mode, epsilon=None if method == "fedavg" else epsilon, delta=grid.delta,
         privacy_unit="record", lr=lr, clip_norm=clip, batch_size=grid.batch_size,
@@ -359,8 +359,8 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
     if mode == "inca":
         mixer = _inca_mixer(config, "paper" if method == "inca-paper" else "exact", gamma, cache, clients)
     elif method == "gopa":  # its own in-round dropouts; calibrated on IncA's runs and success share
-        _, success, _ = grid.inca_settings(clients)
-        mixer = create_mixer(replace(config, mixer_options={"gamma": gamma, "calibration_success": success}))
+        mixer = create_mixer(replace(config, mixer_options={"gamma": gamma,
+                                                            "calibration_success": calibration_success}))
     else:
         mixer = create_mixer(config)
         if method == "muffliato" and phase == "tune":  # the average model only: no per-party gossip needed
