@@ -185,6 +185,7 @@ def test_the_ledger_charges_each_round_its_certificate_and_a_refused_round_what_
     assert S == 2.0 and hist.stopped  # the budget ends the run
     ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact")
     trained = [r for r in hist.rounds if not r.failed]
+    assert hist.rounds_trained == len(trained)
     assert len(trained) >= 3
     for record, entry in zip(trained, ledger.entries):
         ex = _execution(config, record.round)
@@ -194,16 +195,27 @@ def test_the_ledger_charges_each_round_its_certificate_and_a_refused_round_what_
         assert entry.mu == record.charged_mu == charge_resolution(record.mu, config.mu_resolution)
     last = hist.rounds[-1]
     if guard:
-        # the ceiling S / sigma_star no longer fits: a deployment does not publish; nothing is spent
+        # the ceiling S / sigma_star no longer fits: a deployment does not publish; nothing is spent, and
+        # training stops (a refusal that revealed nothing: the next round's ceiling is the same)
         assert hist.stopped.startswith(f"stopped before round {len(trained) + 1}: its cost would exceed")
         assert last.round == len(trained) and ledger.rounds == len(trained) and ledger.epsilon() <= 2.0
+        assert hist.rounds_refused == 0
     else:
-        # stopped before its roll-back: charged the exact certificate of the published masked values
-        assert ledger.rounds == len(trained) + 1 and last.failed.startswith("stopped before its final messages")
-        ex = dataclasses.replace(_execution(config, last.round), rollback=False)
-        published = _brute_mu(ex, _coalitions(config.seed, last.round, 24, config.collusion)[0], 3.0, 8.0, S)
-        assert ledger.entries[-1].mu == charge_resolution(min(published, last.mu), config.mu_resolution)
-        assert 0 < published <= last.mu
+        # stopped before its roll-back: charged the exact certificate of the published masked values, and
+        # skipped; training goes on until a charge overruns the budget (the guard is off) or three in a row
+        refused = [r for r in hist.rounds if r.refused]
+        assert refused and refused[0].round == len(trained) + 1 and hist.rounds_refused == len(refused)
+        assert ledger.rounds == len(hist.rounds) and last.refused
+        assert ("was exceeded: the budget guard is off" in hist.stopped
+                or hist.stopped.startswith("3 round(s) in a row were refused by the budget"))
+        for record, entry in zip(hist.rounds, ledger.entries):
+            if not record.refused:
+                continue
+            assert record.failed.startswith("skipped, refused by the budget: stopped before its final messages")
+            ex = dataclasses.replace(_execution(config, record.round), rollback=False)
+            published = _brute_mu(ex, _coalitions(config.seed, record.round, 24, config.collusion)[0], 3.0, 8.0, S)
+            assert entry.mu == charge_resolution(min(published, record.mu), config.mu_resolution)
+            assert 0 < published <= record.mu
     assert hist.epsilon == pytest.approx(ledger.epsilon())
 
 

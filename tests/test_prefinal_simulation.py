@@ -2,6 +2,8 @@
 would exceed the budget is stopped before them and charged what its mixing revealed without them (as
 IncaStrategy does in a deployment); if even that does not fit, it stops before the first iteration whose
 messages would not fit and is charged what the iterations before revealed; restarts resume the ledger.
+Such a round is skipped and training goes on (tests/test_refused_rounds.py), until max_consecutive_refusals
+rounds in a row are refused, a refused round revealed nothing, or (guard off) the budget was overrun.
 """
 
 import dataclasses
@@ -44,36 +46,50 @@ def _no_finals_mu(trace, config, rnd, value_sensitivity):
 
 
 def test_a_round_over_budget_is_stopped_before_its_finals_and_charged_without_them(tmp_path):
+    """The budget runs out: each round that no longer fits is stopped before its finals, charged what it
+    revealed without them, and skipped (the model unchanged); training stops after
+    max_consecutive_refusals (3) such rounds in a row."""
     config = _config(tmp_path)
     trained = {}
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False,
                     on_round=lambda c: trained.__setitem__(c.round, c))
-    done, stopped = hist.rounds[:-1], hist.rounds[-1]
-    assert hist.stopped.startswith(f"round {stopped.round} stopped before its final messages")
-    assert stopped.failed.startswith("stopped before its final messages") and stopped.round not in trained
-    assert [r.round for r in done] == sorted(trained)  # the stopped round released nothing
+    refused = [r for r in hist.rounds if r.refused]
+    done = [r for r in hist.rounds if not r.refused]
+    assert len(refused) == config.max_consecutive_refusals == 3 and len(done) >= 1
+    assert [r.round for r in refused] == [len(done) + 1, len(done) + 2, len(done) + 3]  # in a row, at the end
+    assert hist.stopped.startswith("3 round(s) in a row were refused by the budget (max_consecutive_refusals = 3): "
+                                   f"training stops after round {refused[-1].round}; round {refused[-1].round} "
+                                   "stopped before its final messages")
+    assert "max_epsilon" in hist.stopped
+    assert (hist.rounds_trained, hist.rounds_refused) == (len(done), 3)
+    for stopped in refused:
+        assert stopped.failed.startswith("skipped, refused by the budget: stopped before its final messages")
+        assert stopped.round not in trained
+    assert [r.round for r in done] == sorted(trained)  # the refused rounds released nothing
     last = trained[done[-1].round]
     assert np.array_equal(hist.parameters, (last.params_before + last.update).astype(np.float32))
     ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact")
-    entry = ledger.entries[-1]
-    assert ledger.rounds == stopped.round
-    assert entry.note == f"round {stopped.round}: stopped before its final messages"
-    # charged exactly the no-finals certificate of its trace (rounded up to the charge grid) ...
-    trace = ExecutionTrace.load(tmp_path / "traces" / f"round-{stopped.round:04d}.json")
-    without = _no_finals_mu(trace, config, stopped.round, hist.plan["value_sensitivity"])
-    assert entry.mu == charge_resolution(without, config.mu_resolution) == stopped.charged_mu
-    # ... far below its cost with the finals, which would have overrun the budget; the total did not
-    assert 0 < entry.mu < stopped.mu / 3
+    assert ledger.rounds == len(hist.rounds)  # every round, refused or not, was charged
     before = PrivacyLedger(None, delta=1e-5, accountant="exact")
-    for e in ledger.entries[:-1]:
-        before.spend(e.mu)
-    assert before.epsilon_after(charge_resolution(stopped.mu, config.mu_resolution)) > BUDGET
+    for stopped, entry in zip(hist.rounds, ledger.entries):
+        if not stopped.refused:
+            before.spend(entry.mu)
+            continue
+        assert entry.note == f"round {stopped.round}: stopped before its final messages"
+        # charged exactly the no-finals certificate of its trace (rounded up to the charge grid) ...
+        trace = ExecutionTrace.load(tmp_path / "traces" / f"round-{stopped.round:04d}.json")
+        without = _no_finals_mu(trace, config, stopped.round, hist.plan["value_sensitivity"])
+        assert entry.mu == charge_resolution(without, config.mu_resolution) == stopped.charged_mu
+        # ... far below its cost with the finals, which would have overrun the budget; the total did not
+        assert 0 < entry.mu < stopped.mu / 3
+        assert before.epsilon_after(charge_resolution(stopped.mu, config.mu_resolution)) > BUDGET
+        before.spend(entry.mu)
     assert hist.plan["value_sensitivity"] == 2.0  # what the ceiling test below assumes
     assert all(e.epsilon <= BUDGET for e in ledger.entries)
     assert hist.epsilon == pytest.approx(ledger.epsilon())
     # a restarted run resumes the ledger: whatever it does, the total stays within the budget
     again = simulate(MODEL, PARTS, (XT, YT), _config(tmp_path), progress=False)
-    assert again.stopped and all(r.failed.startswith("stopped") for r in again.rounds)
+    assert again.stopped and all(r.failed.startswith("skipped, refused by the budget") for r in again.rounds)
     resumed = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact")
     assert resumed.rounds >= ledger.rounds and resumed.epsilon() <= BUDGET
 
@@ -114,20 +130,25 @@ def test_the_budget_guard_stops_a_round_mid_mixing_and_charges_what_was_delivere
     spent = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5).epsilon()
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
     where = f"by the budget guard before delivering the messages of iteration {delivered + 1}"
-    assert [r.round for r in hist.rounds] == [1] and hist.stopped.startswith(f"round 1 stopped {where}")
     ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact")
-    assert ledger.rounds == 2 and ledger.entries[-1].note == f"round 1: stopped {where}"
+    if delivered == 0:  # nothing delivered: the budget left does not afford a round's first iteration
+        assert [r.round for r in hist.rounds] == [1] and hist.stopped.startswith(f"round 1 stopped {where}")
+        assert "None of its messages was delivered" in hist.stopped and ledger.rounds == 2
+    else:  # skipped, and training went on: round 2 (refused too, and charged, until the budget stopped it)
+        assert hist.rounds[0].refused and len(hist.rounds) >= 2 and hist.stopped
+        assert all(r.refused for r in hist.rounds) and ledger.rounds == 1 + len(hist.rounds)
+    assert ledger.entries[1].note == f"round 1: stopped {where}"
     # independently: the same coalitions, certified on the view restricted to iterations 1..delivered
     root = np.random.SeedSequence(IncaMixer.threat_seed(config.seed), spawn_key=(0, 1))
     keys = [int(d.generate_state(1, np.uint64)[0]) for d in root.spawn(config.threat_draws)]
     exact = max(certify(trace, prefix_view(random_collusion(trace, config.collusion, key), delivered),
                         value_sensitivity=2.0).max_mu for key in keys)
     assert (exact == 0) == (delivered == 0)
-    assert ledger.entries[-1].mu == hist.rounds[0].charged_mu == charge_resolution(exact * (1 + ROUND_UP),
-                                                                                  config.mu_resolution)
+    assert ledger.entries[1].mu == hist.rounds[0].charged_mu == charge_resolution(exact * (1 + ROUND_UP),
+                                                                                 config.mu_resolution)
     assert exact <= prefix.through(delivered).mu <= exact * (1 + 2e-9)
     assert ledger.epsilon() <= BUDGET and ledger.epsilon() >= spent
-    assert hist.rounds[0].failed.startswith(f"stopped {where}")
+    assert hist.rounds[0].failed.startswith(f"skipped, refused by the budget: stopped {where}")
     # a restart resumes the ledger: it never exceeds the budget
     again = simulate(MODEL, PARTS, (XT, YT), _config(tmp_path), progress=False)
     assert again.stopped
@@ -141,7 +162,8 @@ def test_without_the_guard_a_stopped_round_may_overrun(tmp_path):
     _guarded_setup(tmp_path, config, 4)
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
     assert hist.stopped.startswith("round 1 stopped before its final messages")
-    assert "was exceeded: the budget guard is off (reserve_stopped_round=False)" in hist.stopped
+    assert "was exceeded: the budget guard is off (reserve_stopped_round=False); training stops" in hist.stopped
+    assert [r.round for r in hist.rounds] == [1] and hist.rounds[0].refused  # it stopped training at once
     assert PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact").epsilon() > BUDGET
     with pytest.raises(ValueError, match="reserve_stopped_round"):
         dataclasses.replace(config, reserve_stopped_round=1)

@@ -459,3 +459,61 @@ def test_study_inca_at_large_n_trains_every_round_when_an_early_round_certifies_
     assert now.epsilon_spent <= 1.0
     old = train(replace(grid, certify_every=10))
     assert old.rounds_done < rounds and "stopped" in old.note and old.epsilon_spent <= 1.0 + 1e-9
+
+
+def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch):
+    """One outlier execution (round 3 certifies at 3x the per-round target; a scripted certificate, the
+    noise, traces, ledger and guard are real): the round is refused, charged what it revealed and skipped;
+    the run trains every other round, and its row says so (rounds_done, rounds_refused, note)."""
+    from dataclasses import replace
+
+    from flwr_inca.privacy.rounds import RoundCertificate
+    from flwr_inca.simulation.mixers import IncaMixer
+    from flwr_inca.study.mnist import _CalibrationCache, _skipped, run_one, split_data
+
+    def scripted(self, trace, round, seed, finals=None):
+        return RoundCertificate(self.context.mu_round * (3.0 if round == 3 else 0.85), ("exact",))
+
+    monkeypatch.setattr(IncaMixer, "certificate", scripted)
+    grid = replace(TINY_GRID, clients=(12,), iterations=3, validation=100, small_calibration_runs=6)
+    res = run_one(split_data(_dataset_784(), grid), grid, "inca", 12, "iid", 1.0, 0.25, 0, 1.0, 1.0, 6, "test",
+                  _CalibrationCache(grid))
+    assert (res.rounds_done, res.rounds_refused) == (5, 1), res.note
+    assert res.note == "1 round(s) refused by the budget and skipped (round(s) 3)"
+    assert 0 < res.epsilon_spent <= 1.0
+    assert _skipped({"rounds_refused": 1, "rounds": 6}) == " (1 of 6 rounds skipped: refused by the budget)"
+    assert _skipped({"rounds_refused": ""}) == _skipped({"rounds_refused": 0}) == ""
+
+
+def test_resuming_a_partial_file_of_an_earlier_version_keeps_its_rows_aligned(tmp_path):
+    """runs.csv.partial written before the rounds_refused column: --resume rewrites it with this version's
+    columns before appending, so no row is misaligned and none is lost."""
+    from dataclasses import replace
+
+    from flwr_inca.study import mnist
+
+    grid = replace(TINY_GRID, methods=("fedavg",), epsilons=(1.0,), gammas=(0.0,), tune_lr=(0.5,), tune_clip=(1.0,),
+                   tune_rounds=(2,), validation=200, train_examples=None, test_examples=None)
+    data = _dataset()
+    run_study(data, grid, tmp_path, log=lambda s: None)
+    rows = list(csv.DictReader((tmp_path / "runs.csv").open()))
+    old_fields = [f for f in mnist.FIELDS if f != "rounds_refused"]
+    with (tmp_path / "runs.csv.partial").open("w", newline="") as f:  # as the previous version wrote it
+        w = csv.DictWriter(f, fieldnames=old_fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    (tmp_path / "runs.csv").unlink()
+    run_study(data, replace(grid, seeds=(5,)), tmp_path, resume=True, log=lambda s: None)
+    final = list(csv.DictReader((tmp_path / "runs.csv").open()))
+    assert list(final[0]) == mnist.FIELDS and None not in final[0]
+    by_key = {mnist._key(r): r for r in final}
+    for r in rows:  # the earlier rows, intact (the new column empty)
+        kept = by_key[mnist._key(r)]
+        assert all(kept[k] == r[k] for k in old_fields) and kept["rounds_refused"] == ""
+    assert {r["seed"] for r in final} == {"0", "5"}
+    assert all(r["rounds_refused"] == "0" for r in final if r["seed"] == "5")
+    # a partial file with columns this version does not know is refused, naming them
+    with (tmp_path / "runs.csv.partial").open("w", newline="") as f:
+        f.write("phase,method,future_column\n")
+    with pytest.raises(ValueError, match="future_column"):
+        run_study(data, grid, tmp_path, resume=True, log=lambda s: None)

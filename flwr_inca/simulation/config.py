@@ -44,7 +44,7 @@ class SimulationConfig:
     Privacy:
         epsilon, delta: total budget over ``budget_rounds`` (epsilon None: no budget; then the noise must be
             given: ``sigma_star``/``sigma_delta`` for inca, ``noise_multiplier`` for central-dp).
-            Training stops before a round whose charge would exceed epsilon.
+            A round whose charge would exceed epsilon is refused and skipped (see ``max_consecutive_refusals``).
         budget_rounds: rounds the budget is planned for (default ``rounds``): each round's target is
             the budget's share of ``budget_rounds`` (e.g. plan for 100 rounds, run 20 now).
         accountant: record level ``"opacus-prv"`` (default) or ``"opacus-rdp"``; party level ``"exact"``
@@ -54,7 +54,17 @@ class SimulationConfig:
             always): a round whose cost does not fit is stopped before its final messages, or before the
             first iteration whose messages would not fit, and charged what was revealed until then.
             False: it is always stopped only before its finals and charged their no-finals cost, which
-            may take the total past ``epsilon`` (see ``flwr_inca.flower.PrivacyTarget.reserve_stopped_round``).
+            may take the total past ``epsilon`` (see ``flwr_inca.flower.PrivacyTarget.reserve_stopped_round``);
+            training then stops.
+        max_consecutive_refusals: a round refused by the budget (its fresh execution certified too costly)
+            is *skipped*: charged what it revealed, the model kept, and training goes on with the next
+            round's fresh execution. Training stops after this many refused rounds in a row (a round
+            whose charge is accepted resets the count), so a cost that is systematically too high for the
+            budget left cannot spend it round after round; 1 stops at the first refused round. A refused
+            round none of whose messages was delivered (a mechanism that reveals nothing before its
+            release, GOPA's guard before publishing, IncA's guard before the first iteration) stops training
+            at once: the budget left does not afford the first step of a round. Same name and meaning as
+            ``flwr_inca.flower.PrivacyTarget.max_consecutive_refusals``.
         mu_resolution: a round is charged its mu rounded *up* to this relative grid (0.005: at most
             0.5% more), so the PRV accountant composes few distinct rounds (its cost grows with them);
             0 charges mu exactly.
@@ -96,6 +106,7 @@ class SimulationConfig:
     accountant: str | None = None
     mu_resolution: float = 0.005
     reserve_stopped_round: bool = True
+    max_consecutive_refusals: int = 3
     ledger_path: str | None = None
     iterations: int = 10
     neighbors: int = 1
@@ -165,6 +176,8 @@ class SimulationConfig:
             object.__setattr__(self, "accountant", resolve_accountant_name(self.accountant))
         check_real("mu_resolution", self.mu_resolution, 0.0, 1.0, high_open=True)
         check_bool("reserve_stopped_round", self.reserve_stopped_round)
+        check_int("max_consecutive_refusals (rounds refused by the budget in a row before training stops)",
+                  self.max_consecutive_refusals, 1)
         if self.noise_multiplier is not None:
             check_real("noise_multiplier", self.noise_multiplier, 0.0, low_open=True)
         if not isinstance(self.mixer_options, dict):

@@ -27,6 +27,10 @@ class RoundRecord:
     ``mu`` is the round's cost for one protected unit (certified when ``certified``, else a
     prediction or bound, see ``cost``); ``charged_mu`` what the ledger was charged (``mu`` rounded up
     to the configured resolution); ``epsilon`` the composed epsilon after the round.
+
+    ``failed`` says why the round did not change the model ("" if it did); ``refused`` marks a round the
+    privacy budget refused (its execution certified too costly): it was skipped, the model kept, and
+    charged what it revealed until it stopped (``charged_mu``; ``mu`` stays its cost in full).
     """
 
     round: int
@@ -42,6 +46,7 @@ class RoundRecord:
     loss: float | None = None
     update_norm: float | None = None
     failed: str = ""
+    refused: bool = False
     seconds: float = 0.0
     seconds_plan: float = 0.0  # sampling the execution and certifying it
     seconds_charge: float = 0.0  # the ledger (composition with the accountant)
@@ -60,7 +65,8 @@ class RoundRecord:
 class History:
     """The simulation's record: configuration, privacy plan, one :class:`RoundRecord` per round.
 
-    ``stopped`` says why training ended before ``config["rounds"]`` rounds ("" if it did not);
+    ``stopped`` says why training ended before ``config["rounds"]`` rounds ("" if it did not; a round
+    refused by the budget and skipped does not end training, see :attr:`rounds_refused`);
     ``parameters`` is the final global model as a flat float32 vector.
     """
 
@@ -80,6 +86,16 @@ class History:
     def rounds(self) -> list[RoundRecord]:
         """Training rounds (round 0, the initial evaluation, excluded)."""
         return [r for r in self.records if r.round > 0]
+
+    @property
+    def rounds_trained(self) -> int:
+        """Rounds whose update was applied to the model."""
+        return sum(1 for r in self.rounds if not r.failed)
+
+    @property
+    def rounds_refused(self) -> int:
+        """Rounds the privacy budget refused and skipped (charged what they revealed; model unchanged)."""
+        return sum(1 for r in self.rounds if r.refused)
 
     @property
     def epsilon(self) -> float:

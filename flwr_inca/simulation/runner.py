@@ -6,11 +6,14 @@ Each round, in this order (charge first, then do anything that can fail):
 2. the mixer's plan: for IncA a fresh execution trace (topology and in-round dropouts; it does not
    depend on any value) certified against the threat;
 3. the ledger is charged the plan's cost; a round whose charge would exceed the budget releases
-   nothing, and training stops, saying why. As in a deployment (IncaStrategy's pre-final rule and
-   budget guard), IncA learns that only as the round runs: the round is charged what its mixing revealed
-   until it stopped (``Mixer.stopped_cost``): before its final messages, or, when even that does not
-   fit, before the first iteration whose messages would not fit (``reserve_stopped_round``, default),
-   so the ledger never exceeds the budget;
+   nothing and is skipped (the model is unchanged), saying why. As in a deployment (IncaStrategy's
+   pre-final rule and budget guard), IncA learns that only as the round runs: the round is charged what
+   its mixing revealed until it stopped (``Mixer.stopped_cost``): before its final messages, or, when
+   even that does not fit, before the first iteration whose messages would not fit
+   (``reserve_stopped_round``, default), so the ledger never exceeds the budget. Training goes on with
+   the next round's fresh execution; it stops after ``max_consecutive_refusals`` refused rounds in a
+   row, when none of a refused round's messages was delivered (the budget left does not afford the
+   first step of a round), or when the guard is off and the charge went past the budget;
 4. the participants train locally from the current global model (Ray actors, vectorized);
 5. the mixer computes the round's update, which is applied (released) and evaluated.
 
@@ -105,7 +108,10 @@ class _StderrProgress:
             print(f"[flwr-inca simulate] {history.mixer}; {history.backend}; initial accuracy {acc}",
                   file=sys.stderr, flush=True)
             return
-        if record.failed:
+        if record.refused:
+            status = (f"round {record.round:>4}/{total}  SKIPPED (refused by the budget; eps {record.epsilon:.4f}, "
+                      f"charged mu {record.charged_mu:.4g} of {record.mu:.4g}): {record.failed}")
+        elif record.failed:
             status = f"round {record.round:>4}/{total}  {record.failed}"
         else:
             acc = "   n/a" if record.accuracy is None else f"{record.accuracy:.4f}"
@@ -270,6 +276,7 @@ def simulate(
 
     charger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inca-ledger")
     actors_replaced = 0
+    refusals = 0  # rounds refused by the budget in a row (max_consecutive_refusals)
     initial = RoundRecord(0, epsilon=ledger.epsilon() if ledger is not None else 0.0)
     evaluate_into(initial)
     history.records.append(initial)
@@ -346,60 +353,16 @@ def simulate(
                 record.seconds_mix = time.perf_counter() - t
             except BaseException as exc:  # noqa: BLE001  (re-raised once the charge is recorded)
                 failure = exc
+            refused = False  # the budget refused the round: it is skipped (charged what it revealed)
             if charge is not None:
                 try:
                     record.epsilon, record.seconds_charge = charge.result()
+                    refusals = 0
                 except BudgetExceededError as exc:
-                    # --- pre-final rule and budget guard (issue 15) ---
                     mixer.abandon(round_plan)
-                    fits = None
-                    if config.reserve_stopped_round and ledger.max_epsilon is not None:
-                        # the guard: deliver an iteration's messages only if what they reveal fits
-                        def fits(mu: float) -> bool:
-                            charged = charge_resolution(mu, config.mu_resolution)
-                            return ledger.epsilon_after(charged, plan.sample_rate) <= ledger.max_epsilon
-
-                    stopped_mu = charge_resolution(mixer.stopped_cost(round_plan, fits), config.mu_resolution)
-                    delivered = round_plan.info.get("delivered_iterations")
-                    iterations = round_plan.trace.iterations if round_plan.trace is not None else None
-                    guarded = delivered is not None and delivered != iterations
-                    where = (
-                        f"by the budget guard before delivering the messages of iteration {delivered + 1}"
-                        if guarded
-                        else "before its final messages"
-                    )
-                    if stopped_mu > 0 or guarded:
-                        # its mixing ran up to there, nothing after it is revealed; charge what was
-                        record.epsilon = ledger.spend(
-                            stopped_mu, plan.sample_rate, force=True, note=f"round {rnd}: stopped {where}"
-                        )
-                        record.charged_mu = stopped_mu  # record.mu stays the cost with the finals
-                        record.cost = (
-                            f"stopped {where}: charged the certificate of the messages of iterations "
-                            f"1..{delivered}"
-                            if guarded
-                            else "stopped before its final messages: charged their no-finals certificate"
-                        )
-                        record.failed = f"stopped {where} (the model is unchanged)"
-                        record.seconds = time.perf_counter() - start
-                        history.records.append(record)
-                        history.stopped = (
-                            f"round {rnd} stopped {where}: with them it would exceed the "
-                            f"budget; it was charged what its mixing revealed until then "
-                            f"(mu = {stopped_mu:.4g}, epsilon = {record.epsilon:.4g}); the model is unchanged. "
-                            f"{exc}"
-                        )
-                        if ledger.max_epsilon is not None and record.epsilon > ledger.max_epsilon:
-                            history.stopped += (
-                                f" max_epsilon = {ledger.max_epsilon:g} was exceeded: the budget guard is off "
-                                "(reserve_stopped_round=False)"
-                            )
-                    else:
-                        history.stopped = (
-                            f"stopped before round {rnd}: its cost would exceed the budget "
-                            f"(nothing of it was released or spent). {exc}"
-                        )
-                    break
+                    refusals += 1
+                    refused, history.stopped = _charge_refused(record, round_plan, mixer, ledger, plan, config,
+                                                               exc, refusals)
             now = getattr(backend, "replaced", 0)
             replaced, actors_replaced = now - actors_replaced, now
             if replaced:
@@ -407,6 +370,20 @@ def simulate(
                     f"round {rnd}: {replaced} Ray actor(s) died and were replaced; their clients trained "
                     "again with the same seeds"
                 )
+            if refused or history.stopped:  # the update (if any) is discarded; what was revealed is charged
+                if refused:
+                    if history.stopped or rnd == config.rounds:  # the final model, unchanged, is evaluated
+                        evaluate_into(record)
+                    record.seconds = time.perf_counter() - start
+                    history.records.append(record)
+                    if report:
+                        report(record, history)
+                    save()
+                if failure is not None and not isinstance(failure, TrainingFailure):
+                    raise failure
+                if history.stopped:
+                    break
+                continue
             if isinstance(failure, TrainingFailure):  # a lost trainer: this round only, training goes on
                 mixer.abandon(round_plan)
                 record.failed = (
@@ -454,6 +431,62 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _charge_refused(record: RoundRecord, round_plan: RoundPlan, mixer: Mixer, ledger: PrivacyLedger,
+                    plan: PrivacyPlan, config: SimulationConfig, exc: BudgetExceededError,
+                    refusals: int) -> tuple[bool, str]:
+    """A round whose charge the budget refused (pre-final rule and budget guard, as IncaStrategy runs them):
+    as in a deployment, which learns the round's cost only as it runs, it is charged what its mixing
+    revealed until it stopped (``Mixer.stopped_cost``): before its final messages, or, with the guard
+    (``reserve_stopped_round``), before the first iteration whose messages would not fit; so the ledger
+    never exceeds the budget. The round is skipped (its update discarded, the model unchanged).
+
+    Whether training goes on depends only on the round's execution trace and the ledger, never on the
+    data (docs/privacy.md, "The budget guard"). Returns ``(recorded, stopped)``: whether the round was
+    charged and is recorded as refused, and why training stops ("" if it goes on with the next round):
+    the charge went past ``max_epsilon`` (guard off), none of the round's messages was delivered (the
+    budget left does not afford the first step of a round; a mechanism that reveals nothing before its
+    release is then not recorded at all), or ``max_consecutive_refusals`` rounds in a row were refused.
+    """
+    rnd = record.round
+    fits = None
+    if config.reserve_stopped_round and ledger.max_epsilon is not None:
+        # the guard: deliver an iteration's messages only if what they reveal fits
+        def fits(mu: float) -> bool:
+            charged = charge_resolution(mu, config.mu_resolution)
+            return ledger.epsilon_after(charged, plan.sample_rate) <= ledger.max_epsilon
+
+    stopped_mu = charge_resolution(mixer.stopped_cost(round_plan, fits), config.mu_resolution)
+    delivered = round_plan.info.get("delivered_iterations")
+    iterations = round_plan.trace.iterations if round_plan.trace is not None else None
+    guarded = delivered is not None and delivered != iterations
+    if not (stopped_mu > 0 or guarded or delivered):  # the mechanism reveals nothing before its release
+        return False, (f"stopped before round {rnd}: its cost would exceed the budget (nothing of it was "
+                       f"released or spent). {exc}")
+    where = (f"by the budget guard before delivering the messages of iteration {delivered + 1}" if guarded
+             else "before its final messages")
+    # its mixing ran up to there, nothing after it is revealed; charge what was
+    record.epsilon = ledger.spend(stopped_mu, plan.sample_rate, force=True, note=f"round {rnd}: stopped {where}")
+    record.charged_mu = stopped_mu  # record.mu stays the cost with the finals
+    record.cost = (f"stopped {where}: charged the certificate of the messages of iterations 1..{delivered}"
+                   if guarded else "stopped before its final messages: charged their no-finals certificate")
+    record.refused = True
+    record.failed = (f"skipped, refused by the budget: stopped {where}, charged what it revealed "
+                     f"(mu = {stopped_mu:.4g}); the model is unchanged")
+    what = (f"round {rnd} stopped {where}: with them it would exceed the budget; it was charged what its "
+            f"mixing revealed until then (mu = {stopped_mu:.4g}, epsilon = {record.epsilon:.4g}); the model "
+            f"is unchanged")
+    if ledger.max_epsilon is not None and record.epsilon > ledger.max_epsilon:
+        return True, (f"{what}. {exc} max_epsilon = {ledger.max_epsilon:g} was exceeded: the budget guard is "
+                      "off (reserve_stopped_round=False); training stops")
+    if guarded and delivered == 0:
+        return True, (f"{what}. None of its messages was delivered: the budget left does not afford the first "
+                      f"iteration of a round; training stops. {exc}")
+    if refusals >= config.max_consecutive_refusals:
+        return True, (f"{refusals} round(s) in a row were refused by the budget (max_consecutive_refusals = "
+                      f"{config.max_consecutive_refusals}): training stops after round {rnd}; {what}. {exc}")
+    return True, ""
 
 
 def _driver_blas_limit() -> Any:

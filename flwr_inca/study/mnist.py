@@ -323,7 +323,8 @@ class RunResult:
     test_accuracy: float | None = None  # tuning runs: the same model on the test set (reused, not selected on)
     worst_node: float | None = None
     epsilon_spent: float | None = None
-    rounds_done: int = 0
+    rounds_done: int = 0  # rounds trained (the model updated)
+    rounds_refused: int = 0  # rounds the budget refused and skipped (charged what they revealed; model kept)
     seconds: float = 0.0
     note: str = ""
 
@@ -392,11 +393,16 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
     params = np.asarray(history.parameters, dtype=np.float32)
     res.accuracy = float(accuracies(params, *evaluation)[0])
     res.test_accuracy = float(accuracies(params, data.x_test, data.y_test)[0])
-    trained = [r for r in history.records[1:] if not r.failed]
-    res.rounds_done = len(trained)
+    res.rounds_done, res.rounds_refused = history.rounds_trained, history.rounds_refused
     res.epsilon_spent = None if method == "fedavg" else float(history.records[-1].epsilon)
+    notes = []
+    if res.rounds_refused:  # outlier executions: skipped, charged what they revealed, training went on
+        refused = [r.round for r in history.rounds if r.refused]
+        notes.append(f"{len(refused)} round(s) refused by the budget and skipped (round(s) "
+                     f"{', '.join(map(str, refused[:10]))}{' ...' if len(refused) > 10 else ''})")
     if history.stopped:
-        res.note = history.stopped.split(". ")[0]  # first sentence (decimals kept)
+        notes.append(history.stopped.split(". ")[0])  # first sentence (decimals kept)
+    res.note = "; ".join(notes)
     if deviation is not None and last_nodes:
         res.worst_node = worst_node(params[None, :] + deviation[last_nodes[0]], data.x_test, data.y_test)
     res.seconds = time.perf_counter() - start
@@ -446,6 +452,29 @@ def _finish_runs(runs_path: Path, partial: Path, rows: list[dict], old_rows: lis
     partial.unlink(missing_ok=True)
 
 
+def _upgrade_header(path: Path) -> None:
+    """Rewrite ``path`` (runs of an interrupted study) with this version's columns if it was written with
+    others (an earlier version, e.g. before ``rounds_refused``), so that rows appended now line up; a
+    column it lacks is left empty."""
+    if not path.exists():
+        return
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or reader.fieldnames == FIELDS:
+            return
+        unknown = sorted(set(reader.fieldnames) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"{path}: its columns {unknown} are not this version's {FIELDS}; move it away "
+                             "or resume it with the version that wrote it")
+        rows = list(reader)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
 def _read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -456,6 +485,14 @@ def _read_rows(path: Path) -> list[dict]:
                 row[k] = float(row[k]) if row[k] not in ("", "None") else None
             rows.append(row)
     return rows
+
+
+def _skipped(row: dict) -> str:
+    """`` (k of R rounds skipped: refused by the budget)`` for a run whose budget refused rounds, else ""."""
+    refused = row.get("rounds_refused")
+    if refused in (None, "", 0, "0"):
+        return ""
+    return f" ({int(refused)} of {row['rounds']} rounds skipped: refused by the budget)"
 
 
 @dataclass
@@ -485,6 +522,7 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
     # Runs of this study go to runs.csv.partial as they finish; runs.csv is replaced only at the end (by
     # this study's rows plus every earlier row it did not reach), so an interruption loses nothing.
     old_rows = _read_rows(runs_path) + _read_rows(partial)
+    _upgrade_header(partial)  # rows are appended to it below, with this version's columns
     done = {_key(r): r for r in old_rows}
     data = split_data(dataset, grid)
     cache = _CalibrationCache(grid)
@@ -547,7 +585,8 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
         acc = "n/a" if d["accuracy"] is None else f"{float(d['accuracy']):.4f}"
         worst = "" if d["worst_node"] in (None, "") else f" (worst node {float(d['worst_node']):.4f})"
         log(progress.line(k, total, f"{phase:<4} {method:<10} n={n} {part} eps={eps:g} gamma={gamma:g} seed={seed} "
-                                    f"lr={lr:g} C={clip:g} R={rnds}: acc {acc}{worst}  {float(d['seconds']):.1f} s"
+                                    f"lr={lr:g} C={clip:g} R={rnds}: acc {acc}{worst}{_skipped(d)}  "
+                                    f"{float(d['seconds']):.1f} s"
                                     + (f"  [{d['note']}]" if d["note"] else ""), units))
         return d
 
