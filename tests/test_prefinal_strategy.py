@@ -3,7 +3,8 @@ party code answering each exchange (no Flower engine), so every exchange the str
 
 A round is certified before its final messages; if charging that would exceed ``max_epsilon`` the
 finals are never asked for, the round is charged what was observed without them, the model is kept
-and training stops; otherwise the finals are collected and the round charged for those that arrived.
+and the round is skipped (training stops after ``max_consecutive_refusals`` such rounds in a row);
+otherwise the finals are collected and the round charged for those that arrived.
 """
 
 import itertools
@@ -124,7 +125,7 @@ def test_a_round_over_budget_before_its_finals_is_stopped_and_charged_without_th
     assert ceiling < prefinal / 3  # withholding the finals is much cheaper
     budget = _budget_between(ceiling, prefinal)
     path = tmp_path / "ledger.json"
-    strategy = IncaStrategy(**SETTINGS, ledger_path=path, max_epsilon=budget)
+    strategy = IncaStrategy(**SETTINGS, ledger_path=path, max_epsilon=budget, max_consecutive_refusals=1)
     monkeypatch.setattr(strategy, "predicted_mu", lambda n: ceiling)  # a prediction that underestimates
     nodes = Nodes()
     model = ArrayRecord([np.full(D, 0.5)])
@@ -132,8 +133,10 @@ def test_a_round_over_budget_before_its_finals_is_stopped_and_charged_without_th
         _round(strategy, monkeypatch, nodes, model, guarded=False)
     stop = info.value
     assert stop.stopped_before_finals and stop.server_round == 1 and stop.arrays is model
+    assert "Training stops: 1 round(s) in a row were refused by the budget (max_consecutive_refusals = 1)" in str(stop)
     assert T + 1 not in nodes.commits and max(nodes.commits) == T  # no final was asked for
     record = strategy.rounds[1]
+    assert record.refused and record.update is None and strategy.rounds_refused == 1
     assert record.finalists == [] and record.trace.meta["finalists"] == []
     assert record.trace.meta["finals-collected"] is False and "not collected" in record.failed
     # charged exactly what was observed without finals: below the ceiling, within the budget
@@ -148,11 +151,19 @@ def test_a_round_over_budget_before_its_finals_is_stopped_and_charged_without_th
     assert stop.predicted_epsilon == pytest.approx(PrivacyLedger(None, delta=1e-5).epsilon_after(prefinal))
     assert stop.predicted_epsilon > budget
     assert strategy.train_metrics_serverapp[1]["inca-stopped-before-finals"] == 1
-    # the next round does not start, and contacts nobody
+    # training stopped (max_consecutive_refusals = 1): the next round does not start, and contacts nobody
     grid = _Grid()
-    with pytest.raises(IncaBudgetExhausted, match="round 1 was stopped before its final messages"):
+    with pytest.raises(IncaBudgetExhausted, match=r"not starting round 2: training stopped at round 1 \(1 round"):
         strategy.configure_train(2, model, ConfigRecord(), grid)
     assert grid.pushed == 0 and strategy.ledger.rounds == 1
+    # with the default cap (3) the same round is only skipped: the model is kept, and the next round starts
+    skipping = IncaStrategy(**SETTINGS, ledger_path=None, max_epsilon=budget)
+    monkeypatch.setattr(skipping, "predicted_mu", lambda n: ceiling)
+    arrays, _ = _round(skipping, monkeypatch, Nodes(), model, guarded=False)
+    assert arrays is None and skipping.rounds[1].refused and skipping.ledger.entries[0].mu == record.mu
+    metrics = skipping.train_metrics_serverapp[1]
+    assert metrics["inca-round-refused"] == 1 and metrics["inca-consecutive-refusals"] == 1
+    assert list(skipping.configure_train(2, model, ConfigRecord(), _Grid()))
 
 
 def test_a_round_whose_no_finals_ceiling_does_not_fit_runs_guarded(monkeypatch, task_identity):
@@ -314,10 +325,15 @@ def test_the_budget_guard_stops_a_round_before_the_messages_that_would_not_fit(m
     monkeypatch.setattr(strategy, "predicted_mu", lambda n: 0.0)  # an underestimating prediction
     nodes = Nodes()
     model = ArrayRecord([np.full(D, 0.5)])
-    with pytest.raises(IncaBudgetExhausted, match="stopped by the budget guard") as info:
-        _round(strategy, monkeypatch, nodes, model)
-    stop = info.value
-    assert stop.stopped_before_finals and stop.delivered_iterations == delivered and stop.arrays is model
+    if delivered == 0:  # nothing could be delivered: the budget left does not afford a round; training stops
+        with pytest.raises(IncaBudgetExhausted, match="stopped by the budget guard") as info:
+            _round(strategy, monkeypatch, nodes, model)
+        stop = info.value
+        assert stop.stopped_before_finals and stop.delivered_iterations == 0 and stop.arrays is model
+        assert "none of its messages could be delivered" in str(stop)
+    else:  # skipped: the model is kept, training goes on
+        arrays, _ = _round(strategy, monkeypatch, nodes, model)
+        assert arrays is None and strategy.rounds[1].refused
     # the exchange committing to delivered + 1 ran; the next (which would deliver its messages) did not
     assert max(nodes.commits) == delivered + 1 and T + 1 not in nodes.commits
     # charged: the same three coalitions, certified independently on the view through `delivered`
@@ -332,11 +348,19 @@ def test_the_budget_guard_stops_a_round_before_the_messages_that_would_not_fit(m
                                       f"of iteration {delivered + 1}")
     assert record.trace.meta["delivered-iterations"] == delivered and record.finalists == []
     assert strategy.train_metrics_serverapp[1]["inca-stopped-before-finals"] == 1
-    # the next round does not start; a restarted strategy on the same ledger never exceeds the budget
+    # after delivered = 0 the next round does not start; a restarted strategy on the same ledger (or the
+    # same strategy going on) never exceeds the budget
     grid = _Grid()
-    with pytest.raises(IncaBudgetExhausted, match="round 1 was stopped before its final messages"):
-        strategy.configure_train(2, model, ConfigRecord(), grid)
-    assert grid.pushed == 0
+    if delivered == 0:
+        with pytest.raises(IncaBudgetExhausted, match="not starting round 2: training stopped at round 1"):
+            strategy.configure_train(2, model, ConfigRecord(), grid)
+        assert grid.pushed == 0
+    else:
+        with pytest.raises(IncaBudgetExhausted, match="Training stops") as info:
+            for rnd in (2, 3, 4):  # refused again and again (the budget left shrinks): training stops
+                _round(strategy, monkeypatch, Nodes(rnd), model)
+        assert ("max_consecutive_refusals = 3" in str(info.value)) == (strategy.rounds_refused == 3)
+        assert strategy.rounds_refused >= 2 and PrivacyLedger(path, delta=1e-5).epsilon() <= budget
     again = IncaStrategy(**SETTINGS, ledger_path=path, max_epsilon=budget)
     monkeypatch.setattr(again, "predicted_mu", lambda n: 0.0)
     with pytest.raises(IncaBudgetExhausted):

@@ -33,8 +33,8 @@ class PrivacyTarget:
             (``epsilon``, ``delta``) per round against the threat below.
         delta: of the per-round target and of the total reported by the ledger, in (0, 1).
         max_epsilon: total budget at ``delta``, never exceeded; training stops (``IncaBudgetExhausted``)
-            before a round that would exceed it, or before the final messages of a round whose
-            certificate would (docs/privacy.md). None: unlimited.
+            before a round predicted to exceed it; a round whose certificate would exceed it is stopped
+            before its final messages and skipped (docs/privacy.md). None: unlimited.
         clip_norm: L2 bound C of each node's update (new model - global model), in model units.
         value_sensitivity: how much one protected unit can change a node's value; default 2C
             (party-level, replace-one). For record-level DP give the per-record sensitivity of your
@@ -50,7 +50,8 @@ class PrivacyTarget:
         budget_check_runs: simulated executions whose worst certified cost is the predicted cost of the
             next round when checking ``max_epsilon``. The actual round may cost more (its topology is
             random): it is then stopped before its final messages, charged what was observed without
-            them, and training stops; ``max_epsilon`` is never exceeded.
+            them, and skipped (the model kept; see ``max_consecutive_refusals``); ``max_epsilon`` is never
+            exceeded.
         calibration_runs: simulated executions the noise is calibrated over.
         calibration_dropout: dropout model of those executions (None: nobody drops out).
         reserve_stopped_round: make ``max_epsilon`` a hard limit also for a round stopped before its
@@ -60,7 +61,16 @@ class PrivacyTarget:
             then have observed is certified, and the round stops before the first iteration that would
             not fit (docs/privacy.md, "The budget guard"). False (the behaviour before the guard): only
             the predicted cost is checked; a round stopped before its finals is charged the exact cost
-            of what was observed, which can take the total past ``max_epsilon`` (logged as an error).
+            of what was observed, which can take the total past ``max_epsilon`` (logged as an error);
+            training then stops.
+        max_consecutive_refusals: a round refused by the budget (stopped before its finals, or by the guard)
+            is *skipped*: charged what it revealed, the model kept, and training goes on with the next
+            round's fresh execution (while the pre-round check lets it start). Training stops
+            (``IncaBudgetExhausted``) after this many refused rounds in a row (a round charged in full
+            resets the count), so a cost that is systematically under-predicted cannot spend the budget
+            round after round; 1 stops at the first refused round. A round the guard stopped before any
+            of its messages was delivered stops training at once. Same name and meaning as
+            ``flwr_inca.simulation.SimulationConfig.max_consecutive_refusals``.
     """
 
     epsilon: float | None = None
@@ -77,9 +87,12 @@ class PrivacyTarget:
     calibration_runs: int = 20
     calibration_dropout: DropoutModel | None = None
     reserve_stopped_round: bool = True
+    max_consecutive_refusals: int = 3
 
     def __post_init__(self) -> None:
         check_bool("reserve_stopped_round", self.reserve_stopped_round)
+        check_int("max_consecutive_refusals (rounds refused by the budget in a row before training stops)",
+                  self.max_consecutive_refusals, 1)
         if self.epsilon is not None:
             check_real("epsilon", self.epsilon, 0.0, low_open=True)
         check_probability("delta", self.delta, zero=False, one=False)

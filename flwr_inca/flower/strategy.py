@@ -16,15 +16,19 @@ IncA runs inside Flower's own ``Strategy.start``, through the hooks every Flower
 ``max_epsilon`` is a hard limit (the *pre-final rule*): the trace of iterations 1..T is certified
 before any final message is asked for, as if every final were revealed (an upper bound whatever then
 arrives). If charging that would exceed ``max_epsilon``, the finals are never collected: the round
-is charged the exact cost of what was observed without them, the model is kept, and training stops.
-Otherwise the finals are collected and the round is charged the exact cost of those that arrived. A
-round starts only if its predicted cost fits; if the most it could cost when stopped before its finals
-(:func:`flwr_inca.privacy.prefinal.no_finals_bound`) does not fit as well, it runs *guarded*: before the
-relay forwards each iteration's messages, what the adversaries would then have observed is certified,
-and the round stops before the first iteration that would not fit, charged what was delivered
-(``reserve_stopped_round``; docs/privacy.md, "The budget guard"). Training stops by raising
-:class:`IncaBudgetExhausted`, a ``flwr.serverapp.exception.PrivacyBudgetExhausted`` as Flower's own DP
-strategies raise, which carries the global model.
+is charged the exact cost of what was observed without them, the model is kept, and the round is
+*skipped*: training goes on with the next round's fresh execution (one outlier execution does not end
+training). Otherwise the finals are collected and the round is charged the exact cost of those that
+arrived. A round starts only if its predicted cost fits; if the most it could cost when stopped before
+its finals (:func:`flwr_inca.privacy.prefinal.no_finals_bound`) does not fit as well, it runs *guarded*:
+before the relay forwards each iteration's messages, what the adversaries would then have observed is
+certified, and the round stops before the first iteration that would not fit, charged what was
+delivered, and is skipped too (``reserve_stopped_round``; docs/privacy.md, "The budget guard").
+Training stops, by raising :class:`IncaBudgetExhausted` (a ``flwr.serverapp.exception.PrivacyBudgetExhausted``
+as Flower's own DP strategies raise, which carries the global model), before a round whose predicted
+cost does not fit, after ``max_consecutive_refusals`` refused rounds in a row, after a guarded round
+none of whose messages could be delivered, or when (guard off) a refused round's charge went past
+``max_epsilon``.
 """
 
 from __future__ import annotations
@@ -74,10 +78,13 @@ class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
     """A round would take the privacy spent past ``max_epsilon``: training stops.
 
     Raised by ``configure_train`` before any node is contacted (the next round is predicted not to fit),
-    or by ``aggregate_train`` when a round's certificate before its final messages does not fit: that
-    round's finals are never collected (``stopped_before_finals``), it is charged what was observed
-    without them, and the model is unchanged; in a guarded round, also when the messages of an
-    iteration would not fit: they are not forwarded (``delivered_iterations`` < T). Either way it leaves ``Strategy.start``, like Flower's
+    or by ``aggregate_train`` when a round refused by the budget ends training: its certificate before its
+    final messages did not fit, so its finals were never collected (``stopped_before_finals``; in a guarded
+    round, the messages of an iteration would not fit and were not forwarded: ``delivered_iterations``
+    < T), it was charged what was observed, the model is unchanged, and it was the
+    ``max_consecutive_refusals``-th refused round in a row (or nothing of it could be delivered, or the
+    guard is off and the charge overran the budget). A refused round that does not end training is only
+    skipped (``RoundRecord.refused``). Either way it leaves ``Strategy.start``, like Flower's
     ``PrivacyBudgetExhausted`` (which it is; also a :class:`flwr_inca.privacy.BudgetExceededError`).
 
     Attributes:
@@ -117,6 +124,7 @@ class RoundRecord:
     mu: float = math.nan
     epsilon: float = math.nan
     failed: str = ""  # why the round failed, if it did
+    refused: bool = False  # the budget refused it: skipped, charged what it revealed, the model unchanged
     client_metrics: dict[int, MetricRecord] = field(default_factory=dict)  # by node id (if forwarded)
     noise_std: float = math.nan  # of the update, per coordinate (inf without finals)
     seconds: float = 0.0
@@ -300,7 +308,9 @@ class IncaStrategy(FedAvg):
         self._pending: dict[int, _PendingRound] = {}
         self._ended: set[int] = set()  # nodes told that the run is over
         self._prefix_ceilings: dict[int, np.ndarray] = {}  # prefix_ceilings by number of parties
-        self._stopped_round: int | None = None  # a round stopped before its finals: no round after it
+        self._stopped_round: int | None = None  # training stopped at this (refused) round: no round after it
+        self._stop_reason = ""  # why, in a few words
+        self._refusals = 0  # rounds refused by the budget in a row (max_consecutive_refusals)
 
     # ----------------------------------------------------------------------------- summary
     def summary(self) -> None:
@@ -427,9 +437,9 @@ class IncaStrategy(FedAvg):
         spent = self.ledger.epsilon()
         if self._stopped_round is not None:
             after = math.inf
-            reason = (f"IncA: not starting round {server_round}: round {self._stopped_round} was stopped "
-                      f"before its final messages because they would have taken epsilon past max_epsilon = "
-                      f"{budget:.4g}; spent: epsilon = {spent:.4g} (delta = {delta:.1e})")
+            reason = (f"IncA: not starting round {server_round}: training stopped at round {self._stopped_round} "
+                      f"({self._stop_reason}); spent: epsilon = {spent:.4g} of max_epsilon = {budget:.4g} "
+                      f"(delta = {delta:.1e})")
         elif spent > budget:
             after = math.inf
             reason = (f"IncA: stopping before round {server_round}: the certified cost of the rounds so "
@@ -463,8 +473,10 @@ class IncaStrategy(FedAvg):
         """Mix the updates of the nodes that joined (relayed, end to end encrypted), certify and charge
         the round, and return the new model (None if the round failed) with the round's metrics.
 
-        Raises :class:`IncaBudgetExhausted` (after charging the round) if the round was stopped before its
-        final messages because they would have taken the privacy spent past ``max_epsilon``."""
+        A round stopped before its final messages (or by the budget guard) because they would have taken the
+        privacy spent past ``max_epsilon`` is charged what was observed and skipped (None: the model is kept);
+        :class:`IncaBudgetExhausted` is raised (after charging it) if it ends training
+        (``max_consecutive_refusals``)."""
         replies = list(replies)
         pending = self._pending.pop(server_round, None)
         if pending is None:
@@ -486,6 +498,8 @@ class IncaStrategy(FedAvg):
         # charge may lose it or the new model: what fails there is logged and counted
         # (inca-post-charge-errors), and the round goes on
         self._certify_and_charge(record, mixed)
+        record.refused = bool(mixed.stopped)
+        self._refusals = self._refusals + 1 if record.refused else 0  # a round charged in full resets it
         if mixed.stopped:
             record.failed = mixed.stopped
             new_arrays = None
@@ -501,42 +515,71 @@ class IncaStrategy(FedAvg):
             metrics = MetricRecord({"inca-epsilon": float(record.epsilon), "inca-mu": float(record.mu)})
         metrics["inca-post-charge-errors"] = len(record.post_charge_errors)
         metrics["inca-stopped-before-finals"] = int(bool(mixed.stopped))
+        metrics["inca-round-refused"] = int(record.refused)
+        metrics["inca-consecutive-refusals"] = self._refusals
         self.train_metrics_serverapp[server_round] = metrics
         log(INFO, "\t└──> IncA: epsilon = %.4g (round mu = %.4g), %d/%d finals", record.epsilon, record.mu,
             len(record.finalists), len(record.roster))
         if mixed.stopped:
-            self._stop_before_finals(record, mixed, pending.arrays)
+            self._refused_round(record, mixed, pending.arrays)  # skipped, or raises: training stops
         return new_arrays, _client_side_metrics(metrics, forwarded)
 
-    def _stop_before_finals(self, record: RoundRecord, mixed: _Mixed, arrays: ArrayRecord) -> None:
-        """Stop training after a round stopped before its finals (already charged): no later round starts."""
-        self._stopped_round = record.round
+    def _refused_round(self, record: RoundRecord, mixed: _Mixed, arrays: ArrayRecord) -> None:
+        """After a round the budget refused (stopped before its finals or by the guard; already charged what it
+        revealed): the round is skipped and training goes on, or training stops (raising
+        :class:`IncaBudgetExhausted`) when this is the ``max_consecutive_refusals``-th refusal in a row, when
+        none of its messages could be delivered, or when (guard off) its charge overran ``max_epsilon``.
+        Whether training goes on depends only on the round's trace and the ledger (docs/privacy.md)."""
         budget = float(self.privacy.max_epsilon)  # a round is stopped only under a budget
         guard = mixed.guard
         delivered = self.mixing.iterations
         if guard is not None and guard.blocked is not None:
             delivered = guard.delivered
-            reason = (f"IncA: round {record.round} stopped by the budget guard before delivering the messages "
-                      f"of iteration {delivered + 1} of {self.mixing.iterations}: what the adversaries would "
-                      f"then have observed is certified at mu = {guard.blocked.mu:.4g}, more than the budget "
-                      f"left (max_epsilon = {budget:.4g}, delta = {self.privacy.delta:.1e}). The round was "
-                      f"charged what iterations 1..{delivered} revealed (mu = {record.mu:.4g}), epsilon is now "
-                      f"{record.epsilon:.4g}; the global model is unchanged and training stops")
+            what = (f"IncA: round {record.round} stopped by the budget guard before delivering the messages "
+                    f"of iteration {delivered + 1} of {self.mixing.iterations}: what the adversaries would "
+                    f"then have observed is certified at mu = {guard.blocked.mu:.4g}, more than the budget "
+                    f"left (max_epsilon = {budget:.4g}, delta = {self.privacy.delta:.1e}). The round was "
+                    f"charged what iterations 1..{delivered} revealed (mu = {record.mu:.4g}), epsilon is now "
+                    f"{record.epsilon:.4g}; the global model is unchanged")
         else:
-            reason = (f"IncA: round {record.round} stopped before its final messages: certified before them, "
-                      f"it would have brought epsilon to {mixed.prefinal_epsilon:.4g} > max_epsilon = "
-                      f"{budget:.4g} (delta = {self.privacy.delta:.1e}). The finals were not collected; the "
-                      f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
-                      f"now {record.epsilon:.4g}; the global model is unchanged and training stops")
-        log(WARNING, "%s", reason)
+            what = (f"IncA: round {record.round} stopped before its final messages: certified before them, "
+                    f"it would have brought epsilon to {mixed.prefinal_epsilon:.4g} > max_epsilon = "
+                    f"{budget:.4g} (delta = {self.privacy.delta:.1e}). The finals were not collected; the "
+                    f"round was charged what was observed without them (mu = {record.mu:.4g}), epsilon is "
+                    f"now {record.epsilon:.4g}; the global model is unchanged")
+        cap = self.privacy.max_consecutive_refusals
         if record.epsilon > budget:  # only with the guard off: what was observed is still charged
             log(ERROR, "IncA: max_epsilon = %.4g exceeded: epsilon = %.4g after round %d, stopped before its "
                 "finals with the budget guard off (reserve_stopped_round=False)", budget, record.epsilon,
                 record.round)
+            why = "max_epsilon was exceeded with the budget guard off (reserve_stopped_round=False)"
+        elif delivered == 0:
+            why = ("none of its messages could be delivered: the budget left does not afford the first "
+                   "iteration of a round")
+        elif self._refusals >= cap:
+            why = (f"{self._refusals} round(s) in a row were refused by the budget (max_consecutive_refusals "
+                   f"= {cap})")
+        else:
+            log(WARNING, "%s. The round is skipped and training goes on with the next round (%d refused in a "
+                "row; training stops at max_consecutive_refusals = %d)", what, self._refusals, cap)
+            return
+        self._stopped_round, self._stop_reason = record.round, why
+        reason = f"{what}. Training stops: {why}"
+        log(WARNING, "%s", reason)
         raise IncaBudgetExhausted(reason, server_round=record.round, arrays=arrays, epsilon=record.epsilon,
                                   predicted_epsilon=mixed.prefinal_epsilon, max_epsilon=budget,
                                   delta=self.privacy.delta, stopped_before_finals=True,
                                   delivered_iterations=delivered)
+
+    @property
+    def rounds_trained(self) -> int:
+        """Rounds whose update was applied to the global model."""
+        return sum(1 for r in self.rounds.values() if r.update is not None)
+
+    @property
+    def rounds_refused(self) -> int:
+        """Rounds the privacy budget refused and skipped (charged what they revealed; model unchanged)."""
+        return sum(1 for r in self.rounds.values() if r.refused)
 
     def _after_charge(self, record: RoundRecord, what: str, default: Any, fn: Callable[..., Any],
                       *args: Any) -> Any:
