@@ -324,7 +324,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     rounds = history.rounds
     trained = [r for r in rounds if not r.failed]
     summary = {
-        "dataset": history.dataset, "rounds": len(rounds), "accuracy": history.accuracy,
+        "dataset": history.dataset, "rounds": len(rounds), "rounds_trained": history.rounds_trained,
+        "rounds_refused": history.rounds_refused, "accuracy": history.accuracy,
         "epsilon": history.epsilon, "delta": args.delta,
         "certified_rounds": sum(r.certified for r in rounds),
         "seconds_per_round": (sum(r.seconds for r in trained) / len(trained)) if trained else None,
@@ -335,7 +336,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     eps = "not private" if not math.isfinite(history.epsilon) else f"{history.epsilon:.4g} at delta = {args.delta:g}"
     acc = "n/a" if history.accuracy is None else f"{history.accuracy:.4f}"
-    print(f"{history.dataset}: {len(rounds)} round(s) of {args.mode} with {args.clients} clients; "
+    skipped = (f" ({history.rounds_trained} trained, {history.rounds_refused} skipped: refused by the budget)"
+               if history.rounds_refused else "")
+    print(f"{history.dataset}: {len(rounds)} round(s) of {args.mode} with {args.clients} clients{skipped}; "
           f"accuracy {acc}, epsilon {eps}")
     uncertified = len(rounds) - summary["certified_rounds"]
     if uncertified and args.mode == "inca":
