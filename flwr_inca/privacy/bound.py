@@ -36,6 +36,7 @@ import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
 from ..protocol.trace import ExecutionTrace
+from .local_bound import LocalTier
 from .message_space import MessageSpace, _pair_weights
 from .views import AdversaryView
 
@@ -60,6 +61,8 @@ class BoundSettings:
         blas_threads: BLAS threads while solving (None: leave as configured). The products are thin
             (T+1 rows) and memory-bound; one thread avoids oversubscription next to other work (on
             this project's 2-core machine two threads were 2x slower when another process was busy).
+        global_iterations: cascade only: CG iterations of the shared global ``dy`` of the local tier.
+        local_iterations: cascade only: CGLS iterations of each party's local problem.
     """
 
     iterations: int = 4
@@ -71,6 +74,8 @@ class BoundSettings:
     inner_iterations: int = 12
     dense_limit: int = 3000
     blas_threads: int | None = 1
+    global_iterations: int = 60
+    local_iterations: int = 20
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,7 @@ def bound_profile(
     sigma_delta: float | None = None,
     settings: BoundSettings | None = None,
     progress: Callable[[str], None] | None = None,
+    cascade: bool = False,
 ) -> SensitivityBound:
     """Upper bounds on every honest party's mu (see the module docstring).
 
@@ -274,6 +280,9 @@ def bound_profile(
             tightest near these.
         settings: the work budget (:class:`BoundSettings`).
         progress: called with a short status line after each phase.
+        cascade: the charge-aware cascade (``method="cascade"``): a cheap local bound for every party
+            (:mod:`~flwr_inca.privacy.local_bound`), the global one only for the parties whose local
+            bound is above the largest refined bound; the maximum is as tight as the global bound's.
     """
     st = settings or BoundSettings()
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
@@ -286,21 +295,25 @@ def bound_profile(
     X = np.zeros(nH)
     E = np.zeros(nH)
     its = np.zeros(nH, dtype=np.int64)
+    method = "cascade" if cascade else "bound"
     if nH == 0:
-        return SensitivityBound(ms.honest, X, E, (s_star, s_delta), its)
+        return SensitivityBound(ms.honest, X, E, (s_star, s_delta), its, method)
     if ms.U == 0:  # nothing unseen: the view is the whole input (local DP)
         X, E = _evaluate(ms, np.zeros((0, nH)), np.arange(nH))
-        return SensitivityBound(ms.honest, X[ms.natural], E[ms.natural], (s_star, s_delta), its)
+        return SensitivityBound(ms.honest, X[ms.natural], E[ms.natural], (s_star, s_delta), its, method)
     limits = threadpool_limits(st.blas_threads, user_api="blas") if st.blas_threads else nullcontext()
     with limits:
-        return _solve(ms, st, s_star, s_delta, progress)
+        return _solve(ms, st, s_star, s_delta, progress, cascade)
 
 
 def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
-           progress: Callable[[str], None] | None) -> SensitivityBound:
+           progress: Callable[[str], None] | None, cascade: bool = False) -> SensitivityBound:
+    """The global bound for every party, or (``cascade``) the local bound for every party and the global
+    one only for the parties whose local bound is above the charged maximum (see the module docstring)."""
     nH = ms.nH
-    X = np.zeros(nH)
-    E = np.zeros(nH)
+    # global bounds (inf: not computed) and local bounds (inf: no local tier)
+    X, E = np.full(nH, np.inf), np.full(nH, np.inf)
+    Xc, Ec = np.full(nH, np.inf), np.full(nH, np.inf)
     its = np.zeros(nH, dtype=np.int64)
     op = _Operator(ms, s_star, s_delta, st)
     states: dict[int, np.ndarray] = {}
@@ -326,13 +339,36 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
                 for p in sorted(states, key=lambda q: f[q])[: len(states) - keep]:
                     del states[p]
 
-    def current() -> np.ndarray:
-        return X / s_star**2 + E / s_delta**2
+    def current() -> np.ndarray:  # the best bound of each party at the nominal sigmas
+        return np.minimum(X / s_star**2 + E / s_delta**2, Xc / s_star**2 + Ec / s_delta**2)
 
     everyone = np.arange(nH)
-    run(everyone, st.iterations)
-    if progress:
-        progress(f"bound: {nH} parties x {st.iterations} iterations; max mu {math.sqrt(current().max()):.5g}")
+    if not cascade:
+        run(everyone, st.iterations)
+        if progress:
+            progress(f"bound: {nH} parties x {st.iterations} iterations; max mu {math.sqrt(current().max()):.5g}")
+    else:
+        tier = _local_tier(ms, op, st, s_star, s_delta)
+        for q in range(nH):
+            Xc[q], Ec[q] = tier.bound(q)
+            if progress and (q + 1) % 1000 == 0:
+                progress(f"cascade: local bounds of {q + 1} / {nH} parties")
+        # refine in descending order of the local bound, until the next local bound is at most the
+        # largest refined one: every party left has min(local, global) below the charged maximum
+        fc = Xc / s_star**2 + Ec / s_delta**2
+        order = np.argsort(-fc, kind="stable")
+        top, pos = -np.inf, 0
+        while pos < nH:
+            chunk = order[pos: pos + st.batch]
+            chunk = chunk[fc[chunk] > top]
+            if chunk.size == 0:
+                break
+            run(chunk, st.iterations)
+            top = max(top, float(current()[its > 0].max()))
+            pos += st.batch
+        if progress:
+            progress(f"cascade: local bound for {nH} parties, global bound for {int((its > 0).sum())}; "
+                     f"max mu {math.sqrt(current().max()):.5g}")
     change = np.full(nH, np.inf)  # relative decrease of each party's bound at its last refinement
     while True:
         f = current()
@@ -346,8 +382,24 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
         change[pick] = (before - after) / np.maximum(before, 1e-300) / 2  # of mu, not mu^2
         if progress:
             progress(f"bound: refined {pick.size} parties; max mu {math.sqrt(current().max()):.5g}")
+    # each party keeps the smaller of its two bounds at the nominal sigmas (both are sound for all)
+    use_local = Xc / s_star**2 + Ec / s_delta**2 < X / s_star**2 + E / s_delta**2
+    Xo, Eo = np.where(use_local, Xc, X), np.where(use_local, Ec, E)
     k = ms.natural
-    return SensitivityBound(ms.honest, X[k], E[k], (s_star, s_delta), its[k])
+    return SensitivityBound(ms.honest, Xo[k], Eo[k], (s_star, s_delta), its[k],
+                            method="cascade" if cascade else "bound")
+
+
+def _local_tier(ms: MessageSpace, op: _Operator, st: BoundSettings, s_star: float, s_delta: float) -> LocalTier:
+    """The cascade's cheap tier, with its shared global ``dy``: CG on the mean right-hand side."""
+    t_sum = np.zeros((ms.R, 1))  # the sum of every party's target, without R x n_H floats
+    slots = np.arange(ms.nH)
+    rows = ms.rowid(np.arange(ms.T + 1)[:, None], slots[None, :])
+    hon = ms.parties[slots]
+    t_sum[rows.ravel(), 0] = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).ravel()
+    b = op.w * ms.apply_P(t_sum) / ms.nH
+    G = _cg(op, b, np.zeros((ms.U, 1)), st.global_iterations).astype(float)[:, 0]
+    return LocalTier(ms, G, s_star, s_delta, st.local_iterations)
 
 
 def _warm_start(ms: MessageSpace, parties: np.ndarray) -> np.ndarray:
