@@ -372,8 +372,11 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
     change = np.full(nH, np.inf)  # relative decrease of each party's bound at its last refinement
     while True:
         f = current()
-        band = (f >= st.refine_band**2 * f.max()) & (its < st.max_iterations)
-        pick = np.flatnonzero(band & (change > st.tolerance))
+        band = (f >= st.refine_band**2 * f.max()) & (its < st.max_iterations) & (change > st.tolerance)
+        if cascade:  # refine the parties near the top; a local-only party only once it is above them
+            refined = its > 0
+            band &= refined | (f > f[refined].max(initial=0.0))
+        pick = np.flatnonzero(band)
         if pick.size == 0:
             break
         before = f[pick].copy()

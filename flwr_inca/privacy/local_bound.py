@@ -79,6 +79,8 @@ class LocalTier:
         self.w = np.where(ms.row_t == 0, 1.0 / s_star, 1.0 / s_delta)
         self.L = (sp.diags(self.w) @ P @ ms.Dz).tocsc()
         self.L.sort_indices()
+        self._mark = np.zeros(ms.R, dtype=bool)  # scratch of solve()
+        self._pos = np.zeros(ms.R, dtype=np.int64)
         self.DzC = ms.Dz.tocsc()
         self.absDzC = ms.absDz.tocsc()
         coo = ms.Dz.tocoo()
@@ -188,11 +190,17 @@ class LocalTier:
         lens = ends - starts
         first = np.concatenate([[0], np.cumsum(lens)])
         idx = np.repeat(starts - first[:-1], lens) + np.arange(first[-1])
-        rows, inv = np.unique(np.concatenate([Lc.indices[idx], b_rows]), return_inverse=True)
-        A = sp.csc_matrix((Lc.data[idx], inv[: idx.size], first), shape=(rows.size, S.size))
+        # the rows touched, in order, by a mask over all rows (cheaper than sorting the indices)
+        touched = Lc.indices[idx]
+        self._mark[touched] = True
+        self._mark[b_rows] = True
+        rows = np.flatnonzero(self._mark)
+        self._mark[rows] = False
+        self._pos[rows] = np.arange(rows.size)
+        A = sp.csc_matrix((Lc.data[idx], self._pos[touched], first), shape=(rows.size, S.size))
         AT = A.T.tocsr()
         bN = np.zeros(rows.size)
-        bN[np.searchsorted(rows, b_rows)] = b_vals
+        bN[self._pos[b_rows]] = b_vals
         gl = self.LG[rows]
         c = math.sqrt(max(self.LG2 - float(gl @ gl), 0.0))
         d = np.concatenate([np.sqrt(np.asarray(A.multiply(A).sum(axis=0)).ravel()), [math.sqrt(self.LG2)]])
