@@ -178,64 +178,101 @@ class LocalTier:
 
     def solve(self, q: int, S: np.ndarray) -> tuple[np.ndarray, float]:
         """``(u, a)`` approximately minimizing ``||a LG + L_S u - b_q||`` (Jacobi-preconditioned CGLS)."""
+        return self.solve_batch([q], [S])[0]
+
+    def solve_batch(self, qs: list[int], supports: list[np.ndarray]) -> list[tuple[np.ndarray, float]]:
+        """:meth:`solve` for several parties at once: their local problems side by side (a block-diagonal
+        matrix and segment sums), so that each CGLS iteration is a few array operations for all."""
         ms = self.ms
         T1 = ms.T + 1
-        b_rows = ms.rowid(np.arange(T1), q)
-        g = ms.groups[int(ms.group_of[q])]
-        j = int(ms.parties[q])
-        t = np.where(ms.online[:, j], ms.c_o[:, j], 0.0)
-        b_vals = self.w[b_rows] * (np.zeros(T1) if g.blocked else g.P @ t)
         Lc = self.L
-        starts, ends = Lc.indptr[S], Lc.indptr[S + 1]
-        lens = ends - starts
-        first = np.concatenate([[0], np.cumsum(lens)])
-        idx = np.repeat(starts - first[:-1], lens) + np.arange(first[-1])
-        # the rows touched, in order, by a mask over all rows (cheaper than sorting the indices)
-        touched = Lc.indices[idx]
-        self._mark[touched] = True
-        self._mark[b_rows] = True
-        rows = np.flatnonzero(self._mark)
-        self._mark[rows] = False
-        self._pos[rows] = np.arange(rows.size)
-        A = sp.csc_matrix((Lc.data[idx], self._pos[touched], first), shape=(rows.size, S.size))
+        B = len(qs)
+        data, indices, ptr, gls, bNs = [], [], [np.zeros(1, dtype=np.int64)], [], []
+        m = np.zeros(B, dtype=np.int64)  # local rows per party
+        k = np.array([S.size for S in supports], dtype=np.int64)  # local columns per party
+        c = np.zeros(B)
+        nnz = 0
+        for i, (q, S) in enumerate(zip(qs, supports)):
+            b_rows = ms.rowid(np.arange(T1), q)
+            g = ms.groups[int(ms.group_of[q])]
+            j = int(ms.parties[q])
+            t = np.where(ms.online[:, j], ms.c_o[:, j], 0.0)
+            starts, ends = Lc.indptr[S], Lc.indptr[S + 1]
+            lens = ends - starts
+            first = np.concatenate([[0], np.cumsum(lens)])
+            idx = np.repeat(starts - first[:-1], lens) + np.arange(first[-1])
+            # the rows touched, in order, by a mask over all rows (cheaper than sorting the indices)
+            touched = Lc.indices[idx]
+            self._mark[touched] = True
+            self._mark[b_rows] = True
+            rows = np.flatnonzero(self._mark)
+            self._mark[rows] = False
+            self._pos[rows] = np.arange(rows.size)
+            data.append(Lc.data[idx])
+            indices.append(self._pos[touched] + int(m.sum()))
+            ptr.append(first[1:] + nnz)
+            nnz += idx.size
+            m[i] = rows.size
+            bN = np.zeros(rows.size)
+            bN[self._pos[b_rows]] = self.w[b_rows] * (np.zeros(T1) if g.blocked else g.P @ t)
+            bNs.append(bN)
+            gl = self.LG[rows]
+            gls.append(gl)
+            c[i] = math.sqrt(max(self.LG2 - float(gl @ gl), 0.0))
+        A = sp.csc_matrix((np.concatenate(data), np.concatenate(indices), np.concatenate(ptr)),
+                          shape=(int(m.sum()), int(k.sum())))
         AT = A.T.tocsr()
-        bN = np.zeros(rows.size)
-        bN[self._pos[b_rows]] = b_vals
-        gl = self.LG[rows]
-        c = math.sqrt(max(self.LG2 - float(gl @ gl), 0.0))
-        d = np.concatenate([np.sqrt(np.asarray(A.multiply(A).sum(axis=0)).ravel()), [math.sqrt(self.LG2)]])
-        d = np.where(d > 0, d, 1.0)
+        gl = np.concatenate(gls)
+        row_of = np.repeat(np.arange(B), m)  # party of each local row / column
+        col_of = np.repeat(np.arange(B), k)
 
-        def mv(z: np.ndarray) -> np.ndarray:
-            uu, aa = z[:-1] / d[:-1], z[-1] / d[-1]
-            return np.concatenate([A @ uu + aa * gl, [aa * c]])
+        def seg(v: np.ndarray, of: np.ndarray) -> np.ndarray:
+            return np.bincount(of, weights=v, minlength=B)
 
-        def mtv(r: np.ndarray) -> np.ndarray:
-            return np.concatenate([AT @ r[:-1], [gl @ r[:-1] + c * r[-1]]]) / d
+        du = np.sqrt(np.asarray(A.multiply(A).sum(axis=0)).ravel())
+        du = np.where(du > 0, du, 1.0)
+        da = math.sqrt(self.LG2) if self.LG2 > 0 else 1.0
 
-        r = np.concatenate([bN, [0.0]])
-        z = np.zeros(S.size + 1)
-        s = mtv(r)
-        p, gam = s.copy(), float(s @ s)
+        def mv(zu: np.ndarray, za: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            aa = za / da
+            return A @ (zu / du) + aa[row_of] * gl, aa * c
+
+        def mtv(r: np.ndarray, rc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return (AT @ r) / du, (seg(gl * r, row_of) + c * rc) / da
+
+        r, rc = np.concatenate(bNs), np.zeros(B)
+        zu, za = np.zeros(A.shape[1]), np.zeros(B)
+        su, sa = mtv(r, rc)
+        pu, pa = su.copy(), sa.copy()
+        gam = seg(su * su, col_of) + sa * sa
         for _ in range(self.iterations):
-            if not gam > 0:
+            qu, qa = mv(pu, pa)
+            qq = seg(qu * qu, row_of) + qa * qa
+            ok = (gam > 0) & (qq > 0) & np.isfinite(gam) & np.isfinite(qq)
+            if not ok.any():
                 break
-            qv = mv(p)
-            qq = float(qv @ qv)
-            if not qq > 0:
-                break
-            al = gam / qq
-            z += al * p
-            r -= al * qv
-            s = mtv(r)
-            gn = float(s @ s)
-            p = s + (gn / gam) * p
-            gam = gn
-        z = z / d
-        return z[:-1], float(z[-1])
+            al = np.where(ok, gam / np.where(ok, qq, 1.0), 0.0)
+            zu += al[col_of] * pu
+            za += al * pa
+            r -= al[row_of] * qu
+            rc -= al * qa
+            su, sa = mtv(r, rc)
+            gn = seg(su * su, col_of) + sa * sa
+            be = np.where(ok, gn / np.where(ok, gam, 1.0), 0.0)
+            pu = su + be[col_of] * pu
+            pa = sa + be * pa
+            gam = np.where(ok, gn, 0.0)
+        zu = zu / du
+        za = za / da
+        offs = np.concatenate([[0], np.cumsum(k)])
+        return [(zu[offs[i]: offs[i + 1]], float(za[i])) for i in range(B)]
 
     def bound(self, q: int) -> tuple[float, float]:
         """Rigorous ``(X_q, E_q)`` of the local ``dy`` of the party in slot q."""
-        S = self.support(q)
-        u, a = self.solve(q, S)
-        return self.evaluate(q, S, u, a)
+        return self.bounds(np.array([q]))[0]
+
+    def bounds(self, qs: np.ndarray) -> list[tuple[float, float]]:
+        """Rigorous ``(X_q, E_q)`` of the local ``dy`` of each party in slots ``qs`` (solved together)."""
+        supports = [self.support(int(q)) for q in qs]
+        sols = self.solve_batch([int(q) for q in qs], supports)
+        return [self.evaluate(int(q), S, u, a) for q, S, (u, a) in zip(qs, supports, sols)]
