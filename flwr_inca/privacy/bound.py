@@ -77,7 +77,7 @@ class BoundSettings:
     blas_threads: int | None = 1
     global_iterations: int = 60
     local_iterations: int = 20
-    local_batch: int = 32
+    local_batch: int = 4
 
 
 @dataclass(frozen=True)
