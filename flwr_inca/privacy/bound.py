@@ -335,11 +335,19 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
     op = _Operator(ms, s_star, s_delta, st)
     states: dict[int, np.ndarray] = {}
 
-    keep = max(4 * st.batch, 256)  # iterates kept for refinement (memory: keep x U floats)
+    # iterates kept for refinement: about 1 GB of float32 (at least 256 parties, at most 2048)
+    keep = int(np.clip(2.5e8 / max(ms.U, 1), max(4 * st.batch, 256), 2048))
 
     def run(parties: np.ndarray, iterations: int) -> None:
-        for k in range(0, parties.size, st.batch):
-            part = parties[k: k + st.batch]
+        # batches either continue from kept iterates or restart (from the warm start, ordered by the
+        # iterations already done), never a mix: a mixed batch would redo the continuing ones
+        kept = np.array([int(p) in states for p in parties], dtype=bool)
+        fresh = parties[~kept]
+        parties = np.concatenate([parties[kept], fresh[np.argsort(its[fresh], kind="stable")]])
+        n_kept = int(kept.sum())
+        cuts = sorted({*range(0, n_kept, st.batch), *range(n_kept, parties.size, st.batch)})
+        for k, stop in zip(cuts, [*cuts[1:], parties.size]):
+            part = parties[k: stop]
             if all(int(p) in states for p in part):
                 x0, todo = np.column_stack([states[int(p)] for p in part]), iterations
             else:  # restart the batch from the warm start (its iterates were not kept)
