@@ -20,6 +20,11 @@ evaluates it exactly at the point it stops:
 * every party's final ``dy`` is evaluated once more with a rigorous rounding margin, and the bound is
   stored as ``(X_i, E_i)``: a valid bound for every pair of sigmas, tightest near the nominal pair.
 
+The charge-aware cascade (``cascade=True``, ``method="cascade"``) first gives every party a cheap local
+bound (:mod:`~flwr_inca.privacy.local_bound`), then runs the global solve above only for the parties
+whose local bound is above the largest refined one (in descending order), and keeps the smaller bound of
+each party: the charged maximum is the global bound's, at a fraction of the global solves at scale.
+
 See docs/privacy.md ("Bound") for the proof of soundness.
 """
 
