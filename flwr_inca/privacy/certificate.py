@@ -58,7 +58,8 @@ SOLVERS = ("auto", "exact", "bound", "cascade")
 # exact 6.9 s / 1.2 GB, bound 9.2 s / 0.55 GB; beyond it the exact method's m^2 memory dominates.
 EXACT_MAX_ROWS = 5000
 # beyond this many observed honest messages auto uses the charge-aware cascade instead of the global
-# bound (same maximum; measured faster beyond it, benchmarks/RESULTS.md "Accountant at scale")
+# bound (same maximum). Measured (benchmarks/RESULTS.md "Accountant at scale"): bound 40 s / cascade 45 s
+# at 9,732 messages (n = 4000), 105 s / 84 s at 14,652 (n = 6000), 319 s / 129 s at 24,222 (n = 10,000)
 CASCADE_MIN_ROWS = 12000
 # the exact method refuses views whose dense matrices would not fit: it peaks at about 44 bytes per
 # squared observed message (4.2 GB at 9732 messages)
