@@ -6,6 +6,7 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --scaling 500 1000 2000 4000   # exact vs bound, side by side
     python benchmarks/bench_accountant.py --tightness 200 500 1000 2000  # Fig. 3 settings, calibrated
     python benchmarks/bench_accountant.py --large 10000 100000           # bound at scale + Thm 4.5 check
+    python benchmarks/bench_accountant.py --large 10000 --methods bound cascade  # old vs new
     python benchmarks/bench_accountant.py --structure 100000             # the Thm 4.5 / 4.9 check alone
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
     python benchmarks/bench_accountant.py --screening 1000               # could a cheap pass screen parties?
@@ -46,18 +47,26 @@ def _setting(n: int, gamma: float = 0.1, seed: int = 1, s_star: float = S_STAR, 
 # ------------------------------------------------------------------ one measurement per subprocess
 def _job(kind: str, n: int, extra: dict) -> dict:
     """Run in a child process: one timed measurement; returns figures (and max RSS)."""
-    from flwr_inca.privacy import calibrate, certify
+    from flwr_inca.privacy import calibrate, certify, profile
     from flwr_inca.privacy.structure import analyze_structure
 
     out: dict = {"kind": kind, "n": n}
-    if kind in ("exact", "bound"):
+    if kind in ("exact", "bound", "cascade"):
         trace, view = _setting(n)
         out["rows"] = int(view.honest_observed().sum())
         start = time.perf_counter()
-        cert = certify(trace, view, solver=kind)
+        if kind == "exact":
+            cert = certify(trace, view, solver=kind)
+            mu = np.array([cert.mu[int(i)] for i in view.honest])
+        else:  # what certify(solver=kind) computes, keeping the per-party iteration counts
+            prof = profile(trace, view, solver=kind)
+            mu = prof.mu(trace.sigma_star, trace.sigma_delta)
+            # how many parties got the global solve (the cascade: only those near the maximum)
+            out["refined"] = int((prof.iterations > 0).sum())
+            out["parties"] = int(view.honest.size)
         out["seconds"] = time.perf_counter() - start
-        out["max_mu"] = cert.max_mu
-        out["mu"] = [cert.mu[int(i)] for i in view.honest] if n <= 5000 else None
+        out["max_mu"] = float(mu.max())
+        out["mu"] = mu.tolist() if n <= 5000 else None
     elif kind == "per-party":
         from threadpoolctl import threadpool_limits
 
@@ -105,7 +114,9 @@ def run_job(kind: str, n: int, **extra) -> dict:
 
 
 # ------------------------------------------------------------------ sections
-def scaling(ns: list[int], exact_max: int) -> None:
+def scaling(ns: list[int], exact_max: int, methods: list[str] | None = None) -> None:
+    if methods and methods != ["bound"]:
+        return _scaling_methods(ns, exact_max, methods)
     print(f"exact vs bound, sigma_star = {S_STAR}, sigma_delta = {S_DELTA} (each in its own process)\n")
     header = (f"{'n':>6} {'rows m':>7} {'exact s':>9} {'exact GB':>9} {'bound s':>9} {'bound GB':>9} "
               f"{'bound/exact max mu':>19} {'min ratio':>10}")
@@ -123,6 +134,21 @@ def scaling(ns: list[int], exact_max: int) -> None:
         else:
             print(f"{n:>6} {b['rows']:>7} {'-':>9} {'-':>9} {b['seconds']:>9.2f} {b['max_rss_gb']:>9.2f} "
                   f"{'-':>19} {'-':>10}", flush=True)
+
+
+def _scaling_methods(ns: list[int], exact_max: int, methods: list[str]) -> None:
+    """The bound methods side by side (each in its own process, same execution), against exact where
+    affordable: seconds, peak memory and the maximum (what is charged)."""
+    print(f"methods {methods} vs exact, sigma_star = {S_STAR}, sigma_delta = {S_DELTA}\n")
+    for n in ns:
+        e = run_job("exact", n) if n <= exact_max else None
+        line = f"n = {n}:" + (f" exact {e['seconds']:.2f} s / {e['max_rss_gb']:.2f} GB, max mu {e['max_mu']:.6g};"
+                              if e else "")
+        for m in methods:
+            b = run_job(m, n)
+            ratio = f" ({b['max_mu'] / e['max_mu']:.5f} x exact)" if e else ""
+            line += f" {m} {b['seconds']:.2f} s / {b['max_rss_gb']:.2f} GB, max mu {b['max_mu']:.6g}{ratio};"
+        print(line, flush=True)
 
 
 def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> None:
@@ -174,13 +200,17 @@ def structure(ns: list[int]) -> None:
               f"peak {s['max_rss_gb']:.2f} GB", flush=True)
 
 
-def large(ns: list[int]) -> None:
+def large(ns: list[int], methods: list[str]) -> None:
+    """The bound methods at scale (what certify(solver=method) computes), each in its own process, on
+    the same execution."""
     print("the bound at scale (sigma_star = 1, sigma_delta = 6) and the Thm 4.5 / 4.9 pre-check\n")
     for n in ns:
         structure([n])
-        b = run_job("bound", n)
-        print(f"n = {n}: bound certificate {b['seconds']:.1f} s, max mu {b['max_mu']:.5g}, "
-              f"{b['rows']} observed honest messages, peak {b['max_rss_gb']:.2f} GB", flush=True)
+        for method in methods:
+            b = run_job(method, n)
+            refined = f", global solve for {b['refined']} of {b['parties']} parties" if b.get("refined") else ""
+            print(f"n = {n}: {method} certificate {b['seconds']:.1f} s, max mu {b['max_mu']:.6g}, "
+                  f"{b['rows']} observed honest messages, peak {b['max_rss_gb']:.2f} GB{refined}", flush=True)
 
 
 def extrapolate(ns: list[int]) -> None:
@@ -593,6 +623,8 @@ def main() -> None:
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--large", type=int, nargs="*")
+    p.add_argument("--methods", nargs="+", default=["bound"], choices=["bound", "cascade"],
+                   help="--large / --scaling: which bound methods (each in its own process)")
     p.add_argument("--structure", type=int, nargs="*", help="the Thm 4.5 / 4.9 pre-check alone")
     p.add_argument("--calibrate-large", type=int, nargs="*")
     p.add_argument("--screening", type=int, nargs="*", help="bounds after 0..8 CG iterations")
@@ -615,13 +647,13 @@ def main() -> None:
         print(json.dumps(_job(spec["kind"], spec["n"], spec["extra"])))
         return
     if args.scaling:
-        scaling(args.scaling, args.exact_max)
+        scaling(args.scaling, args.exact_max, args.methods)
     if args.tightness:
         tightness(args.tightness, args.gammas, args.runs, args.epsilon)
     if args.structure:
         structure(args.structure)
     if args.large:
-        large(args.large)
+        large(args.large, args.methods)
     if args.screening:
         screening(args.screening)
     if args.calibrate_large:

@@ -20,6 +20,11 @@ evaluates it exactly at the point it stops:
 * every party's final ``dy`` is evaluated once more with a rigorous rounding margin, and the bound is
   stored as ``(X_i, E_i)``: a valid bound for every pair of sigmas, tightest near the nominal pair.
 
+The charge-aware cascade (``cascade=True``, ``method="cascade"``) first gives every party a cheap local
+bound (:mod:`~flwr_inca.privacy.local_bound`), then runs the global solve above only for the parties
+whose local bound is above the largest refined one (in descending order), and keeps the smaller bound of
+each party: the charged maximum is the global bound's, at a fraction of the global solves at scale.
+
 See docs/privacy.md ("Bound") for the proof of soundness.
 """
 
@@ -36,6 +41,7 @@ import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
 from ..protocol.trace import ExecutionTrace
+from .local_bound import LocalTier
 from .message_space import MessageSpace, _pair_weights
 from .views import AdversaryView
 
@@ -60,6 +66,9 @@ class BoundSettings:
         blas_threads: BLAS threads while solving (None: leave as configured). The products are thin
             (T+1 rows) and memory-bound; one thread avoids oversubscription next to other work (on
             this project's 2-core machine two threads were 2x slower when another process was busy).
+        global_iterations: cascade only: CG iterations of the shared global ``dy`` of the local tier.
+        local_iterations: cascade only: CGLS iterations of each party's local problem.
+        local_batch: cascade only: local problems solved side by side.
     """
 
     iterations: int = 4
@@ -71,6 +80,9 @@ class BoundSettings:
     inner_iterations: int = 12
     dense_limit: int = 3000
     blas_threads: int | None = 1
+    global_iterations: int = 60
+    local_iterations: int = 20
+    local_batch: int = 4
 
 
 @dataclass(frozen=True)
@@ -234,22 +246,37 @@ def _evaluate(ms: MessageSpace, dy: np.ndarray, parties: np.ndarray) -> tuple[np
     if bad.any():  # never happens in practice; dy = 0 (no noise change) is always admissible
         dy = np.where(bad[None, :], 0.0, dy)
     t = ms.target(parties)
-    dz = ms.dz(dy) - t
+    dz = ms.dz(dy)
+    dz -= t
     res = ms.apply_P(dz)
-    absdz = ms.absDz @ np.abs(dy) + np.abs(t)
+    absdz = ms.absDz @ np.abs(dy)
+    absdz += np.abs(t)
     absres = ms.apply_P(absdz, absolute=True)
     defect = np.array([g.defect for g in ms.groups])[ms.group_of]  # (nH,)
     row_len = int(np.diff(ms.Dz.indptr).max(initial=0))
     N = ms.T + 1 + row_len + 4
     gamma = N * _EPS / (1 - N * _EPS)
-    up = np.abs(res) + gamma * absres
-    per_party = np.zeros((ms.nH, dz.shape[1]))
-    np.add.at(per_party, ms.row_q, dz**2)
+    up2 = np.abs(res, out=res)  # in place: |res| + gamma |P| (|Dz| |dy| + |t|), then squared
+    absres *= gamma
+    up2 += absres
+    up2 *= up2
+    dz *= dz
+    # rows are group-major, then step, then party (MessageSpace): each group's block is (T+1, size, B),
+    # its step-0 rows are the value parts X, the others the noise parts E
+    B = dy.shape[1]
+    per_party = np.zeros((ms.nH, B))
+    sx, se = np.zeros(B), np.zeros(B)
+    for k, g in enumerate(ms.groups):
+        a, b = ms.offsets[k], ms.offsets[k + 1]
+        size = g.stop - g.start
+        blk = up2[a:b].reshape(ms.T + 1, size, B)
+        sx += blk[0].sum(axis=0)
+        se += blk[1:].sum(axis=(0, 1))
+        per_party[g.start:g.stop] = dz[a:b].reshape(ms.T + 1, size, B).sum(axis=0)
     extra = np.sqrt(np.sum(defect[:, None] ** 2 * per_party, axis=0))  # (B,)
     rel = 1 + 4 * ms.R * _EPS
-    x_rows = ms.row_t == 0
-    X = (np.sqrt(np.sum(up[x_rows] ** 2, axis=0)) + extra) ** 2 * rel
-    E = (np.sqrt(np.sum(up[~x_rows] ** 2, axis=0)) + extra) ** 2 * rel
+    X = (np.sqrt(sx) + extra) ** 2 * rel
+    E = (np.sqrt(se) + extra) ** 2 * rel
     # a party whose rows are pinned (rank-deficient adapted schedule) keeps u = 0, so its own unit
     # change stays unexplained: residual -e, cost 1 / sigma_star^2 (local DP)
     own_blocked = ms.blocked[np.asarray(parties)]
@@ -265,6 +292,7 @@ def bound_profile(
     sigma_delta: float | None = None,
     settings: BoundSettings | None = None,
     progress: Callable[[str], None] | None = None,
+    cascade: bool = False,
 ) -> SensitivityBound:
     """Upper bounds on every honest party's mu (see the module docstring).
 
@@ -274,6 +302,9 @@ def bound_profile(
             tightest near these.
         settings: the work budget (:class:`BoundSettings`).
         progress: called with a short status line after each phase.
+        cascade: the charge-aware cascade (``method="cascade"``): a cheap local bound for every party
+            (:mod:`~flwr_inca.privacy.local_bound`), the global one only for the parties whose local
+            bound is above the largest refined bound; the maximum is as tight as the global bound's.
     """
     st = settings or BoundSettings()
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
@@ -286,30 +317,42 @@ def bound_profile(
     X = np.zeros(nH)
     E = np.zeros(nH)
     its = np.zeros(nH, dtype=np.int64)
+    method = "cascade" if cascade else "bound"
     if nH == 0:
-        return SensitivityBound(ms.honest, X, E, (s_star, s_delta), its)
+        return SensitivityBound(ms.honest, X, E, (s_star, s_delta), its, method)
     if ms.U == 0:  # nothing unseen: the view is the whole input (local DP)
         X, E = _evaluate(ms, np.zeros((0, nH)), np.arange(nH))
-        return SensitivityBound(ms.honest, X[ms.natural], E[ms.natural], (s_star, s_delta), its)
+        return SensitivityBound(ms.honest, X[ms.natural], E[ms.natural], (s_star, s_delta), its, method)
     limits = threadpool_limits(st.blas_threads, user_api="blas") if st.blas_threads else nullcontext()
     with limits:
-        return _solve(ms, st, s_star, s_delta, progress)
+        return _solve(ms, st, s_star, s_delta, progress, cascade)
 
 
 def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
-           progress: Callable[[str], None] | None) -> SensitivityBound:
+           progress: Callable[[str], None] | None, cascade: bool = False) -> SensitivityBound:
+    """The global bound for every party, or (``cascade``) the local bound for every party and the global
+    one only for the parties whose local bound is above the charged maximum (see the module docstring)."""
     nH = ms.nH
-    X = np.zeros(nH)
-    E = np.zeros(nH)
+    # global bounds (inf: not computed) and local bounds (inf: no local tier)
+    X, E = np.full(nH, np.inf), np.full(nH, np.inf)
+    Xc, Ec = np.full(nH, np.inf), np.full(nH, np.inf)
     its = np.zeros(nH, dtype=np.int64)
     op = _Operator(ms, s_star, s_delta, st)
     states: dict[int, np.ndarray] = {}
 
-    keep = max(4 * st.batch, 256)  # iterates kept for refinement (memory: keep x U floats)
+    # iterates kept for refinement: about 1 GB of float32 (at least 256 parties, at most 2048)
+    keep = int(np.clip(2.5e8 / max(ms.U, 1), max(4 * st.batch, 256), 2048))
 
     def run(parties: np.ndarray, iterations: int) -> None:
-        for k in range(0, parties.size, st.batch):
-            part = parties[k: k + st.batch]
+        # batches either continue from kept iterates or restart (from the warm start, ordered by the
+        # iterations already done), never a mix: a mixed batch would redo the continuing ones
+        kept = np.array([int(p) in states for p in parties], dtype=bool)
+        fresh = parties[~kept]
+        parties = np.concatenate([parties[kept], fresh[np.argsort(its[fresh], kind="stable")]])
+        n_kept = int(kept.sum())
+        cuts = sorted({*range(0, n_kept, st.batch), *range(n_kept, parties.size, st.batch)})
+        for k, stop in zip(cuts, [*cuts[1:], parties.size]):
+            part = parties[k: stop]
             if all(int(p) in states for p in part):
                 x0, todo = np.column_stack([states[int(p)] for p in part]), iterations
             else:  # restart the batch from the warm start (its iterates were not kept)
@@ -326,18 +369,46 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
                 for p in sorted(states, key=lambda q: f[q])[: len(states) - keep]:
                     del states[p]
 
-    def current() -> np.ndarray:
-        return X / s_star**2 + E / s_delta**2
+    def current() -> np.ndarray:  # the best bound of each party at the nominal sigmas
+        return np.minimum(X / s_star**2 + E / s_delta**2, Xc / s_star**2 + Ec / s_delta**2)
 
     everyone = np.arange(nH)
-    run(everyone, st.iterations)
-    if progress:
-        progress(f"bound: {nH} parties x {st.iterations} iterations; max mu {math.sqrt(current().max()):.5g}")
+    if not cascade:
+        run(everyone, st.iterations)
+        if progress:
+            progress(f"bound: {nH} parties x {st.iterations} iterations; max mu {math.sqrt(current().max()):.5g}")
+    else:
+        tier = _local_tier(ms, op, st, s_star, s_delta)
+        step = max(st.local_batch, 1)
+        for k in range(0, nH, step):
+            part = everyone[k: k + step]
+            Xc[part], Ec[part] = np.array(tier.bounds(part)).T
+            if progress and (k // step + 1) % max(1000 // step, 1) == 0:
+                progress(f"cascade: local bounds of {k + part.size} / {nH} parties")
+        # refine in descending order of the local bound, until the next local bound is at most the
+        # largest refined one: every party left has min(local, global) below the charged maximum
+        fc = Xc / s_star**2 + Ec / s_delta**2
+        order = np.argsort(-fc, kind="stable")
+        top, pos = -np.inf, 0
+        while pos < nH:
+            chunk = order[pos: pos + st.batch]
+            chunk = chunk[fc[chunk] > top]
+            if chunk.size == 0:
+                break
+            run(chunk, st.iterations)
+            top = max(top, float(current()[its > 0].max()))
+            pos += st.batch
+        if progress:
+            progress(f"cascade: local bound for {nH} parties, global bound for {int((its > 0).sum())}; "
+                     f"max mu {math.sqrt(current().max()):.5g}")
     change = np.full(nH, np.inf)  # relative decrease of each party's bound at its last refinement
     while True:
         f = current()
-        band = (f >= st.refine_band**2 * f.max()) & (its < st.max_iterations)
-        pick = np.flatnonzero(band & (change > st.tolerance))
+        band = (f >= st.refine_band**2 * f.max()) & (its < st.max_iterations) & (change > st.tolerance)
+        if cascade:  # refine the parties near the top; a local-only party only once it is above them
+            refined = its > 0
+            band &= refined | (f > f[refined].max(initial=0.0))
+        pick = np.flatnonzero(band)
         if pick.size == 0:
             break
         before = f[pick].copy()
@@ -346,8 +417,24 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
         change[pick] = (before - after) / np.maximum(before, 1e-300) / 2  # of mu, not mu^2
         if progress:
             progress(f"bound: refined {pick.size} parties; max mu {math.sqrt(current().max()):.5g}")
+    # each party keeps the smaller of its two bounds at the nominal sigmas (both are sound for all)
+    use_local = Xc / s_star**2 + Ec / s_delta**2 < X / s_star**2 + E / s_delta**2
+    Xo, Eo = np.where(use_local, Xc, X), np.where(use_local, Ec, E)
     k = ms.natural
-    return SensitivityBound(ms.honest, X[k], E[k], (s_star, s_delta), its[k])
+    return SensitivityBound(ms.honest, Xo[k], Eo[k], (s_star, s_delta), its[k],
+                            method="cascade" if cascade else "bound")
+
+
+def _local_tier(ms: MessageSpace, op: _Operator, st: BoundSettings, s_star: float, s_delta: float) -> LocalTier:
+    """The cascade's cheap tier, with its shared global ``dy``: CG on the mean right-hand side."""
+    t_sum = np.zeros((ms.R, 1))  # the sum of every party's target, without R x n_H floats
+    slots = np.arange(ms.nH)
+    rows = ms.rowid(np.arange(ms.T + 1)[:, None], slots[None, :])
+    hon = ms.parties[slots]
+    t_sum[rows.ravel(), 0] = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).ravel()
+    b = op.w * ms.apply_P(t_sum) / ms.nH
+    G = _cg(op, b, np.zeros((ms.U, 1)), st.global_iterations).astype(float)[:, 0]
+    return LocalTier(ms, G, s_star, s_delta, st.local_iterations)
 
 
 def _warm_start(ms: MessageSpace, parties: np.ndarray) -> np.ndarray:

@@ -382,8 +382,8 @@ def calibrate(
             dropping out (with permanent dropouts, uncancelled noise alone can protect everyone in the
             simulated runs, and smaller alphas then give a lower MSE; set 0 to allow them).
         progress: called as ``progress(r, R)`` after each simulated run.
-        solver: how each run is certified: ``"auto"`` (exact when affordable, else the sound bound),
-            ``"exact"`` or ``"bound"`` (:func:`~flwr_inca.privacy.certificate.certify`).
+        solver: how each run is certified: ``"auto"`` (exact when affordable, else a sound bound),
+            ``"exact"``, ``"bound"`` or ``"cascade"`` (:func:`~flwr_inca.privacy.certificate.certify`).
         bound_settings: work budget of the bound.
     """
     start = time.perf_counter()
@@ -423,13 +423,13 @@ def calibrate(
         return best, rows, notes
 
     best, rows, notes = choose(sims)
-    bounded = [r for r, s in enumerate(sims) if s.profile.method == "bound"]
+    bounded = [r for r, s in enumerate(sims) if s.profile.method in ("bound", "cascade")]
     if bounded and math.isfinite(best["sigma_delta"]):
         # second pass: bound those runs again where they are used, at the chosen (unit) sigmas
         at = (best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity)
         for r in bounded:
-            sims[r].profile = profile(sims[r].trace, sims[r].view, solver="bound", sigma_star=at[0],
-                                      sigma_delta=at[1], bound_settings=bound_settings)
+            sims[r].profile = profile(sims[r].trace, sims[r].view, solver=sims[r].profile.method,
+                                      sigma_star=at[0], sigma_delta=at[1], bound_settings=bound_settings)
         best, rows, notes = choose(sims)
         notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r})")
     return Calibration(

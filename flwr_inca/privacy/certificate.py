@@ -41,6 +41,7 @@ from .linear_system import ObservationModel, build_model
 from .views import AdversaryView
 
 __all__ = [
+    "CASCADE_MIN_ROWS",
     "EXACT_MAX_ROWS",
     "SOLVERS",
     "Certificate",
@@ -51,11 +52,15 @@ __all__ = [
 ]
 
 _SNAP = 1e-9
-SOLVERS = ("auto", "exact", "bound")
+SOLVERS = ("auto", "exact", "bound", "cascade")
 # the automatic choice: exact up to this many observed honest messages, the bound beyond. Measured
 # (benchmarks/RESULTS.md, k = 1, T = 20, 10% colluders and dropouts) at about 5000 messages (n = 2000):
 # exact 6.9 s / 1.2 GB, bound 9.2 s / 0.55 GB; beyond it the exact method's m^2 memory dominates.
 EXACT_MAX_ROWS = 5000
+# beyond this many observed honest messages auto uses the charge-aware cascade instead of the global
+# bound (same maximum). Measured (benchmarks/RESULTS.md "Accountant at scale"): bound 40 s / cascade 45 s
+# at 9,732 messages (n = 4000), 105 s / 84 s at 14,652 (n = 6000), 319 s / 129 s at 24,222 (n = 10,000)
+CASCADE_MIN_ROWS = 12000
 # the exact method refuses views whose dense matrices would not fit: it peaks at about 44 bytes per
 # squared observed message (4.2 GB at 9732 messages)
 EXACT_HARD_ROWS = 16000
@@ -154,7 +159,9 @@ class Certificate:
     view: AdversaryView
     delta: float | None = None
     notes: list[str] = field(default_factory=list)
-    method: str = "exact"  # "exact" (Thm 4.1 solved exactly) or "bound" (a sound upper bound)
+    # "exact" (Thm 4.1 solved exactly), "bound" (a sound upper bound: the global CG bound of every party)
+    # or "cascade" (a sound upper bound: local bounds, the global one for the parties near the maximum)
+    method: str = "exact"
 
     @property
     def max_mu(self) -> float:
@@ -284,14 +291,15 @@ def _check_view(trace: ExecutionTrace, view: AdversaryView) -> None:
 
 
 def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "auto") -> str:
-    """``"exact"`` or ``"bound"``: the request, or for ``"auto"`` exact up to :data:`EXACT_MAX_ROWS`
-    observed honest messages. Raises if ``"exact"`` is forced on a view too large for it."""
+    """``"exact"``, ``"bound"`` or ``"cascade"``: the request, or for ``"auto"`` exact up to
+    :data:`EXACT_MAX_ROWS` observed honest messages, the global bound up to :data:`CASCADE_MIN_ROWS`, the
+    cascade beyond. Raises if ``"exact"`` is forced on a view too large for it."""
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     _check_view(trace, view)
     rows = int(view.honest_observed().sum())
     if solver == "auto":
-        return "exact" if rows <= EXACT_MAX_ROWS else "bound"
+        return "exact" if rows <= EXACT_MAX_ROWS else "bound" if rows <= CASCADE_MIN_ROWS else "cascade"
     if solver == "exact" and rows > EXACT_HARD_ROWS:
         gb = _EXACT_BYTES_PER_ROW2 * rows * rows / 2**30
         raise ValueError(
@@ -315,14 +323,16 @@ def profile(
     """mu of every honest party of ``view`` on ``trace`` as a function of the sigmas.
 
     ``solver="exact"`` gives a :class:`SensitivityProfile` (one factorization, exact for any sigmas);
-    ``"bound"`` a :class:`~flwr_inca.privacy.bound.SensitivityBound` (valid for any sigmas, tightest
-    near ``sigma_star``/``sigma_delta``, default the trace's); ``"auto"`` picks by size
+    ``"bound"`` or ``"cascade"`` a :class:`~flwr_inca.privacy.bound.SensitivityBound` (valid for any
+    sigmas, tightest near ``sigma_star``/``sigma_delta``, default the trace's); ``"auto"`` picks by size
     (:func:`choose_solver`). Both have ``mu``, ``mu_limit``, ``min_sigma_delta`` and ``method``.
     ``method`` selects the exact method's linear-system builder (:func:`build_model`).
     """
-    if choose_solver(trace, view, solver) == "exact":
+    choice = choose_solver(trace, view, solver)
+    if choice == "exact":
         return SensitivityProfile.from_model(build_model(trace, view, method))
-    return bound_profile(trace, view, sigma_star=sigma_star, sigma_delta=sigma_delta, settings=bound_settings)
+    return bound_profile(trace, view, sigma_star=sigma_star, sigma_delta=sigma_delta, settings=bound_settings,
+                         cascade=choice == "cascade")
 
 
 def certify(
@@ -346,8 +356,10 @@ def certify(
         value_sensitivity: size of the change of one value the guarantee covers.
         delta: if given, ``Certificate.epsilon`` converts the weakest mu with the analytic Gaussian.
         method: the exact method's linear-system builder, see :func:`build_model`.
-        solver: ``"auto"`` (exact when affordable, else the bound), ``"exact"`` or ``"bound"``;
-            ``Certificate.method`` says which one was used. A bound is never below the exact mu.
+        solver: ``"auto"`` (exact when affordable, else a bound), ``"exact"``, ``"bound"`` (the global
+            bound of every party) or ``"cascade"`` (local bounds, the global one near the maximum: the
+            same maximum, faster at scale); ``Certificate.method`` says which one was used. A bound is
+            never below the exact mu.
         bound_settings: work budget of the bound (:class:`~flwr_inca.privacy.bound.BoundSettings`).
     """
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
@@ -358,18 +370,20 @@ def certify(
     if delta is not None:
         delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     prof: SensitivityProfile | SensitivityBound | _FixedSigmas
-    if choose_solver(trace, view, solver) == "exact":
+    choice = choose_solver(trace, view, solver)
+    if choice == "exact":
         model = build_model(trace, view, method)
         # one pair of sigmas is certified: a Cholesky factor of the covariance, no pencil eigenbasis
         prof = _FixedSigmas.from_model(model, s_star, s_delta) or SensitivityProfile.from_model(model)
     else:
-        prof = bound_profile(trace, view, sigma_star=s_star, sigma_delta=s_delta, settings=bound_settings)
+        prof = bound_profile(trace, view, sigma_star=s_star, sigma_delta=s_delta, settings=bound_settings,
+                             cascade=choice == "cascade")
     mu = prof.mu(s_star, s_delta) * value_sensitivity
     cert = Certificate({int(i): float(m) for i, m in zip(prof.honest, mu)}, s_star, s_delta,
                        float(value_sensitivity), view, delta, method=prof.method)
     if s_star == 0:
         cert.notes.append("sigma_star = 0: the noise-free sums of the output reveal the values (mu = inf)")
-    if prof.method == "bound":
-        why = "the execution is too large for the exact method" if solver == "auto" else "solver='bound'"
+    if prof.method in ("bound", "cascade"):
+        why = "the execution is too large for the exact method" if solver == "auto" else f"solver={solver!r}"
         cert.notes.append(f"mu is a sound upper bound ({why}): the true guarantee is at least as strong")
     return cert

@@ -64,7 +64,7 @@ class RoundCertificate:
     @property
     def method(self) -> str:
         """``"exact"``, ``"bound"``, or ``"exact+bound"`` when the adversaries needed both."""
-        return "+".join(m for m in ("exact", "bound") if m in self.methods) or "none"
+        return "+".join(m for m in ("exact", "bound", "cascade") if m in self.methods) or "none"
 
 
 def certify_round(
