@@ -273,3 +273,17 @@ def test_each_run_gets_its_own_folder_and_all_share_the_ledger(tmp_path):
     ledger2, second = output_paths(cfg)  # same second: a suffix, never the same folder
     assert ledger2 == ledger == tmp_path / "mnist_logreg-record" / "inca_ledger.json"
     assert second != first and second.parent == first.parent and second.name.startswith("run-")
+
+
+def test_budget_message_counts_the_rounds_the_budget_skipped(tmp_path):
+    from flwr.app import ArrayRecord
+
+    from flwr_inca.flower import IncaBudgetExhausted
+    from mnist_logreg import server_app
+
+    stop = IncaBudgetExhausted("spent", server_round=9, arrays=ArrayRecord(), epsilon=1.9, predicted_epsilon=2.3,
+                               max_epsilon=2.0, delta=1e-5)
+    message = server_app._budget_message(stop, tmp_path / "ledger.json", 8, 2, 10, tmp_path / "run")
+    assert "8 of 10 rounds ran, 2 of them skipped: refused by the budget" in message
+    assert "skipped" not in server_app._budget_message(stop, tmp_path / "l.json", 8, 0, 10, tmp_path / "run")
+    assert "No round ran" in server_app._budget_message(stop, tmp_path / "l.json", 0, 0, 10, None)

@@ -90,13 +90,13 @@ def main(grid: Grid, context: Context) -> None:
         metrics = strategy.train_metrics_serverapp.get(row["round"])
         row["epsilon"] = float(metrics["inca-epsilon"]) if metrics else 0.0
         row["finalists"] = int(metrics["inca-finalists"]) if metrics else 0
-    trained = len(strategy.train_metrics_serverapp)
-    if trained:
+    ran = len(strategy.train_metrics_serverapp)  # rounds that mixed (a refused round is charged, not applied)
+    if ran:
         _report(cfg, data.name, nodes, plan, strategy, history, run_dir, stopped)
     if "digits" in data.name:  # said when the data was loaded, and again here, where it cannot be missed
         print(f"note: {_DIGITS_NOTE}", file=sys.stderr)
     if stopped is not None:
-        message = _budget_message(stopped, ledger, trained, rounds, run_dir if trained else None)
+        message = _budget_message(stopped, ledger, ran, strategy.rounds_refused, rounds, run_dir if ran else None)
         log(ERROR, "%s", message)
         raise BudgetSpent(message) from stopped
 
@@ -105,9 +105,10 @@ _DIGITS_NOTE = ("this run used scikit-learn's 8x8 digits, not MNIST (no data-dir
                 "Hugging Face unreachable): its accuracy is not comparable with the README's table")
 
 
-def _budget_message(stop: IncaBudgetExhausted, ledger: Path, trained: int, rounds: int,
+def _budget_message(stop: IncaBudgetExhausted, ledger: Path, ran: int, refused: int, rounds: int,
                     run_dir: Path | None) -> str:
-    done = (f"{trained} of {rounds} rounds ran (results in {run_dir})" if trained
+    skipped = f", {refused} of them skipped: refused by the budget, charged, model unchanged" if refused else ""
+    done = (f"{ran} of {rounds} rounds ran{skipped} (results in {run_dir})" if ran
             else "No round ran and no results were written")
     return (f"privacy budget spent: {stop}. {done}. The ledger {ledger} holds the privacy already spent by "
             f"earlier runs with this output-dir (epsilon = {stop.epsilon:.4g} of {stop.max_epsilon:g}). To start "
