@@ -308,23 +308,12 @@ class _Local:
         import scipy.sparse as sp
 
         from flwr_inca.privacy.bound import BoundSettings, _cg, _Operator
+        from flwr_inca.privacy.local_bound import whitened_operator
         from flwr_inca.privacy.message_space import MessageSpace
 
         self.trace, self.view = _setting(n)
         ms = self.ms = MessageSpace(self.trace, self.view, S_STAR, S_DELTA)
-        rows, cols, vals = [], [], []
-        for g in ms.groups:
-            if g.blocked:
-                continue
-            q = np.arange(g.start, g.stop)
-            for t, s in zip(*np.nonzero(g.P)):
-                rows.append(ms.rowid(t, q))
-                cols.append(ms.rowid(s, q))
-                vals.append(np.full(q.size, g.P[t, s]))
-        P = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                          shape=(ms.R, ms.R))
-        self.w = np.where(ms.row_t == 0, 1 / S_STAR, 1 / S_DELTA)
-        self.L = (sp.diags(self.w) @ P @ ms.Dz).tocsc()
+        self.w, self.L = whitened_operator(ms, S_STAR, S_DELTA)
         self.L.sort_indices()
         coo = self.L.tocoo()
         self.touches = sp.csr_matrix((np.ones(coo.nnz), (coo.col, ms.row_q[coo.row])), shape=(ms.U, ms.nH))

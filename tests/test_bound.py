@@ -199,10 +199,11 @@ def test_bad_solver_requests_are_rejected_clearly(monkeypatch):
         certify(trace, nobody, solver="bound")
 
 
-def test_calibration_with_the_bound_needs_at_least_the_exact_noise():
+@pytest.mark.parametrize("solver", ["bound", "cascade"])
+def test_calibration_with_a_bound_needs_at_least_the_exact_noise(solver):
     kw = {"iterations": 12, "neighbors": 1, "collusion": 0.1, "dropout": PermanentDropout(0.1), "runs": 4, "seed": 1}
     exact = calibrate(0.5, 1e-5, 60, solver="exact", **kw)
-    bound = calibrate(0.5, 1e-5, 60, solver="bound", **kw)
+    bound = calibrate(0.5, 1e-5, 60, solver=solver, **kw)
     assert bound.sigma_star == pytest.approx(exact.sigma_star)
     assert exact.sigma_delta <= bound.sigma_delta <= 1.1 * exact.sigma_delta
     assert bound.success_fraction == 1.0 and any("sound bound" in note for note in bound.notes)

@@ -9,8 +9,8 @@ import pytest
 from test_bound import _case
 
 from flwr_inca import IncaConfig, PermanentDropout, TemporaryDropout
-from flwr_inca.privacy import calibrate, certify, choose_solver, random_collusion, random_eavesdrop
 from flwr_inca.privacy import certificate as certificate_module
+from flwr_inca.privacy import certify, choose_solver, random_collusion, random_eavesdrop
 from flwr_inca.privacy.bound import BoundSettings, _cg, _evaluate, _Operator, bound_profile
 from flwr_inca.privacy.local_bound import LocalTier
 from flwr_inca.privacy.message_space import MessageSpace
@@ -172,12 +172,3 @@ def test_auto_picks_the_cascade_beyond_its_threshold_and_says_so(monkeypatch, tm
     monkeypatch.setattr(certificate_module, "CASCADE_MIN_ROWS", 0)
     assert main(["audit", str(path)]) == 0
     assert "method: cascade" in capsys.readouterr().out
-
-
-def test_calibration_with_the_cascade_needs_at_least_the_exact_noise():
-    kw = {"iterations": 12, "neighbors": 1, "collusion": 0.1, "dropout": PermanentDropout(0.1), "runs": 3, "seed": 1}
-    exact = calibrate(0.5, 1e-5, 60, solver="exact", **kw)
-    cascade = calibrate(0.5, 1e-5, 60, solver="cascade", **kw)
-    assert cascade.sigma_star == pytest.approx(exact.sigma_star)
-    assert exact.sigma_delta <= cascade.sigma_delta <= 1.1 * exact.sigma_delta
-    assert cascade.success_fraction == 1.0 and any("sound bound" in note for note in cascade.notes)

@@ -45,6 +45,25 @@ def _sum_down(v: np.ndarray) -> float:
     return float(np.sum(v)) * (1 - _gamma(v.size + 2))
 
 
+def whitened_operator(ms: MessageSpace, s_star: float, s_delta: float) -> tuple[np.ndarray, sp.csc_matrix]:
+    """``(w, L)``: the row weights ``w`` (1/sigma_star on the value rows, 1/sigma_delta on the others) and
+    the explicit whitened least-squares operator ``L = diag(w) P Dz`` of ``ms`` (float64, by columns):
+    ``min_dy ||L dy - b_i||^2`` is mu_i^2."""
+    rows, cols, vals = [], [], []
+    for g in ms.groups:
+        if g.blocked:
+            continue
+        q = np.arange(g.start, g.stop)
+        for t, s in zip(*np.nonzero(g.P)):
+            rows.append(ms.rowid(t, q))
+            cols.append(ms.rowid(s, q))
+            vals.append(np.full(q.size, g.P[t, s]))
+    cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dtype=dt))
+    P = sp.csr_matrix((cat(vals, float), (cat(rows, np.int64), cat(cols, np.int64))), shape=(ms.R, ms.R))
+    w = np.where(ms.row_t == 0, 1.0 / s_star, 1.0 / s_delta)
+    return w, (sp.diags(w) @ P @ ms.Dz).tocsc()
+
+
 class LocalTier:
     """Local bounds ``(X_q, E_q)`` for the parties of one :class:`MessageSpace` (see the module docstring).
 
@@ -65,19 +84,7 @@ class LocalTier:
             G = np.zeros(ms.U)
         self.G = G
         # the explicit whitened operator L = W P Dz (float64, by columns) for the local solves
-        rows, cols, vals = [], [], []
-        for g in ms.groups:
-            if g.blocked:
-                continue
-            q = np.arange(g.start, g.stop)
-            for t, s in zip(*np.nonzero(g.P)):
-                rows.append(ms.rowid(t, q))
-                cols.append(ms.rowid(s, q))
-                vals.append(np.full(q.size, g.P[t, s]))
-        cat = (lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dtype=dt))
-        P = sp.csr_matrix((cat(vals, float), (cat(rows, np.int64), cat(cols, np.int64))), shape=(ms.R, ms.R))
-        self.w = np.where(ms.row_t == 0, 1.0 / s_star, 1.0 / s_delta)
-        self.L = (sp.diags(self.w) @ P @ ms.Dz).tocsc()
+        self.w, self.L = whitened_operator(ms, s_star, s_delta)
         self.L.sort_indices()
         self._mark = np.zeros(ms.R, dtype=bool)  # scratch of solve()
         self._pos = np.zeros(ms.R, dtype=np.int64)
