@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .._progress import ProgressBar
+from ..privacy.budget_check import check_round_budget
 from ..privacy.ledger import BudgetExceededError, PrivacyLedger
 from ..privacy.plan import PrivacyPlan, privacy_plan
 from . import seeding
@@ -360,9 +361,12 @@ def simulate(
                     refusals = 0
                 except BudgetExceededError as exc:
                     mixer.abandon(round_plan)
-                    refusals += 1
-                    refused, history.stopped = _charge_refused(record, round_plan, mixer, ledger, plan, config,
-                                                               exc, refusals)
+                    # would a deployment have started it? (IncaStrategy's pre-round check; nothing charged if not)
+                    history.stopped = _pre_round_stop(rnd, int(count), mixer, ledger, plan, config)
+                    if not history.stopped:
+                        refusals += 1
+                        refused, history.stopped = _charge_refused(record, round_plan, mixer, ledger, plan,
+                                                                   config, exc, refusals)
             now = getattr(backend, "replaced", 0)
             replaced, actors_replaced = now - actors_replaced, now
             if replaced:
@@ -378,6 +382,9 @@ def simulate(
                     history.records.append(record)
                     if report:
                         report(record, history)
+                    save()
+                elif history.records[-1].accuracy is None:  # stopped before this round: the final model
+                    evaluate_into(history.records[-1])
                     save()
                 if failure is not None and not isinstance(failure, TrainingFailure):
                     raise failure
@@ -431,6 +438,30 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _pre_round_stop(rnd: int, participants: int, mixer: Mixer, ledger: PrivacyLedger, plan: PrivacyPlan,
+                    config: SimulationConfig) -> str:
+    """IncaStrategy's pre-round budget check (:func:`flwr_inca.privacy.budget_check.check_round_budget`), for a
+    round whose own execution does not fit the budget left: "" if a deployment would have started it (its
+    predicted cost, ``Mixer.predicted_cost`` over ``budget_check_runs`` simulated executions, charged at the
+    ``mu_resolution`` grid, fits; the round is then refused as it runs, see :func:`_charge_refused`), else
+    why training stops before it, with the numbers: nothing of the round is released or charged.
+
+    Only such a round is checked: a round whose execution fits is trained as without the check, so the check
+    changes no run in which every round fits, costs nothing there (a prediction at n = 1000 takes
+    ``budget_check_runs`` certificates, about 3 s; docs/simulation.md), and can only stop training where the
+    run without it would have charged a refused round."""
+    predicted = mixer.predicted_cost(participants, config.budget_check_runs)
+    if predicted is None:  # the mechanism reveals nothing before its release: _charge_refused stops it
+        return ""
+    charged = charge_resolution(predicted, config.mu_resolution)
+    check = check_round_budget(ledger, rnd, lambda: charged, plan.sample_rate)
+    if check.fits:
+        return ""
+    return (f"{check.reason}: its predicted cost, the worst certified mu over {config.budget_check_runs} simulated "
+            f"execution(s) of its {participants} participants (as IncaStrategy predicts it), is {predicted:.4g} "
+            f"(charged as {charged:.4g}); nothing of round {rnd} was released or charged")
 
 
 def _charge_refused(record: RoundRecord, round_plan: RoundPlan, mixer: Mixer, ledger: PrivacyLedger,
