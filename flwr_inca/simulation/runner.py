@@ -13,7 +13,10 @@ Each round, in this order (charge first, then do anything that can fail):
    (``reserve_stopped_round``, default), so the ledger never exceeds the budget. Training goes on with
    the next round's fresh execution; it stops after ``max_consecutive_refusals`` refused rounds in a
    row, when none of a refused round's messages was delivered (the budget left does not afford the
-   first step of a round), or when the guard is off and the charge went past the budget;
+   first step of a round), or when the guard is off and the charge went past the budget. Before a
+   refused round is charged, IncaStrategy's pre-round check (``flwr_inca.privacy.budget_check``) decides
+   whether a deployment would have started it: if the round's *predicted* cost does not fit either,
+   training stops before it and nothing of it is charged (``_pre_round_stop``);
 4. the participants train locally from the current global model (Ray actors, vectorized);
 5. the mixer computes the round's update, which is applied (released) and evaluated.
 
