@@ -465,7 +465,7 @@ def _pre_round_stop(rnd: int, participants: int, mixer: Mixer, ledger: PrivacyLe
 
     Only such a round is checked: a round whose execution fits is trained as without the check, so the check
     changes no run in which every round fits, costs nothing there (a prediction at n = 1000 takes
-    ``budget_check_runs`` certificates, about 3 s; docs/simulation.md), and can only stop training where the
+    ``budget_check_runs`` certificates: 6-7x a round's own; docs/simulation.md), and can only stop training where the
     run without it would have charged a refused round. ``resumed``: the rounds the ledger held before this run
     (when this run charged none, the message says what to change)."""
     predicted = mixer.predicted_cost(participants, config.budget_check_runs)
