@@ -103,8 +103,9 @@ def test_a_budget_for_exactly_k_rounds_trains_k_rounds_then_stops_before_the_nex
     spent = _after(charged[: k - 1], charged[k - 1])
     limit = min(_after(charged[:k], charged[k]), _after(charged[:k], predicted))  # round k + 1 fits neither way
     budget = spent + (limit - spent) / 2
-    hist, trained, ledger = _run(tmp_path / "k", rounds=8, epsilon=budget)
+    hist, trained, ledger = _run(tmp_path / "k", rounds=8, epsilon=budget, eval_every=50)
     assert [r.round for r in hist.rounds] == list(range(1, k + 1)) and sorted(trained) == list(range(1, k + 1))
+    assert [r.accuracy is None for r in hist.rounds] == [True] * (k - 1) + [False]  # the final model is evaluated
     assert hist.rounds_refused == 0 and hist.rounds_trained == k
     assert hist.stopped.startswith(f"stopping before round {k + 1}: it would bring epsilon from {spent:.4g} to about "
                                    f"{_after(charged[:k], predicted):.4g} > max_epsilon = {budget:.4g}")
@@ -160,6 +161,12 @@ def test_gopa_stops_before_a_round_it_cannot_afford_with_nothing_spent(tmp_path)
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
     assert hist.rounds == [] and hist.stopped.startswith("stopping before round 1: it would bring epsilon from 0")
     assert not (tmp_path / "ledger.json").exists()
+
+
+def test_with_the_local_bound_the_prediction_is_the_bound_every_round_is_charged():
+    mixer = _mixer(certification="local-bound")
+    assert mixer.predicted_cost(24, 10) == 2.0 / 3.0 == mixer.plan(1, 24).mu
+    assert mixer.predicted_cost(12, 10) == mixer.plan(2, 12).mu
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "10", None])
