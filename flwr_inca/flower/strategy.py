@@ -52,12 +52,12 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from .._checks import check_int
+from ..privacy.budget_check import check_round_budget, predicted_round_mu, prediction_seeds
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.ledger import BudgetExceededError, LedgerOwnerError, PrivacyLedger
 from ..privacy.prefix import RoundPrefix, padded_trace, prefix_ceilings
 from ..privacy.rounds import RoundCertificate, certification_seeds
 from ..protocol.config import IncaConfig
-from ..protocol.engine import sample_trace
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.trace import ExecutionTrace
 from ..protocol.utility import noise_std
@@ -69,9 +69,8 @@ from .wire import FIELD, decode_reply, encode_request
 
 __all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord"]
 
-# keys of the SeedSequences behind the server's random choices (spawn_key, after the strategy's seed);
-# the certification adversaries use flwr_inca.privacy.rounds.CERTIFY_KEY (0)
-_PREDICT = 1
+# the SeedSequences behind the server's random choices: the certification adversaries use
+# flwr_inca.privacy.rounds.certification_seeds, the budget predictions flwr_inca.privacy.budget_check.prediction_seeds
 
 
 class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExceededError):
@@ -440,16 +439,12 @@ class IncaStrategy(FedAvg):
             reason = (f"IncA: not starting round {server_round}: training stopped at round {self._stopped_round} "
                       f"({self._stop_reason}); spent: epsilon = {spent:.4g} of max_epsilon = {budget:.4g} "
                       f"(delta = {delta:.1e})")
-        elif spent > budget:
-            after = math.inf
-            reason = (f"IncA: stopping before round {server_round}: the certified cost of the rounds so "
-                      f"far brought epsilon to {spent:.4g} > max_epsilon = {budget:.4g} "
-                      f"(delta = {delta:.1e})")
         else:
             n = max(n, 2)
-            predicted = self.predicted_mu(n)
-            after = self.ledger.epsilon_after(predicted, self.privacy.sample_rate)
-            if after <= budget:
+            check = check_round_budget(self.ledger, server_round, lambda: self.predicted_mu(n),
+                                       self.privacy.sample_rate)
+            after = check.predicted_epsilon
+            if check.fits:
                 if not self.privacy.reserve_stopped_round:
                     return False
                 ceiling = self.no_finals_mu(n)
@@ -460,9 +455,7 @@ class IncaStrategy(FedAvg):
                     "%.4g (epsilon %.4g > max_epsilon = %.4g), so each iteration's messages are delivered "
                     "only if what they reveal fits", server_round, ceiling, reserved, budget)
                 return True
-            reason = (f"IncA: stopping before round {server_round}: it would bring epsilon from "
-                      f"{spent:.4g} to about {after:.4g} > max_epsilon = {budget:.4g} "
-                      f"(delta = {delta:.1e})")
+            reason = f"IncA: {check.reason}"  # the budget is overrun, or the round's predicted cost does not fit
         log(WARNING, "%s", reason)
         raise IncaBudgetExhausted(reason, server_round=server_round, arrays=arrays, epsilon=spent,
                                   predicted_epsilon=after, max_epsilon=budget, delta=self.privacy.delta)
@@ -951,18 +944,15 @@ class IncaStrategy(FedAvg):
         """Predicted cost of a round with n parties: the worst certified mu over ``budget_check_runs``
         simulated executions (cached per n)."""
         if n not in self._predicted:
-            mix = self.mixing
+            mix, priv = self.mixing, self.privacy
             s_star, s_delta = self._sigmas(n)
             config = IncaConfig(iterations=mix.iterations, neighbors=min(mix.neighbors, n - 1),
                                 sigma_star=s_star, sigma_delta=s_delta, schedule=mix.schedule,
-                                dropout=self.privacy.calibration_dropout)
-            root = np.random.SeedSequence(self.seed, spawn_key=(_PREDICT, n))
-            runs = root.spawn(self.privacy.budget_check_runs)
-            worst = 0.0
-            for run in runs:
-                execution, threat = run.spawn(2)
-                worst = max(worst, self._certify(sample_trace(n, config, seed=_int_seed(execution)), threat))
-            self._predicted[n] = worst
+                                dropout=priv.calibration_dropout)
+            self._predicted[n] = predicted_round_mu(
+                n, config, prediction_seeds(self.seed, n), priv.budget_check_runs, threat_draws=priv.threat_draws,
+                collusion=priv.collusion, observed_fraction=priv.observed_fraction,
+                value_sensitivity=priv.sensitivity)
         return self._predicted[n]
 
     # ----------------------------------------------------------------------------- exchanges
@@ -1098,8 +1088,3 @@ def _default_ledger_owner(grid: Grid) -> str:
     spec = getattr(main, "__spec__", None)
     name = getattr(spec, "name", None) or os.path.splitext(os.path.basename(getattr(main, "__file__", "") or ""))[0]
     return f"python:{name or 'interactive'}"
-
-
-def _int_seed(seed: np.random.SeedSequence) -> int:
-    """A 64-bit integer seed drawn from ``seed`` (for functions that take an int seed)."""
-    return int(seed.generate_state(1, dtype=np.uint64)[0])

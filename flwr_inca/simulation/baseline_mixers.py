@@ -66,6 +66,7 @@ from ..baselines import (
 )
 from ..baselines.calibration import NoiseCalibration
 from ..baselines.pairwise import pairwise_estimate, pairwise_masked_values
+from ..privacy.budget_check import prediction_seeds, worst_over_executions
 from ..privacy.certificate import SensitivityProfile
 from ..privacy.conversions import epsilon_for_delta
 from ..privacy.rounds import certification_seeds, worst_mu
@@ -314,6 +315,7 @@ class GOPAMixer(Mixer):
         self.sigma_delta = None if sigma_delta is None else float(sigma_delta)
         self.calibration: NoiseCalibration | None = None
         self._calibrated_n = 0
+        self._predicted: dict[tuple[int, int], float] = {}  # predicted_cost by (participants, runs)
 
     @classmethod
     def from_config(cls, config: Any) -> Mixer:
@@ -366,18 +368,40 @@ class GOPAMixer(Mixer):
         return cal.sigma_star * math.sqrt(self._calibrated_n / participants), cal.sigma_delta
 
     # ------------------------------------------------------------------------ round
-    def certify(self, execution: PairwiseExecution, round: int, sigma_star: float, sigma_delta: float) -> float:
+    def certify(self, execution: PairwiseExecution, round: int, sigma_star: float, sigma_delta: float,
+                seeds: np.random.SeedSequence | None = None) -> float:
         """The worst mu (value sensitivity applied) over the round's ``threat_draws`` coalitions, each
-        honest party's exact certificate of ``execution`` (a NaN counts as unbounded)."""
+        honest party's exact certificate of ``execution`` (a NaN counts as unbounded). ``seeds``: the
+        coalitions' root (default: the round's certification seeds)."""
         gopa = self._baseline(execution.parties, sigma_star, sigma_delta)
         threat = Threat.collusion(self.collusion)
         mus = []
-        for draw in certification_seeds(seeding.seed_of(self.context.seed, seeding.THREAT), round).spawn(
-                self.threat_draws):
+        if seeds is None:
+            seeds = certification_seeds(self._threat_seed(), round)
+        for draw in seeds.spawn(self.threat_draws):
             view = gopa.adversary(execution, threat, int(draw.generate_state(1, dtype=np.uint64)[0]))
             profile = SensitivityProfile.from_model(gopa.observation_model(execution, view))
             mus.append(worst_mu(profile.mu(sigma_star, sigma_delta)))
         return worst_mu(mus) * self.context.value_sensitivity
+
+    def _threat_seed(self) -> int:
+        return seeding.seed_of(self.context.seed, seeding.THREAT)
+
+    def predicted_cost(self, participants: int, runs: int) -> float:
+        """The worst certified mu over ``runs`` executions of ``participants`` parties sampled with this
+        mixer's settings (:func:`flwr_inca.privacy.budget_check.worst_over_executions`, as IncA's rounds
+        are predicted). Cached per (participants, runs)."""
+        key = (int(participants), int(runs))
+        if key not in self._predicted:
+            n = check_int("participants (GOPA needs two parties)", participants, 2)
+            s_star, s_delta = self.sigmas(n)
+            gopa = self._baseline(n, s_star, s_delta)
+
+            def cost(execution: int, threat: np.random.SeedSequence) -> float:
+                return self.certify(gopa.sample_execution(n, execution), 0, s_star, s_delta, threat)
+
+            self._predicted[key] = worst_over_executions(prediction_seeds(self._threat_seed(), n), runs, cost)
+        return self._predicted[key]
 
     def plan(self, round: int, participants: int) -> RoundPlan:
         n = check_int("participants (GOPA needs two parties)", participants, 2)

@@ -65,6 +65,12 @@ class SimulationConfig:
             release, GOPA's guard before publishing, IncA's guard before the first iteration) stops training
             at once: the budget left does not afford the first step of a round. Same name and meaning as
             ``flwr_inca.flower.PrivacyTarget.max_consecutive_refusals``.
+        budget_check_runs: the pre-round budget check, as ``IncaStrategy`` runs it (same name and meaning as
+            ``flwr_inca.flower.PrivacyTarget.budget_check_runs``): a round is predicted to cost the worst
+            certified mu over this many simulated executions of its participants, and if that does not fit
+            the budget left, training stops *before* the round (nothing charged; ``History.stopped`` says
+            why). Evaluated for the rounds whose own execution does not fit (only they can differ from a
+            run without the check; docs/simulation.md, "The pre-round budget check").
         mu_resolution: a round is charged its mu rounded *up* to this relative grid (0.005: at most
             0.5% more), so the PRV accountant composes few distinct rounds (its cost grows with them);
             0 charges mu exactly.
@@ -107,6 +113,7 @@ class SimulationConfig:
     mu_resolution: float = 0.005
     reserve_stopped_round: bool = True
     max_consecutive_refusals: int = 3
+    budget_check_runs: int = 10
     ledger_path: str | None = None
     iterations: int = 10
     neighbors: int = 1
@@ -178,6 +185,7 @@ class SimulationConfig:
         check_bool("reserve_stopped_round", self.reserve_stopped_round)
         check_int("max_consecutive_refusals (rounds refused by the budget in a row before training stops)",
                   self.max_consecutive_refusals, 1)
+        check_int("budget_check_runs (simulated executions that predict a round's cost)", self.budget_check_runs, 1)
         if self.noise_multiplier is not None:
             check_real("noise_multiplier", self.noise_multiplier, 0.0, low_open=True)
         if not isinstance(self.mixer_options, dict):

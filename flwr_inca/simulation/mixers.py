@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .._checks import check_int, check_probability, check_real
+from ..privacy.budget_check import predicted_round_mu, prediction_seeds
 from ..privacy.calibration import Calibration, calibrate
 from ..privacy.conversions import epsilon_for_delta
 from ..privacy.prefix import RoundPrefix
@@ -159,6 +160,14 @@ class Mixer(ABC):
         budget guard): a deployment that checks ``fits`` before each step it reveals stops at the last
         step that fits; the cost is then that step's (``plan.info["delivered_iterations"]`` for IncA)."""
         return 0.0
+
+    def predicted_cost(self, participants: int, runs: int) -> float | None:
+        """What a deployment predicts, before a round of ``participants`` starts, that the round will cost
+        (GDP mu), from ``runs`` simulated executions (no value): the runner's pre-round budget check
+        (:func:`flwr_inca.privacy.budget_check.check_round_budget`, as ``IncaStrategy`` runs it). None
+        (default): no prediction, for a mechanism that reveals nothing before its release (a round it
+        cannot afford spends nothing, and training stops at once)."""
+        return None
 
     def describe(self) -> str:
         return self.name
@@ -346,6 +355,7 @@ class IncaMixer(Mixer):
         self.calibration: Calibration | None = None
         self._calibrated_n = 0
         self._worst_certified = 0.0
+        self._predicted: dict[tuple[int, int], float] = {}  # predicted_cost by (participants, runs)
 
     @classmethod
     def from_config(cls, config: SimulationConfig) -> Mixer:
@@ -472,6 +482,26 @@ class IncaMixer(Mixer):
             delivered, cert = prefix.largest_affordable(fits)
         plan.info["delivered_iterations"] = delivered
         return min(cert.mu, plan.mu) if plan.certified else cert.mu
+
+    def predicted_cost(self, participants: int, runs: int) -> float:
+        """``IncaStrategy``'s prediction (:func:`flwr_inca.privacy.budget_check.predicted_round_mu`): the
+        worst certified mu over ``runs`` executions of ``participants`` parties sampled with this mixer's
+        settings (sigmas at that n, topology, within-round dropout), against its threat, drawn from
+        ``prediction_seeds`` of its threat seed (an ``IncaStrategy`` with that seed and the same settings
+        predicts the same mu). ``certification="local-bound"``: the bound every round is charged.
+        Cached per (participants, runs)."""
+        key = (int(participants), int(runs))
+        if key not in self._predicted:
+            config = self.inca_config(participants)
+            if self.certification == "local-bound":
+                mu = self.context.value_sensitivity / config.sigma_star
+            else:
+                mu = predicted_round_mu(
+                    participants, config, prediction_seeds(self.threat_seed(self.context.seed), participants), runs,
+                    threat_draws=self.threat_draws, collusion=self.collusion,
+                    observed_fraction=self.observed_fraction, value_sensitivity=self.context.value_sensitivity)
+            self._predicted[key] = mu
+        return self._predicted[key]
 
     def plan(self, round: int, participants: int) -> RoundPlan:
         config = self.inca_config(participants)

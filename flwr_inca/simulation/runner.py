@@ -13,7 +13,10 @@ Each round, in this order (charge first, then do anything that can fail):
    (``reserve_stopped_round``, default), so the ledger never exceeds the budget. Training goes on with
    the next round's fresh execution; it stops after ``max_consecutive_refusals`` refused rounds in a
    row, when none of a refused round's messages was delivered (the budget left does not afford the
-   first step of a round), or when the guard is off and the charge went past the budget;
+   first step of a round), or when the guard is off and the charge went past the budget. Before a
+   refused round is charged, IncaStrategy's pre-round check (``flwr_inca.privacy.budget_check``) decides
+   whether a deployment would have started it: if the round's *predicted* cost does not fit either,
+   training stops before it and nothing of it is charged (``_pre_round_stop``);
 4. the participants train locally from the current global model (Ray actors, vectorized);
 5. the mixer computes the round's update, which is applied (released) and evaluated.
 
@@ -40,6 +43,7 @@ import torch
 from torch import nn
 
 from .._progress import ProgressBar
+from ..privacy.budget_check import check_round_budget
 from ..privacy.ledger import BudgetExceededError, PrivacyLedger
 from ..privacy.plan import PrivacyPlan, privacy_plan
 from . import seeding
@@ -181,17 +185,28 @@ def simulate(
     if test_set is not None:
         _check_fits(model, loss_fn, test_set[0], test_set[1], "test_set")
 
-    plan = privacy_plan(
-        config.privacy_unit,
-        epsilon=config.epsilon,
-        delta=config.delta,
-        rounds=config.budget_rounds or config.rounds,
-        clip_norm=config.clip_norm,
-        lr=config.learning_rate,
-        batch_size=config.batch_size,
-        local_size=float(partitions.sizes().mean()),
-        accountant=config.accountant,
-    )
+    planned = config.budget_rounds or config.rounds
+    try:
+        plan = privacy_plan(
+            config.privacy_unit,
+            epsilon=config.epsilon,
+            delta=config.delta,
+            rounds=planned,
+            clip_norm=config.clip_norm,
+            lr=config.learning_rate,
+            batch_size=config.batch_size,
+            local_size=float(partitions.sizes().mean()),
+            accountant=config.accountant,
+        )
+    except ValueError as exc:
+        if "too low" not in str(exc):
+            raise
+        # Opacus's own message ("The privacy budget is too low.") names no parameter
+        raise ValueError(
+            f"epsilon = {config.epsilon:g} is too small for {planned} round(s) at delta = {config.delta:g}: no "
+            f"noise multiplier Opacus can account reaches it ({exc}); raise epsilon, or plan fewer rounds "
+            "(rounds / budget_rounds; record level: or a smaller batch_size)"
+        ) from None
     mixer = mixer if mixer is not None else create_mixer(config)
     if not isinstance(mixer, Mixer):
         raise ValueError(f"mixer must be a Mixer, got {type(mixer).__name__}")
@@ -277,6 +292,7 @@ def simulate(
     charger = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inca-ledger")
     actors_replaced = 0
     refusals = 0  # rounds refused by the budget in a row (max_consecutive_refusals)
+    resumed = ledger.rounds if ledger is not None else 0  # rounds charged before this run
     initial = RoundRecord(0, epsilon=ledger.epsilon() if ledger is not None else 0.0)
     evaluate_into(initial)
     history.records.append(initial)
@@ -360,9 +376,12 @@ def simulate(
                     refusals = 0
                 except BudgetExceededError as exc:
                     mixer.abandon(round_plan)
-                    refusals += 1
-                    refused, history.stopped = _charge_refused(record, round_plan, mixer, ledger, plan, config,
-                                                               exc, refusals)
+                    # would a deployment have started it? (IncaStrategy's pre-round check; nothing charged if not)
+                    history.stopped = _pre_round_stop(rnd, int(count), mixer, ledger, plan, config, resumed)
+                    if not history.stopped:
+                        refusals += 1
+                        refused, history.stopped = _charge_refused(record, round_plan, mixer, ledger, plan,
+                                                                   config, exc, refusals)
             now = getattr(backend, "replaced", 0)
             replaced, actors_replaced = now - actors_replaced, now
             if replaced:
@@ -378,6 +397,9 @@ def simulate(
                     history.records.append(record)
                     if report:
                         report(record, history)
+                    save()
+                elif history.records[-1].accuracy is None:  # stopped before this round: the final model
+                    evaluate_into(history.records[-1])
                     save()
                 if failure is not None and not isinstance(failure, TrainingFailure):
                     raise failure
@@ -431,6 +453,38 @@ def simulate(
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _pre_round_stop(rnd: int, participants: int, mixer: Mixer, ledger: PrivacyLedger, plan: PrivacyPlan,
+                    config: SimulationConfig, resumed: int = 0) -> str:
+    """IncaStrategy's pre-round budget check (:func:`flwr_inca.privacy.budget_check.check_round_budget`), for a
+    round whose own execution does not fit the budget left: "" if a deployment would have started it (its
+    predicted cost, ``Mixer.predicted_cost`` over ``budget_check_runs`` simulated executions, charged at the
+    ``mu_resolution`` grid, fits; the round is then refused as it runs, see :func:`_charge_refused`), else
+    why training stops before it, with the numbers: nothing of the round is released or charged.
+
+    Only such a round is checked: a round whose execution fits is trained as without the check, so the check
+    changes no run in which every round fits, costs nothing there (a prediction at n = 1000 takes
+    ``budget_check_runs`` certificates: 6-7x a round's own; docs/simulation.md), and can only stop training where the
+    run without it would have charged a refused round. ``resumed``: the rounds the ledger held before this run
+    (when this run charged none, the message says what to change)."""
+    predicted = mixer.predicted_cost(participants, config.budget_check_runs)
+    if predicted is None:  # the mechanism reveals nothing before its release: _charge_refused stops it
+        return ""
+    charged = charge_resolution(predicted, config.mu_resolution)
+    check = check_round_budget(ledger, rnd, lambda: charged, plan.sample_rate)
+    if check.fits:
+        return ""
+    hint = ""
+    if ledger.rounds == resumed and resumed:
+        hint = (f" The ledger {ledger.path} holds the privacy spent by earlier runs: for a new run, choose another "
+                "output_dir / ledger_path; to train more on the same data, raise epsilon.")
+    elif ledger.rounds == resumed:
+        hint = (" Not even one round at this noise fits the budget: raise epsilon, or add noise (sigma_star, "
+                "sigma_delta; left unset, they are calibrated for the budget).")
+    return (f"{check.reason}: its predicted cost, the worst certified mu over {config.budget_check_runs} simulated "
+            f"execution(s) of its {participants} participants (as IncaStrategy predicts it), is {predicted:.4g} "
+            f"(charged as {charged:.4g}); nothing of round {rnd} was released or charged.{hint}")
 
 
 def _charge_refused(record: RoundRecord, round_plan: RoundPlan, mixer: Mixer, ledger: PrivacyLedger,
