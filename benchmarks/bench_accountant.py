@@ -97,7 +97,8 @@ def _job(kind: str, n: int, extra: dict) -> dict:
 
         start = time.perf_counter()
         cal = calibrate(extra.get("epsilon", 1.0), 1e-5, n, iterations=20, neighbors=1, collusion=0.1,
-                        dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"])
+                        dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"],
+                        bound_passes=extra.get("passes", 1))
         out["seconds"] = time.perf_counter() - start
         out.update(sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta, mse=cal.predicted_mse,
                    success=cal.success_fraction)
@@ -151,7 +152,7 @@ def _scaling_methods(ns: list[int], exact_max: int, methods: list[str]) -> None:
         print(line, flush=True)
 
 
-def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> None:
+def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float, passes: tuple[int, ...] = (1,)) -> None:
     """Fig. 3 settings: calibrate with the exact method and with the bound (both forced), then compare
     the weakest party's bound with its exact mu at the exact calibration's sigmas, and the MSEs."""
     from flwr_inca import PermanentDropout
@@ -169,7 +170,8 @@ def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> 
             t0 = time.perf_counter()
             ex = calibrate(epsilon, 1e-5, n, solver="exact", **kw)
             t1 = time.perf_counter()
-            bd = calibrate(epsilon, 1e-5, n, solver="bound", **kw)
+            bds = {k: calibrate(epsilon, 1e-5, n, solver="bound", bound_passes=k, **kw) for k in passes}
+            bd = bds[passes[0]]
             t2 = time.perf_counter()
             worst = 0.0
             for r, (ts, vs) in enumerate(ex.run_seeds):
@@ -179,6 +181,10 @@ def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> 
                 worst = max(worst, b.max_mu / a.max_mu)
             print(f"{n:>5} {gamma:>6.2f} {worst:>32.4f} {bd.sigma_delta / ex.sigma_delta:>24.4f} "
                   f"{bd.predicted_mse / ex.predicted_mse:>16.4f} {t1 - t0:>8.1f} {t2 - t1:>8.1f}", flush=True)
+            for k, c in bds.items():  # every requested number of bound passes, against exact
+                print(f"      bound_passes={k}: sigma_star {c.sigma_star / ex.sigma_star:.4f}x, sigma_delta "
+                      f"{c.sigma_delta / ex.sigma_delta:.4f}x, MSE {c.predicted_mse / ex.predicted_mse:.4f}x "
+                      f"of the exact calibration ({c.seconds:.1f} s)", flush=True)
 
 
 def _regenerate(n: int, gamma: float, trace_seed: int, view_seed: int):
@@ -253,9 +259,9 @@ def screening(ns: list[int], iterations: tuple[int, ...] = (0, 1, 2, 4, 8)) -> N
                   f"parties above the final max {(m > final).sum()} of {m.size}", flush=True)
 
 
-def calibrate_large(ns: list[int], runs: int) -> None:
+def calibrate_large(ns: list[int], runs: int, passes: int = 1) -> None:
     for n in ns:
-        c = run_job("calibrate", n, runs=runs, solver="auto")
+        c = run_job("calibrate", n, runs=runs, solver="auto", passes=passes)
         print(f"calibrate(n = {n}, runs = {runs}, epsilon = 1, delta = 1e-5): {c['seconds']:.1f} s, "
               f"sigma_star {c['sigma_star']:.4g}, sigma_delta {c['sigma_delta']:.4g}, "
               f"success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB", flush=True)
@@ -611,6 +617,8 @@ def main() -> None:
     p.add_argument("--gammas", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--passes", type=int, nargs="+", default=[1], choices=[1, 2],
+                   help="--tightness / --calibrate-large: calibrate's bound_passes (tightness: each, side by side)")
     p.add_argument("--large", type=int, nargs="*")
     p.add_argument("--methods", nargs="+", default=["bound"], choices=["bound", "cascade"],
                    help="--large / --scaling: which bound methods (each in its own process)")
@@ -638,7 +646,7 @@ def main() -> None:
     if args.scaling:
         scaling(args.scaling, args.exact_max, args.methods)
     if args.tightness:
-        tightness(args.tightness, args.gammas, args.runs, args.epsilon)
+        tightness(args.tightness, args.gammas, args.runs, args.epsilon, tuple(args.passes))
     if args.structure:
         structure(args.structure)
     if args.large:
@@ -646,7 +654,7 @@ def main() -> None:
     if args.screening:
         screening(args.screening)
     if args.calibrate_large:
-        calibrate_large(args.calibrate_large, args.runs)
+        calibrate_large(args.calibrate_large, args.runs, args.passes[0])
     if args.strategy:
         strategy(args.strategy, args.draws)
     if args.locality:

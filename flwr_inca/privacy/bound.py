@@ -82,7 +82,7 @@ class BoundSettings:
     blas_threads: int | None = 1
     global_iterations: int = 60
     local_iterations: int = 20
-    local_batch: int = 4
+    local_batch: int = 16
 
 
 @dataclass(frozen=True)

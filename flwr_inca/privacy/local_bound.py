@@ -98,6 +98,7 @@ class _Batch:
         # the parties the support columns touch (and q itself), by block
         pos, lens = _ranges(tier.DzC.indptr, self.S)
         self.d_pos, self.d_block = pos, np.repeat(self.col_block, lens)
+        self.d_col = np.repeat(np.arange(self.S.size), lens)  # support column of each Dz entry
         keys = np.unique(np.concatenate([self.d_block * nH + ms.row_q[tier.DzC.indices[pos]], blocks * nH + qs]))
         self.J = keys % nH
         self.J_block = keys // nH
@@ -136,9 +137,8 @@ class LocalTier:
         if G.size != ms.U or not np.all(np.isfinite(G)):
             G = np.zeros(ms.U)
         self.G = G
-        # the explicit whitened operator L = W P Dz (float64, by columns) for the local solves
-        self.w, self.L = whitened_operator(ms, s_star, s_delta)
-        self.L.sort_indices()
+        # the whitened operator L = W P Dz is applied column by column from Dz's entries (never formed)
+        self.w = np.where(ms.row_t == 0, 1.0 / s_star, 1.0 / s_delta)
         self.DzC = ms.Dz.tocsc()
         self.DzC.sort_indices()
         coo = ms.Dz.tocoo()
@@ -151,10 +151,14 @@ class LocalTier:
         near = (self.touched_by @ touches + sp.identity(ms.nH, format="csr")).tocsr()
         near.sort_indices()
         self.near = near
-        self.LG = self.L @ G
+        self.LG = self.w * ms.apply_P((ms.Dz @ G)[:, None])[:, 0]
         self.LG2 = float(self.LG @ self.LG)
         self.Pst = np.stack([g.P for g in ms.groups]) if ms.groups else np.zeros((0, T1, T1))
         self.absPst = np.abs(self.Pst)
+        wv = np.where(np.arange(T1) == 0, 1.0 / s_star, 1.0 / s_delta)
+        blocked_g = np.array([g.blocked for g in ms.groups], dtype=bool)
+        WP = np.where(blocked_g[:, None, None], 0.0, wv[None, :, None] * self.Pst)  # W P_g, 0 if pinned
+        self.WPcols = np.ascontiguousarray(np.swapaxes(WP, 1, 2))  # [g, t]: column t of W P_g
         self.defect = np.array([g.defect for g in ms.groups], dtype=float)[ms.group_of] if ms.groups \
             else np.zeros(0)
         # rounding of every computed residual component: the sums of ``a (Dz G) + Dz_S u - t`` (at most
@@ -282,50 +286,120 @@ class LocalTier:
         u, a = self.solve_batch(batch)
         return u, float(a[0])
 
-    def solve_batch(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
-        """``(u, a)`` for every block of ``batch`` at once (u concatenated by block), by CGLS on one
-        block-diagonal sparse system: block b is ``[L_{S_b} | LG on its rows; 0 | c_b]`` (``c_b``: the norm
-        of LG outside block b's rows, the rest of ``a_b``'s residual), with its columns scaled to unit
-        norm. Every CGLS scalar is per block, so the blocks do not interact: the same iterates as one
-        party at a time, with one sparse product per iteration for all of them."""
+    def system(self, batch: _Batch) -> tuple[sp.csc_matrix, np.ndarray, np.ndarray]:
+        """``(A, rhs, row_start)``: the local least-squares problems of ``batch`` as one block-diagonal
+        float64 system ``min ||A [u; a] - rhs||`` (columns: the support columns of every block, then one
+        a column per block). Block b's rows are ``row_start[b] : row_start[b+1]`` plus row ``M0 + b``
+        (``M0 = row_start[-1]``), which holds ``c_b``, the norm of LG outside the block's rows (the rest of
+        ``a_b``'s residual). Its cost at any ``(u_b, a_b)`` equals ``||a_b LG + L_{S_b} u_b - b_q||^2``.
+
+        Column c of ``L = W P Dz`` on party j is ``sum_t Dz[(t, j), c] (W P_j)[:, t]``: it is built from
+        Dz's few entries per column. A party of J that only ``m < T`` support columns touch (and not the
+        party being bounded, whose rows hold the right-hand side) contributes ``||Y_j [a; u_cols]||^2``,
+        ``Y_j = [LG_j, L_j,cols]`` ((T+1) x (m+1)); its T+1 rows are replaced by the m+1 rows of ``R_j``,
+        ``R_j^T R_j = Y_j^T Y_j`` (the same cost). Most parties of a one-hop support are touched by one or
+        two messages, so this shrinks the rows several-fold. It is the search's system only: the
+        evaluation is on the original rows, so nothing here can affect soundness.
+        """
         ms = self.ms
         T1 = ms.T + 1
-        f = self.dtype
         B = batch.B
-        Lc = self.L
+        nJ = batch.J.size
         K = int(batch.Kstart[-1])
-        M0 = batch.J.size * T1
-        # support columns: L's entries moved to the block's local rows
-        pos, lens = _ranges(Lc.indptr, batch.S)
-        r = Lc.indices[pos]
-        rows_s = batch.pos(np.repeat(batch.col_block, lens), ms.row_q[r]) * T1 + ms.row_t[r]
-        # the a columns: LG on the block's rows, and c_b in the block's extra row M0 + b
-        grow = ms.rowid(np.arange(T1)[None, :], batch.J[:, None]).ravel()
-        gl = self.LG[grow]
-        row_start = batch.Jstart * T1
-        gl2 = np.add.reduceat(gl * gl, row_start[:-1]) if M0 else np.zeros(B)
+        D = self.DzC
+        # every Dz entry of the support columns: its party (position in J), step, column and W P column
+        dr = D.indices[batch.d_pos]
+        d_unit = batch.pos(batch.d_block, ms.row_q[dr])
+        d_val = D.data[batch.d_pos]
+        e_vec = self.WPcols[ms.group_of[batch.J[d_unit]], ms.row_t[dr]] * d_val[:, None]  # (E, T+1)
+        grow = ms.rowid(np.arange(T1)[None, :], batch.J[:, None])
+        gl = self.LG[grow]  # (nJ, T+1)
+        gl2 = np.add.reduceat(np.sum(gl * gl, axis=1), batch.Jstart[:-1])
         c = np.sqrt(np.maximum(self.LG2 - gl2, 0.0))
-        # block b's a column: its rows, then its extra row (inserted at the end of each block's rows)
-        a_rows = np.insert(np.arange(M0), row_start[1:], M0 + np.arange(B))
-        a_data = np.insert(gl, row_start[1:], c)
-        a_len = np.diff(row_start) + 1
-        indptr = np.concatenate([[0], np.cumsum(lens), lens.sum() + np.cumsum(a_len)])
-        data = np.concatenate([Lc.data[pos], a_data])
-        col_of = np.repeat(np.arange(K + B), np.diff(indptr))
-        norm = np.sqrt(np.bincount(col_of, weights=data * data, minlength=K + B))
-        norm = np.where(norm > 0, norm, 1.0)
-        data = data / norm[col_of]
-        A = sp.csc_matrix((data.astype(f), np.concatenate([rows_s, a_rows]), indptr), shape=(M0 + B, K + B))
-        AT = A.T  # CSR view of the same arrays
+        # distinct (party, column) pairs
+        keys = d_unit * K + batch.d_col
+        pairs = np.unique(keys)
+        p_unit = pairs // K
+        count = np.bincount(p_unit, minlength=nJ)
+        comp = (count + 1 < T1) & ~ms.blocked[batch.J]
+        comp[batch.own] = False
+        width = np.where(comp, count + 1, T1)  # rows of each party in the system
+        start = np.concatenate([[0], np.cumsum(width)])
+        a_col = K + batch.J_block
+        # the parties kept whole: T+1 rows, every column's W P column, LG
+        ku = np.flatnonzero(~comp)
+        dk = ~comp[d_unit]
+        rows = [(start[d_unit[dk]][:, None] + np.arange(T1)[None, :]).ravel(),
+                (start[ku][:, None] + np.arange(T1)[None, :]).ravel()]
+        cols = [np.repeat(batch.d_col[dk], T1), np.repeat(a_col[ku], T1)]
+        vals = [e_vec[dk].ravel(), gl[ku].ravel()]
+        # the compressed parties: Y packed by width (party k of width w at [off[k], off[k] + (T+1) w),
+        # row-major (T+1, w)), filled by one bincount, then one Cholesky per width
+        first = np.searchsorted(p_unit, np.arange(nJ))
+        rank = np.arange(pairs.size) - first[p_unit]  # column slot of each pair within its party
+        dc = ~dk
+        e_unit, e_rank = d_unit[dc], rank[np.searchsorted(pairs, keys[dc])]
+        cu = np.flatnonzero(comp)
+        off = np.zeros(nJ, dtype=np.int64)
+        by_width = cu[np.argsort(width[cu], kind="stable")]
+        sizes = T1 * width[by_width]
+        off[by_width] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        idx = off[e_unit][:, None] + np.arange(T1)[None, :] * width[e_unit][:, None] + 1 + e_rank[:, None]
+        flat = np.bincount(idx.ravel(), weights=e_vec[dc].ravel(), minlength=int(sizes.sum()))
+        flat[(off[cu][:, None] + np.arange(T1)[None, :] * width[cu][:, None]).ravel()] = gl[cu].ravel()
+        pair_col = pairs % K
+        ws = width[by_width]
+        for sel in np.split(by_width, np.flatnonzero(np.diff(ws)) + 1):
+            if sel.size == 0:
+                continue
+            w = int(width[sel[0]])
+            o = int(off[sel[0]])
+            Yc = flat[o: o + sel.size * T1 * w].reshape(sel.size, T1, w)
+            Gm = np.swapaxes(Yc, 1, 2) @ Yc  # (N, w, w) Gram matrices
+            ridge = 1e-12 * np.trace(Gm, axis1=1, axis2=2) + 1e-300
+            Rt = np.linalg.cholesky(Gm + ridge[:, None, None] * np.eye(w))  # lower: R^T
+            # R[i, j] = Rt[j, i] for i <= j: row start + i, column j (0: a, j >= 1: the party's j-th pair)
+            i, j = np.triu_indices(w)
+            colmap = np.concatenate([a_col[sel][:, None], pair_col[first[sel][:, None] + np.arange(w - 1)]],
+                                    axis=1)
+            rows.append((start[sel][:, None] + i[None, :]).ravel())
+            cols.append(colmap[:, j].ravel())
+            vals.append(Rt[:, j, i].ravel())
+        row_start = start[batch.Jstart]
+        M0 = int(row_start[-1])
+        rows.append(M0 + np.arange(B))
+        cols.append(K + np.arange(B))
+        vals.append(c)
+        vals = np.concatenate(vals)
+        nz = vals != 0
+        A = sp.csc_matrix((vals[nz], (np.concatenate(rows)[nz], np.concatenate(cols)[nz])), shape=(M0 + B, K + B))
         # right-hand side: the party's own rows, w P t (0 for pinned rows)
         hon = ms.parties[batch.qs]
         t = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).T  # (B, T+1)
-        Pb = self.Pst[ms.group_of[batch.qs]]
-        bt = np.einsum("bts,bs->bt", Pb, t)
+        bt = np.einsum("bts,bs->bt", self.Pst[ms.group_of[batch.qs]], t)
         bt[ms.blocked[batch.qs]] = 0.0
         own_rows = ms.rowid(np.arange(T1)[None, :], batch.qs[:, None])
-        rhs = np.zeros(M0 + B, dtype=f)
-        rhs[(batch.own[:, None] * T1 + np.arange(T1)[None, :]).ravel()] = (self.w[own_rows] * bt).ravel()
+        rhs = np.zeros(M0 + B)
+        rhs[(start[batch.own][:, None] + np.arange(T1)[None, :]).ravel()] = (self.w[own_rows] * bt).ravel()
+        return A, rhs, row_start
+
+    def solve_batch(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
+        """``(u, a)`` for every block of ``batch`` at once (u concatenated by block): CGLS on
+        :meth:`system` with its columns scaled to unit norm. Every CGLS scalar is per block, so the blocks
+        do not interact: the same iterates as one party at a time, with one sparse product per iteration
+        for all of them."""
+        f = self.dtype
+        B = batch.B
+        K = int(batch.Kstart[-1])
+        A, rhs, row_start = self.system(batch)
+        M0 = int(row_start[-1])
+        col_of = np.repeat(np.arange(K + B), np.diff(A.indptr))
+        norm = np.sqrt(np.bincount(col_of, weights=A.data * A.data, minlength=K + B))
+        norm = np.where(norm > 0, norm, 1.0)
+        A.data /= norm[col_of]
+        A = A.astype(f)
+        rhs = rhs.astype(f)
+        AT = A.T  # CSR view of the same arrays
         col_block = np.concatenate([batch.col_block, np.arange(B)])
         mrows = np.concatenate([np.diff(row_start), np.ones(B, dtype=np.int64)])
         rstarts = row_start[:-1]
