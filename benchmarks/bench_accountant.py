@@ -9,6 +9,8 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --large 10000 --methods bound cascade  # old vs new
     python benchmarks/bench_accountant.py --structure 100000             # the Thm 4.5 / 4.9 check alone
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
+    python benchmarks/bench_accountant.py --tightness 2000 --gammas 0.1 --passes 1 2   # one vs two bound passes
+    python benchmarks/bench_accountant.py --local-tier 10000 --sample 256 # the cascade's local tier alone
     python benchmarks/bench_accountant.py --screening 1000               # could a cheap pass screen parties?
     python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
     python benchmarks/bench_accountant.py --locality 1000 --radius 1     # near/far split vs exact (ratios)
@@ -257,6 +259,52 @@ def screening(ns: list[int], iterations: tuple[int, ...] = (0, 1, 2, 4, 8)) -> N
             m = np.concatenate(mus[k])
             print(f"n = {n}, {k} CG iterations: max bound / final max {m.max() / final:.3f}, median {np.median(m):.4g}, "
                   f"parties above the final max {(m > final).sum()} of {m.size}", flush=True)
+
+
+def local_tier(ns: list[int], sample: int, batches: list[int]) -> None:
+    """The cascade's local tier alone (``LocalTier.bounds_array``) on ``sample`` random parties: ms per
+    party by batch size and search precision, and where the time goes (system / CGLS / evaluation)."""
+    from threadpoolctl import threadpool_limits
+
+    from flwr_inca.privacy.bound import BoundSettings, _local_tier, _Operator
+    from flwr_inca.privacy.local_bound import _Batch
+    from flwr_inca.privacy.message_space import MessageSpace
+
+    for n in ns:
+        trace, view = _setting(n)
+        with threadpool_limits(1, user_api="blas"):
+            t0 = time.perf_counter()
+            ms = MessageSpace(trace, view, S_STAR, S_DELTA)
+            st = BoundSettings()
+            tier = _local_tier(ms, _Operator(ms, S_STAR, S_DELTA, st), st, S_STAR, S_DELTA)
+            print(f"n = {n}: set-up (message space, G, tier) {time.perf_counter() - t0:.1f} s", flush=True)
+            qs = np.random.default_rng(0).choice(ms.nH, min(sample, ms.nH), replace=False)
+            ref = None
+            for dtype in ("float32", "float64"):
+                tier.dtype = np.dtype(dtype)
+                for b in batches:
+                    parts = [qs[k: k + b] for k in range(0, qs.size, b)]
+                    t = [0.0, 0.0, 0.0]
+                    mus = []
+                    for part in parts:
+                        c0 = time.perf_counter()
+                        batch = _Batch(tier, part)
+                        tier.system(batch)  # timed alone here; solve_batch builds it again
+                        c1 = time.perf_counter()
+                        u, a = tier.solve_batch(batch)
+                        c2 = time.perf_counter()
+                        X, E = tier.evaluate_batch(batch, u, a)
+                        c3 = time.perf_counter()
+                        t[0] += c1 - c0
+                        t[1] += c2 - c1  # solve_batch builds the system again
+                        t[2] += c3 - c2
+                        mus.append(np.sqrt(X / S_STAR**2 + E / S_DELTA**2))
+                    mu = np.concatenate(mus)
+                    ref = mu if ref is None else ref
+                    per = [x / qs.size * 1e3 for x in t]
+                    print(f"  {dtype} batch {b:>3}: batch + system {per[0]:.2f} ms, solve (system + CGLS) "
+                          f"{per[1]:.2f} ms, evaluation {per[2]:.2f} ms per party; local bound / first row's: "
+                          f"max {np.max(mu / np.maximum(ref, 1e-300)):.5f}", flush=True)
 
 
 def calibrate_large(ns: list[int], runs: int, passes: int = 1) -> None:
@@ -635,6 +683,8 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=5, help="--charged: random parties timed per tier")
     p.add_argument("--reference-max", nargs="*", default=[], metavar="N=MU",
                    help="--charged beyond the exact method: the maximum to compare with (a sound bound's)")
+    p.add_argument("--local-tier", type=int, nargs="*", help="the cascade's local tier alone, per party")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="--local-tier: batch sizes")
     p.add_argument("--baseline", type=int, nargs="*")
     p.add_argument("--extrapolate", type=int, nargs="*")
     p.add_argument("--full", action="store_true", help="calibrate(procedure='paper', runs=1000) at n = 200")
@@ -653,6 +703,8 @@ def main() -> None:
         large(args.large, args.methods)
     if args.screening:
         screening(args.screening)
+    if args.local_tier:
+        local_tier(args.local_tier, args.sample, args.batches)
     if args.calibrate_large:
         calibrate_large(args.calibrate_large, args.runs, args.passes[0])
     if args.strategy:
@@ -668,8 +720,8 @@ def main() -> None:
         extrapolate(args.extrapolate)
     if args.full:
         full()
-    if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline,
-                args.structure, args.screening, args.full, args.extrapolate, args.locality,
+    if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.local_tier, args.strategy,
+                args.baseline, args.structure, args.screening, args.full, args.extrapolate, args.locality,
                 args.charged]):
         p.print_help()
 
