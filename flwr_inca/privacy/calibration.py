@@ -22,8 +22,8 @@ it; a fresh execution should be certified again (``certify``) before it is trust
 the exact check use the sound bound (``solver``, :func:`~flwr_inca.privacy.certificate.choose_solver`):
 it never claims more privacy than the exact check would, so it may only ask for more noise. A bound's
 ``(X_i, E_i)`` hold for every pair of sigmas, so each such run is bounded once, near the central-DP level
-(``bound_passes=1``, docs/privacy.md "Calibrating with a bound: one pass"); ``bound_passes=2`` bounds it
-again at the sigmas the first pass chose (tightest there, twice the cost).
+(``bound_passes=1``; docs/privacy.md, "Calibrating with a bound: one pass per run"); ``bound_passes=2``
+bounds it again at the sigmas the first pass chose (tightest there, twice the cost).
 
 The procedure is split in small steps: :func:`simulate_runs`, :func:`alpha_grid`,
 :func:`evaluate_alpha` and :func:`pick_alpha`.
@@ -63,7 +63,8 @@ FLOOR_FACTORS = (1.01, 1.03, 1.06, 1.1, 1.15, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.5
 PAPER_ALPHA = 1.3
 
 
-# first guess of sigma_delta / sigma_star for bound profiles (the second pass uses the calibrated ratio)
+# first guess of sigma_delta / sigma_star for bound profiles (with bound_passes=2 the second pass uses the
+# calibrated ratio)
 BOUND_NOMINAL_RATIO = 10.0
 
 
