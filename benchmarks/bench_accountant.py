@@ -9,6 +9,8 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --large 10000 --methods bound cascade  # old vs new
     python benchmarks/bench_accountant.py --structure 100000             # the Thm 4.5 / 4.9 check alone
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
+    python benchmarks/bench_accountant.py --tightness 2000 --gammas 0.1 --passes 1 2   # one vs two bound passes
+    python benchmarks/bench_accountant.py --local-tier 10000 --sample 256 # the cascade's local tier alone
     python benchmarks/bench_accountant.py --screening 1000               # could a cheap pass screen parties?
     python benchmarks/bench_accountant.py --strategy 1000                # IncaStrategy's per-round cost
     python benchmarks/bench_accountant.py --locality 1000 --radius 1     # near/far split vs exact (ratios)
@@ -97,7 +99,8 @@ def _job(kind: str, n: int, extra: dict) -> dict:
 
         start = time.perf_counter()
         cal = calibrate(extra.get("epsilon", 1.0), 1e-5, n, iterations=20, neighbors=1, collusion=0.1,
-                        dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"])
+                        dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"],
+                        bound_passes=extra.get("passes", 1))
         out["seconds"] = time.perf_counter() - start
         out.update(sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta, mse=cal.predicted_mse,
                    success=cal.success_fraction)
@@ -151,7 +154,7 @@ def _scaling_methods(ns: list[int], exact_max: int, methods: list[str]) -> None:
         print(line, flush=True)
 
 
-def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> None:
+def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float, passes: tuple[int, ...] = (1,)) -> None:
     """Fig. 3 settings: calibrate with the exact method and with the bound (both forced), then compare
     the weakest party's bound with its exact mu at the exact calibration's sigmas, and the MSEs."""
     from flwr_inca import PermanentDropout
@@ -169,7 +172,8 @@ def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> 
             t0 = time.perf_counter()
             ex = calibrate(epsilon, 1e-5, n, solver="exact", **kw)
             t1 = time.perf_counter()
-            bd = calibrate(epsilon, 1e-5, n, solver="bound", **kw)
+            bds = {k: calibrate(epsilon, 1e-5, n, solver="bound", bound_passes=k, **kw) for k in passes}
+            bd = bds[passes[0]]
             t2 = time.perf_counter()
             worst = 0.0
             for r, (ts, vs) in enumerate(ex.run_seeds):
@@ -179,6 +183,10 @@ def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float) -> 
                 worst = max(worst, b.max_mu / a.max_mu)
             print(f"{n:>5} {gamma:>6.2f} {worst:>32.4f} {bd.sigma_delta / ex.sigma_delta:>24.4f} "
                   f"{bd.predicted_mse / ex.predicted_mse:>16.4f} {t1 - t0:>8.1f} {t2 - t1:>8.1f}", flush=True)
+            for k, c in bds.items():  # every requested number of bound passes, against exact
+                print(f"      bound_passes={k}: sigma_star {c.sigma_star / ex.sigma_star:.4f}x, sigma_delta "
+                      f"{c.sigma_delta / ex.sigma_delta:.4f}x, MSE {c.predicted_mse / ex.predicted_mse:.4f}x "
+                      f"of the exact calibration ({c.seconds:.1f} s)", flush=True)
 
 
 def _regenerate(n: int, gamma: float, trace_seed: int, view_seed: int):
@@ -253,9 +261,55 @@ def screening(ns: list[int], iterations: tuple[int, ...] = (0, 1, 2, 4, 8)) -> N
                   f"parties above the final max {(m > final).sum()} of {m.size}", flush=True)
 
 
-def calibrate_large(ns: list[int], runs: int) -> None:
+def local_tier(ns: list[int], sample: int, batches: list[int]) -> None:
+    """The cascade's local tier alone (``LocalTier.bounds_array``) on ``sample`` random parties: ms per
+    party by batch size and search precision, and where the time goes (system / CGLS / evaluation)."""
+    from threadpoolctl import threadpool_limits
+
+    from flwr_inca.privacy.bound import BoundSettings, _local_tier, _Operator
+    from flwr_inca.privacy.local_bound import _Batch
+    from flwr_inca.privacy.message_space import MessageSpace
+
     for n in ns:
-        c = run_job("calibrate", n, runs=runs, solver="auto")
+        trace, view = _setting(n)
+        with threadpool_limits(1, user_api="blas"):
+            t0 = time.perf_counter()
+            ms = MessageSpace(trace, view, S_STAR, S_DELTA)
+            st = BoundSettings()
+            tier = _local_tier(ms, _Operator(ms, S_STAR, S_DELTA, st), st, S_STAR, S_DELTA)
+            print(f"n = {n}: set-up (message space, G, tier) {time.perf_counter() - t0:.1f} s", flush=True)
+            qs = np.random.default_rng(0).choice(ms.nH, min(sample, ms.nH), replace=False)
+            ref = None
+            for dtype in ("float32", "float64"):
+                tier.dtype = np.dtype(dtype)
+                for b in batches:
+                    parts = [qs[k: k + b] for k in range(0, qs.size, b)]
+                    t = [0.0, 0.0, 0.0]
+                    mus = []
+                    for part in parts:
+                        c0 = time.perf_counter()
+                        batch = _Batch(tier, part)
+                        tier.system(batch)  # timed alone here; solve_batch builds it again
+                        c1 = time.perf_counter()
+                        u, a = tier.solve_batch(batch)
+                        c2 = time.perf_counter()
+                        X, E = tier.evaluate_batch(batch, u, a)
+                        c3 = time.perf_counter()
+                        t[0] += c1 - c0
+                        t[1] += c2 - c1  # solve_batch builds the system again
+                        t[2] += c3 - c2
+                        mus.append(np.sqrt(X / S_STAR**2 + E / S_DELTA**2))
+                    mu = np.concatenate(mus)
+                    ref = mu if ref is None else ref
+                    per = [x / qs.size * 1e3 for x in t]
+                    print(f"  {dtype} batch {b:>3}: batch + system {per[0]:.2f} ms, solve (system + CGLS) "
+                          f"{per[1]:.2f} ms, evaluation {per[2]:.2f} ms per party; local bound / first row's: "
+                          f"max {np.max(mu / np.maximum(ref, 1e-300)):.5f}", flush=True)
+
+
+def calibrate_large(ns: list[int], runs: int, passes: int = 1) -> None:
+    for n in ns:
+        c = run_job("calibrate", n, runs=runs, solver="auto", passes=passes)
         print(f"calibrate(n = {n}, runs = {runs}, epsilon = 1, delta = 1e-5): {c['seconds']:.1f} s, "
               f"sigma_star {c['sigma_star']:.4g}, sigma_delta {c['sigma_delta']:.4g}, "
               f"success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB", flush=True)
@@ -611,6 +665,8 @@ def main() -> None:
     p.add_argument("--gammas", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--passes", type=int, nargs="+", default=[1], choices=[1, 2],
+                   help="--tightness / --calibrate-large: calibrate's bound_passes (tightness: each, side by side)")
     p.add_argument("--large", type=int, nargs="*")
     p.add_argument("--methods", nargs="+", default=["bound"], choices=["bound", "cascade"],
                    help="--large / --scaling: which bound methods (each in its own process)")
@@ -627,6 +683,8 @@ def main() -> None:
     p.add_argument("--timed", type=int, default=5, help="--charged: random parties timed per tier")
     p.add_argument("--reference-max", nargs="*", default=[], metavar="N=MU",
                    help="--charged beyond the exact method: the maximum to compare with (a sound bound's)")
+    p.add_argument("--local-tier", type=int, nargs="*", help="the cascade's local tier alone, per party")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="--local-tier: batch sizes")
     p.add_argument("--baseline", type=int, nargs="*")
     p.add_argument("--extrapolate", type=int, nargs="*")
     p.add_argument("--full", action="store_true", help="calibrate(procedure='paper', runs=1000) at n = 200")
@@ -638,15 +696,17 @@ def main() -> None:
     if args.scaling:
         scaling(args.scaling, args.exact_max, args.methods)
     if args.tightness:
-        tightness(args.tightness, args.gammas, args.runs, args.epsilon)
+        tightness(args.tightness, args.gammas, args.runs, args.epsilon, tuple(args.passes))
     if args.structure:
         structure(args.structure)
     if args.large:
         large(args.large, args.methods)
     if args.screening:
         screening(args.screening)
+    if args.local_tier:
+        local_tier(args.local_tier, args.sample, args.batches)
     if args.calibrate_large:
-        calibrate_large(args.calibrate_large, args.runs)
+        calibrate_large(args.calibrate_large, args.runs, args.passes[0])
     if args.strategy:
         strategy(args.strategy, args.draws)
     if args.locality:
@@ -660,8 +720,8 @@ def main() -> None:
         extrapolate(args.extrapolate)
     if args.full:
         full()
-    if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.strategy, args.baseline,
-                args.structure, args.screening, args.full, args.extrapolate, args.locality,
+    if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.local_tier, args.strategy,
+                args.baseline, args.structure, args.screening, args.full, args.extrapolate, args.locality,
                 args.charged]):
         p.print_help()
 

@@ -82,7 +82,7 @@ class BoundSettings:
     blas_threads: int | None = 1
     global_iterations: int = 60
     local_iterations: int = 20
-    local_batch: int = 4
+    local_batch: int = 16
 
 
 @dataclass(frozen=True)
@@ -382,7 +382,7 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
         step = max(st.local_batch, 1)
         for k in range(0, nH, step):
             part = everyone[k: k + step]
-            Xc[part], Ec[part] = np.array(tier.bounds(part)).T
+            Xc[part], Ec[part] = tier.bounds_array(part)
             if progress and (k // step + 1) % max(1000 // step, 1) == 0:
                 progress(f"cascade: local bounds of {k + part.size} / {nH} parties")
         # refine in descending order of the local bound, until the next local bound is at most the

@@ -20,9 +20,10 @@ sigma_delta that covers the runs:
 Every run counted as a success is certified at the returned sigmas, so the stated target holds for
 it; a fresh execution should be certified again (``certify``) before it is trusted. Runs too large for
 the exact check use the sound bound (``solver``, :func:`~flwr_inca.privacy.certificate.choose_solver`):
-it never claims more privacy than the exact check would, so it may only ask for more noise. A bound is
-tightest near the sigmas it was computed for, so such runs are bounded twice: first near the central-DP
-level, then at the sigmas the first pass chose.
+it never claims more privacy than the exact check would, so it may only ask for more noise. A bound's
+``(X_i, E_i)`` hold for every pair of sigmas, so each such run is bounded once, near the central-DP level
+(``bound_passes=1``; docs/privacy.md, "Calibrating with a bound: one pass per run"); ``bound_passes=2``
+bounds it again at the sigmas the first pass chose (tightest there, twice the cost).
 
 The procedure is split in small steps: :func:`simulate_runs`, :func:`alpha_grid`,
 :func:`evaluate_alpha` and :func:`pick_alpha`.
@@ -62,7 +63,8 @@ FLOOR_FACTORS = (1.01, 1.03, 1.06, 1.1, 1.15, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.5
 PAPER_ALPHA = 1.3
 
 
-# first guess of sigma_delta / sigma_star for bound profiles (the second pass uses the calibrated ratio)
+# first guess of sigma_delta / sigma_star for bound profiles (with bound_passes=2 the second pass uses the
+# calibrated ratio)
 BOUND_NOMINAL_RATIO = 10.0
 
 
@@ -361,6 +363,7 @@ def calibrate(
     progress: Callable[[int, int], None] | None = None,
     solver: str = "auto",
     bound_settings: BoundSettings | None = None,
+    bound_passes: int = 1,
 ) -> Calibration:
     """Find sigma_star and sigma_delta for (epsilon, delta)-DP of every honest party.
 
@@ -385,6 +388,9 @@ def calibrate(
         solver: how each run is certified: ``"auto"`` (exact when affordable, else a sound bound),
             ``"exact"``, ``"bound"`` or ``"cascade"`` (:func:`~flwr_inca.privacy.certificate.certify`).
         bound_settings: work budget of the bound.
+        bound_passes: 1 (default): each run certified with a bound is bounded once, near the central-DP
+            level (its bound holds at every pair of sigmas); 2: bounded again at the sigmas the first
+            pass chose (slightly less noise, twice the cost).
     """
     start = time.perf_counter()
     if procedure not in ("exact", "paper"):
@@ -396,6 +402,7 @@ def calibrate(
     value_sensitivity = check_real("value_sensitivity", value_sensitivity, 0.0, low_open=True)
     value_variance = check_real("value_variance", value_variance, 0.0)
     min_alpha = check_real("min_alpha", min_alpha, 0.0)
+    bound_passes = check_int("bound_passes", bound_passes, 1, 2)
     rho, threat = _threat(collusion, observed_fraction)
     # the paper's classic bound raises for epsilon >= 1
     mu_target = classic_mu(epsilon, delta) if procedure == "paper" else mu_for_epsilon(epsilon, delta)
@@ -424,14 +431,16 @@ def calibrate(
 
     best, rows, notes = choose(sims)
     bounded = [r for r, s in enumerate(sims) if s.profile.method in ("bound", "cascade")]
-    if bounded and math.isfinite(best["sigma_delta"]):
+    if bounded and bound_passes == 2 and math.isfinite(best["sigma_delta"]):
         # second pass: bound those runs again where they are used, at the chosen (unit) sigmas
         at = (best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity)
         for r in bounded:
             sims[r].profile = profile(sims[r].trace, sims[r].view, solver=sims[r].profile.method,
                                       sigma_star=at[0], sigma_delta=at[1], bound_settings=bound_settings)
         best, rows, notes = choose(sims)
-        notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r})")
+    if bounded:
+        notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r}, "
+                     f"bounded {'twice' if bound_passes == 2 and math.isfinite(best['sigma_delta']) else 'once'})")
     return Calibration(
         procedure=procedure, epsilon=float(epsilon), delta=float(delta), mu_target=float(mu_target),
         sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"], alpha=best["alpha"],

@@ -58,9 +58,10 @@ SOLVERS = ("auto", "exact", "bound", "cascade")
 # exact 6.9 s / 1.2 GB, bound 9.2 s / 0.55 GB; beyond it the exact method's m^2 memory dominates.
 EXACT_MAX_ROWS = 5000
 # beyond this many observed honest messages auto uses the charge-aware cascade instead of the global
-# bound (same maximum). Measured (benchmarks/RESULTS.md "Accountant at scale"): bound 40 s / cascade 45 s
-# at 9,732 messages (n = 4000), 105 s / 84 s at 14,652 (n = 6000), 319 s / 129 s at 24,222 (n = 10,000)
-CASCADE_MIN_ROWS = 12000
+# bound (same maximum). Measured (benchmarks/RESULTS.md "Accountant at scale"), with the batched local tier:
+# bound 66 s / cascade 46 s at 9,732 messages (n = 4000), 167 s / 71 s at 14,652 (n = 6000), on a busy
+# machine; the cascade's side of n <= 2000 (4,987 messages: 8 s / 17 s before) is left to the bound
+CASCADE_MIN_ROWS = 9500
 # the exact method refuses views whose dense matrices would not fit: it peaks at about 44 bytes per
 # squared observed message (4.2 GB at 9732 messages)
 EXACT_HARD_ROWS = 16000

@@ -19,8 +19,6 @@ is a sound upper bound whatever the solver did. It is looser than the global bou
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import scipy.sparse as sp
 
@@ -64,6 +62,59 @@ def whitened_operator(ms: MessageSpace, s_star: float, s_delta: float) -> tuple[
     return w, (sp.diags(w) @ P @ ms.Dz).tocsc()
 
 
+def _ranges(indptr: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(positions, lengths)``: the concatenated index ranges ``indptr[c] : indptr[c + 1]`` of ``cols``."""
+    starts = indptr[cols]
+    lens = indptr[cols + 1] - starts
+    first = np.concatenate([[0], np.cumsum(lens)])
+    return np.repeat(starts - first[:-1], lens) + np.arange(first[-1]), lens
+
+
+class _Batch:
+    """The local problems of several parties side by side (block b = the party in slot ``qs[b]``).
+
+    ``S``: the support columns of every block, concatenated (``k[b]`` of them per block); ``J``: the
+    parties those columns touch, plus the party itself, sorted by block then slot (``Jstart`` delimits the
+    blocks); ``pos(b, slots)`` gives the position of a party of block b in ``J``. Block b's local rows are
+    ``Jstart[b] * (T+1) ... Jstart[b+1] * (T+1)``: every row of its parties, party-major.
+    """
+
+    def __init__(self, tier: LocalTier, qs: np.ndarray) -> None:
+        ms = tier.ms
+        nH = ms.nH
+        self.qs = qs = np.asarray(qs, dtype=np.int64)
+        B = self.B = qs.size
+        blocks = np.arange(B, dtype=np.int64)
+        # the parties within one hop of each q, then the unseen messages touching any of them
+        pos, lens = _ranges(tier.near.indptr, qs)
+        near_keys = np.repeat(blocks, lens) * nH + tier.near.indices[pos]
+        near_b, near_p = near_keys // nH, near_keys % nH
+        pos, lens = _ranges(tier.touched_by.indptr, near_p)
+        keys = np.unique(np.repeat(near_b, lens) * ms.U + tier.touched_by.indices[pos])
+        self.S = keys % ms.U
+        self.col_block = keys // ms.U
+        self.k = np.bincount(self.col_block, minlength=B)
+        self.Kstart = np.concatenate([[0], np.cumsum(self.k)])
+        # the parties the support columns touch (and q itself), by block
+        pos, lens = _ranges(tier.DzC.indptr, self.S)
+        self.d_pos, self.d_block = pos, np.repeat(self.col_block, lens)
+        self.d_col = np.repeat(np.arange(self.S.size), lens)  # support column of each Dz entry
+        keys = np.unique(np.concatenate([self.d_block * nH + ms.row_q[tier.DzC.indices[pos]], blocks * nH + qs]))
+        self.J = keys % nH
+        self.J_block = keys // nH
+        self.Jstart = np.searchsorted(self.J_block, np.arange(B + 1))
+        self._map = np.empty(B * nH, dtype=np.int64)
+        self._map[keys] = np.arange(keys.size)
+        self.own = self._map[blocks * nH + qs]  # position of each q in J
+        self.nH = nH
+
+    def pos(self, block: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return self._map[block * self.nH + slots]
+
+    def supports(self) -> list[np.ndarray]:
+        return [self.S[self.Kstart[b]: self.Kstart[b + 1]] for b in range(self.B)]
+
+
 class LocalTier:
     """Local bounds ``(X_q, E_q)`` for the parties of one :class:`MessageSpace` (see the module docstring).
 
@@ -72,33 +123,42 @@ class LocalTier:
         G: (U,) the shared global ``dy`` (float64; any vector is sound, a good one is tight).
         s_star, s_delta: nominal sigmas of the local least-squares problems (the bound holds for all).
         iterations: CGLS iterations per party.
+        dtype: precision of the search (CGLS); the evaluation is float64 with rounding margins whatever
+            the search did, so float32 cannot make a bound unsound, only (slightly) less tight.
     """
 
     def __init__(self, ms: MessageSpace, G: np.ndarray, s_star: float, s_delta: float,
-                 iterations: int = 20) -> None:
+                 iterations: int = 20, dtype: type = np.float32) -> None:
         self.ms = ms
         self.iterations = int(iterations)
+        self.dtype = np.dtype(dtype)
         T1 = ms.T + 1
         G = np.asarray(G, dtype=float).ravel()
         if G.size != ms.U or not np.all(np.isfinite(G)):
             G = np.zeros(ms.U)
         self.G = G
-        # the explicit whitened operator L = W P Dz (float64, by columns) for the local solves
-        self.w, self.L = whitened_operator(ms, s_star, s_delta)
-        self.L.sort_indices()
-        self._mark = np.zeros(ms.R, dtype=bool)  # scratch of solve()
-        self._pos = np.zeros(ms.R, dtype=np.int64)
+        # the whitened operator L = W P Dz is applied column by column from Dz's entries (never formed)
+        self.w = np.where(ms.row_t == 0, 1.0 / s_star, 1.0 / s_delta)
         self.DzC = ms.Dz.tocsc()
-        self.absDzC = ms.absDz.tocsc()
+        self.DzC.sort_indices()
         coo = ms.Dz.tocoo()
         touches = sp.csr_matrix((np.ones(coo.nnz), (coo.col, ms.row_q[coo.row])), shape=(ms.U, ms.nH))
         touches.sum_duplicates()
         self.touches = touches
         self.touched_by = touches.T.tocsr()
-        self.LG = self.L @ G
+        self.touched_by.sort_indices()
+        # parties within one hop (linked by an unseen message), each party included
+        near = (self.touched_by @ touches + sp.identity(ms.nH, format="csr")).tocsr()
+        near.sort_indices()
+        self.near = near
+        self.LG = self.w * ms.apply_P((ms.Dz @ G)[:, None])[:, 0]
         self.LG2 = float(self.LG @ self.LG)
         self.Pst = np.stack([g.P for g in ms.groups]) if ms.groups else np.zeros((0, T1, T1))
         self.absPst = np.abs(self.Pst)
+        wv = np.where(np.arange(T1) == 0, 1.0 / s_star, 1.0 / s_delta)
+        blocked_g = np.array([g.blocked for g in ms.groups], dtype=bool)
+        WP = np.where(blocked_g[:, None, None], 0.0, wv[None, :, None] * self.Pst)  # W P_g, 0 if pinned
+        self.WPcols = np.ascontiguousarray(np.swapaxes(WP, 1, 2))  # [g, t]: column t of W P_g
         self.defect = np.array([g.defect for g in ms.groups], dtype=float)[ms.group_of] if ms.groups \
             else np.zeros(0)
         # rounding of every computed residual component: the sums of ``a (Dz G) + Dz_S u - t`` (at most
@@ -126,11 +186,22 @@ class LocalTier:
         if v.ndim == 1:
             rows = ms.rowid(np.arange(T1)[None, :], J[:, None])
             v, av = v[rows], av[rows]
-        Pj, aPj = self.Pst[ms.group_of[J]], self.absPst[ms.group_of[J]]
-        res = np.einsum("jts,js->jt", Pj, v)
+        # u_j = P_g v_j for the parties of each group g (one product per group; no per-party copy of P)
+        gJ = ms.group_of[J]
+        order = np.argsort(gJ, kind="stable")
+        cuts = np.flatnonzero(np.diff(gJ[order])) + 1
+        res = np.empty_like(v)
+        absres = np.empty_like(v)
+        vabs = np.abs(v) + av
+        for sel in np.split(order, cuts):
+            if sel.size == 0:
+                continue
+            g = int(gJ[sel[0]])
+            res[sel] = v[sel] @ self.Pst[g].T
+            absres[sel] = vabs[sel] @ self.absPst[g].T
         # |P (v_exact - v)| <= gamma_v |P| av and the rounding of P v is <= gamma_{T+1} |P| |v|: both are
         # covered by gamma_r |P| (|v| + av), gamma_r >= gamma_v + gamma_{T+1} (absres rounded up)
-        absres = np.einsum("jts,js->jt", aPj, np.abs(v) + av) * (1 + _gamma(T1 + 4))
+        absres *= 1 + _gamma(T1 + 4)
         up = np.abs(res) + self.gamma_r * absres
         # ||v_j|| of the exact v_j, for the defect of the computed right inverse (added per party)
         vn = np.sqrt(np.sum((np.abs(v) + self.gamma_v * av) ** 2, axis=1)) * (1 + _gamma(T1 + 4))
@@ -140,139 +211,236 @@ class LocalTier:
         return bx, be
 
     def evaluate(self, q: int, S: np.ndarray, u: np.ndarray, a: float) -> tuple[float, float]:
-        """Rigorous ``(X, E)`` upper bounds of the cost of ``dy = a G + u`` (u on the columns S) for the
-        party in slot q. Exact residual of party j: ``u_j = P_exact_j (a (Dz G)_j + (Dz_S u)_j - t_j)``;
-        for a party that neither S nor q touches it is ``a`` times G's, bounded by ``A_j``."""
+        """Rigorous ``(X, E)`` upper bounds of the cost of ``dy = a G + u`` (u on the columns S, which must
+        be :meth:`support` ``(q)``) for the party in slot q (:meth:`evaluate_batch` for one party)."""
+        batch = _Batch(self, np.array([q]))
+        if not np.array_equal(batch.S, np.asarray(S)):
+            raise ValueError("S must be the support of party q (LocalTier.support)")
+        X, E = self.evaluate_batch(batch, np.asarray(u, dtype=float), np.array([a], dtype=float))
+        return float(X[0]), float(E[0])
+
+    def evaluate_batch(self, batch: _Batch, u: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rigorous ``(X, E)`` upper bounds of the cost of ``dy_b = a_b G + u_b`` for every block b of
+        ``batch`` (``u``: the concatenated support values). Exact residual of party j in block b:
+        ``u_j = P_exact_j (a_b (Dz G)_j + (Dz_S u_b)_j - t_j)``; for a party that neither S_b nor q_b
+        touches it is ``a_b`` times G's, bounded by ``A_j`` (summed once for all parties)."""
         ms = self.ms
         T1 = ms.T + 1
-        if not (math.isfinite(a) and np.all(np.isfinite(u))):
-            a, u = 0.0, np.zeros_like(u)
-        D = self.DzC[:, S]
-        J = np.unique(np.concatenate([ms.row_q[D.indices], [q]]))
+        B = batch.B
+        u = np.array(u, dtype=float)
+        a = np.array(a, dtype=float)
+        # a block whose search did not stay finite falls back to dy = 0 (always admissible)
+        bad = ~np.isfinite(a) | (np.bincount(batch.col_block, weights=~np.isfinite(u), minlength=B) > 0)
+        a[bad] = 0.0
+        u[bad[batch.col_block]] = 0.0
+        u[~np.isfinite(u)] = 0.0
+        J, Jb = batch.J, batch.J_block
         rows = ms.rowid(np.arange(T1)[None, :], J[:, None])  # (|J|, T+1)
-        j = ms.parties[q]
-        t = np.where(ms.online[:, j], ms.c_o[:, j], 0.0)
-        own = int(np.searchsorted(J, q))
-        v = a * self.gz[rows]
-        av = abs(a) * self.agz[rows]
-        loc = np.searchsorted(J, ms.row_q[D.indices]) * T1 + ms.row_t[D.indices]
-        cu = np.repeat(u, np.diff(D.indptr))
+        v = a[Jb][:, None] * self.gz[rows]
+        av = np.abs(a)[Jb][:, None] * self.agz[rows]
+        D = self.DzC
+        r = D.indices[batch.d_pos]
+        loc = batch.pos(batch.d_block, ms.row_q[r]) * T1 + ms.row_t[r]
+        cu = D.data[batch.d_pos] * np.repeat(u, np.diff(D.indptr)[batch.S])
         v = v.ravel()
         av = av.ravel()
-        v += np.bincount(loc, weights=D.data * cu, minlength=v.size)
-        av += np.bincount(loc, weights=np.abs(D.data * cu), minlength=v.size)
+        v += np.bincount(loc, weights=cu, minlength=v.size)
+        av += np.bincount(loc, weights=np.abs(cu), minlength=v.size)
         v = v.reshape(J.size, T1)
         av = av.reshape(J.size, T1)
-        v[own] -= t
-        av[own] += np.abs(t)
+        hon = ms.parties[batch.qs]
+        t = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).T  # (B, T+1)
+        v[batch.own] -= t
+        av[batch.own] += np.abs(t)
         bx, be = self._party_bounds(J, v, av)
+        sizes = np.diff(batch.Jstart)
+        starts = batch.Jstart[:-1]
+        up = 1 + np.array([_gamma(int(s) + 2) for s in sizes])
+        down = 1 - (up - 1)
+
+        def seg(x: np.ndarray) -> np.ndarray:  # per-block sums (every block holds at least q itself)
+            return np.add.reduceat(x, starts)
+
         a2 = a * a * (1 + 2 * _EPS)
-        rest_x = max(self.TX - _sum_down(self.AX2[J]), 0.0) * (1 + 2 * _EPS)
-        rest_e = max(self.TE - _sum_down(self.AE2[J]), 0.0) * (1 + 2 * _EPS)
-        rel = 1 + _gamma(J.size * T1 + 8)
-        X = (_sum_up(bx * bx * (1 + 2 * _EPS)) + a2 * rest_x * (1 + 2 * _EPS)) * rel
-        E = (_sum_up(be * be * (1 + 2 * _EPS)) + a2 * rest_e * (1 + 2 * _EPS)) * rel
-        if ms.blocked[q]:  # pinned rows: the own unit change stays unexplained (as in bound._evaluate)
-            X = max(X, 1.0) * rel
+        rest_x = np.maximum(self.TX - seg(self.AX2[J]) * down, 0.0) * (1 + 2 * _EPS)
+        rest_e = np.maximum(self.TE - seg(self.AE2[J]) * down, 0.0) * (1 + 2 * _EPS)
+        rel = 1 + np.array([_gamma(int(s) * T1 + 8) for s in sizes])
+        X = (seg(bx * bx * (1 + 2 * _EPS)) * up + a2 * rest_x * (1 + 2 * _EPS)) * rel
+        E = (seg(be * be * (1 + 2 * _EPS)) * up + a2 * rest_e * (1 + 2 * _EPS)) * rel
+        # pinned rows: the own unit change stays unexplained (as in bound._evaluate)
+        blocked = ms.blocked[batch.qs]
+        X = np.where(blocked, np.maximum(X, 1.0) * rel, X)
         return X, E
 
     # ------------------------------------------------------------------ the local problem
     def support(self, q: int) -> np.ndarray:
         """The unseen messages touching a party within one hop of slot q."""
-        near = self.touches[self.touched_by[q].indices].indices
-        near = np.unique(np.concatenate([near, [q]]))
-        return np.unique(self.touched_by[near].indices)
+        return _Batch(self, np.array([q])).S
 
     def solve(self, q: int, S: np.ndarray) -> tuple[np.ndarray, float]:
-        """``(u, a)`` approximately minimizing ``||a LG + L_S u - b_q||`` (Jacobi-preconditioned CGLS)."""
-        return self.solve_batch([q], [S])[0]
+        """``(u, a)`` approximately minimizing ``||a LG + L_S u - b_q||`` (column-scaled CGLS); S must be
+        :meth:`support` ``(q)``."""
+        batch = _Batch(self, np.array([q]))
+        if not np.array_equal(batch.S, np.asarray(S)):
+            raise ValueError("S must be the support of party q (LocalTier.support)")
+        u, a = self.solve_batch(batch)
+        return u, float(a[0])
 
-    def solve_batch(self, qs: list[int], supports: list[np.ndarray]) -> list[tuple[np.ndarray, float]]:
-        """:meth:`solve` for several parties at once: their local problems side by side (a block-diagonal
-        matrix and segment sums), so that each CGLS iteration is a few array operations for all."""
+    def system(self, batch: _Batch) -> tuple[sp.csc_matrix, np.ndarray, np.ndarray]:
+        """``(A, rhs, row_start)``: the local least-squares problems of ``batch`` as one block-diagonal
+        float64 system ``min ||A [u; a] - rhs||`` (columns: the support columns of every block, then one
+        a column per block). Block b's rows are ``row_start[b] : row_start[b+1]`` plus row ``M0 + b``
+        (``M0 = row_start[-1]``), which holds ``c_b``, the norm of LG outside the block's rows (the rest of
+        ``a_b``'s residual). Its cost at any ``(u_b, a_b)`` equals ``||a_b LG + L_{S_b} u_b - b_q||^2``.
+
+        Column c of ``L = W P Dz`` on party j is ``sum_t Dz[(t, j), c] (W P_j)[:, t]``: it is built from
+        Dz's few entries per column. A party of J that only ``m < T`` support columns touch (and not the
+        party being bounded, whose rows hold the right-hand side) contributes ``||Y_j [a; u_cols]||^2``,
+        ``Y_j = [LG_j, L_j,cols]`` ((T+1) x (m+1)); its T+1 rows are replaced by the m+1 rows of ``R_j``,
+        ``R_j^T R_j = Y_j^T Y_j`` (the same cost). Most parties of a one-hop support are touched by one or
+        two messages, so this shrinks the rows several-fold. It is the search's system only: the
+        evaluation is on the original rows, so nothing here can affect soundness.
+        """
         ms = self.ms
         T1 = ms.T + 1
-        Lc = self.L
-        B = len(qs)
-        data, indices, ptr, gls, bNs = [], [], [np.zeros(1, dtype=np.int64)], [], []
-        m = np.zeros(B, dtype=np.int64)  # local rows per party
-        k = np.array([S.size for S in supports], dtype=np.int64)  # local columns per party
-        c = np.zeros(B)
-        nnz = 0
-        for i, (q, S) in enumerate(zip(qs, supports)):
-            b_rows = ms.rowid(np.arange(T1), q)
-            g = ms.groups[int(ms.group_of[q])]
-            j = int(ms.parties[q])
-            t = np.where(ms.online[:, j], ms.c_o[:, j], 0.0)
-            starts, ends = Lc.indptr[S], Lc.indptr[S + 1]
-            lens = ends - starts
-            first = np.concatenate([[0], np.cumsum(lens)])
-            idx = np.repeat(starts - first[:-1], lens) + np.arange(first[-1])
-            # the rows touched, in order, by a mask over all rows (cheaper than sorting the indices)
-            touched = Lc.indices[idx]
-            self._mark[touched] = True
-            self._mark[b_rows] = True
-            rows = np.flatnonzero(self._mark)
-            self._mark[rows] = False
-            self._pos[rows] = np.arange(rows.size)
-            data.append(Lc.data[idx])
-            indices.append(self._pos[touched] + int(m.sum()))
-            ptr.append(first[1:] + nnz)
-            nnz += idx.size
-            m[i] = rows.size
-            bN = np.zeros(rows.size)
-            bN[self._pos[b_rows]] = self.w[b_rows] * (np.zeros(T1) if g.blocked else g.P @ t)
-            bNs.append(bN)
-            gl = self.LG[rows]
-            gls.append(gl)
-            c[i] = math.sqrt(max(self.LG2 - float(gl @ gl), 0.0))
-        A = sp.csc_matrix((np.concatenate(data), np.concatenate(indices), np.concatenate(ptr)),
-                          shape=(int(m.sum()), int(k.sum())))
-        AT = A.T.tocsr()
-        gl = np.concatenate(gls)
-        row_of = np.repeat(np.arange(B), m)  # party of each local row / column
-        col_of = np.repeat(np.arange(B), k)
+        B = batch.B
+        nJ = batch.J.size
+        K = int(batch.Kstart[-1])
+        D = self.DzC
+        # every Dz entry of the support columns: its party (position in J), step, column and W P column
+        dr = D.indices[batch.d_pos]
+        d_unit = batch.pos(batch.d_block, ms.row_q[dr])
+        d_val = D.data[batch.d_pos]
+        e_vec = self.WPcols[ms.group_of[batch.J[d_unit]], ms.row_t[dr]] * d_val[:, None]  # (E, T+1)
+        grow = ms.rowid(np.arange(T1)[None, :], batch.J[:, None])
+        gl = self.LG[grow]  # (nJ, T+1)
+        gl2 = np.add.reduceat(np.sum(gl * gl, axis=1), batch.Jstart[:-1])
+        c = np.sqrt(np.maximum(self.LG2 - gl2, 0.0))
+        # distinct (party, column) pairs
+        keys = d_unit * K + batch.d_col
+        pairs = np.unique(keys)
+        p_unit = pairs // K
+        count = np.bincount(p_unit, minlength=nJ)
+        comp = (count + 1 < T1) & ~ms.blocked[batch.J]
+        comp[batch.own] = False
+        width = np.where(comp, count + 1, T1)  # rows of each party in the system
+        start = np.concatenate([[0], np.cumsum(width)])
+        a_col = K + batch.J_block
+        # the parties kept whole: T+1 rows, every column's W P column, LG
+        ku = np.flatnonzero(~comp)
+        dk = ~comp[d_unit]
+        rows = [(start[d_unit[dk]][:, None] + np.arange(T1)[None, :]).ravel(),
+                (start[ku][:, None] + np.arange(T1)[None, :]).ravel()]
+        cols = [np.repeat(batch.d_col[dk], T1), np.repeat(a_col[ku], T1)]
+        vals = [e_vec[dk].ravel(), gl[ku].ravel()]
+        # the compressed parties: Y packed by width (party k of width w at [off[k], off[k] + (T+1) w),
+        # row-major (T+1, w)), filled by one bincount, then one Cholesky per width
+        first = np.searchsorted(p_unit, np.arange(nJ))
+        rank = np.arange(pairs.size) - first[p_unit]  # column slot of each pair within its party
+        dc = ~dk
+        e_unit, e_rank = d_unit[dc], rank[np.searchsorted(pairs, keys[dc])]
+        cu = np.flatnonzero(comp)
+        off = np.zeros(nJ, dtype=np.int64)
+        by_width = cu[np.argsort(width[cu], kind="stable")]
+        sizes = T1 * width[by_width]
+        off[by_width] = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        idx = off[e_unit][:, None] + np.arange(T1)[None, :] * width[e_unit][:, None] + 1 + e_rank[:, None]
+        flat = np.bincount(idx.ravel(), weights=e_vec[dc].ravel(), minlength=int(sizes.sum()))
+        flat[(off[cu][:, None] + np.arange(T1)[None, :] * width[cu][:, None]).ravel()] = gl[cu].ravel()
+        pair_col = pairs % K
+        ws = width[by_width]
+        for sel in np.split(by_width, np.flatnonzero(np.diff(ws)) + 1):
+            if sel.size == 0:
+                continue
+            w = int(width[sel[0]])
+            o = int(off[sel[0]])
+            Yc = flat[o: o + sel.size * T1 * w].reshape(sel.size, T1, w)
+            Gm = np.swapaxes(Yc, 1, 2) @ Yc  # (N, w, w) Gram matrices
+            ridge = 1e-12 * np.trace(Gm, axis1=1, axis2=2) + 1e-300
+            Rt = np.linalg.cholesky(Gm + ridge[:, None, None] * np.eye(w))  # lower: R^T
+            # R[i, j] = Rt[j, i] for i <= j: row start + i, column j (0: a, j >= 1: the party's j-th pair)
+            i, j = np.triu_indices(w)
+            colmap = np.concatenate([a_col[sel][:, None], pair_col[first[sel][:, None] + np.arange(w - 1)]],
+                                    axis=1)
+            rows.append((start[sel][:, None] + i[None, :]).ravel())
+            cols.append(colmap[:, j].ravel())
+            vals.append(Rt[:, j, i].ravel())
+        row_start = start[batch.Jstart]
+        M0 = int(row_start[-1])
+        rows.append(M0 + np.arange(B))
+        cols.append(K + np.arange(B))
+        vals.append(c)
+        vals = np.concatenate(vals)
+        nz = vals != 0
+        A = sp.csc_matrix((vals[nz], (np.concatenate(rows)[nz], np.concatenate(cols)[nz])), shape=(M0 + B, K + B))
+        # right-hand side: the party's own rows, w P t (0 for pinned rows)
+        hon = ms.parties[batch.qs]
+        t = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).T  # (B, T+1)
+        bt = np.einsum("bts,bs->bt", self.Pst[ms.group_of[batch.qs]], t)
+        bt[ms.blocked[batch.qs]] = 0.0
+        own_rows = ms.rowid(np.arange(T1)[None, :], batch.qs[:, None])
+        rhs = np.zeros(M0 + B)
+        rhs[(start[batch.own][:, None] + np.arange(T1)[None, :]).ravel()] = (self.w[own_rows] * bt).ravel()
+        return A, rhs, row_start
 
-        def seg(v: np.ndarray, of: np.ndarray) -> np.ndarray:
-            return np.bincount(of, weights=v, minlength=B)
+    def solve_batch(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
+        """``(u, a)`` for every block of ``batch`` at once (u concatenated by block): CGLS on
+        :meth:`system` with its columns scaled to unit norm. Every CGLS scalar is per block, so the blocks
+        do not interact: the same iterates as one party at a time, with one sparse product per iteration
+        for all of them."""
+        f = self.dtype
+        B = batch.B
+        K = int(batch.Kstart[-1])
+        A, rhs, row_start = self.system(batch)
+        M0 = int(row_start[-1])
+        col_of = np.repeat(np.arange(K + B), np.diff(A.indptr))
+        norm = np.sqrt(np.bincount(col_of, weights=A.data * A.data, minlength=K + B))
+        norm = np.where(norm > 0, norm, 1.0)
+        A.data /= norm[col_of]
+        A = A.astype(f)
+        rhs = rhs.astype(f)
+        AT = A.T  # CSR view of the same arrays
+        col_block = np.concatenate([batch.col_block, np.arange(B)])
+        mrows = np.concatenate([np.diff(row_start), np.ones(B, dtype=np.int64)])
+        rstarts = row_start[:-1]
 
-        du = np.sqrt(np.asarray(A.multiply(A).sum(axis=0)).ravel())
-        du = np.where(du > 0, du, 1.0)
-        da = math.sqrt(self.LG2) if self.LG2 > 0 else 1.0
+        def rows_sum(x: np.ndarray) -> np.ndarray:  # per-block sums over the rows (M0 part, then extra)
+            head = np.add.reduceat(x[:M0], rstarts) if M0 else np.zeros(B, dtype=x.dtype)
+            return head + x[M0:]
 
-        def mv(zu: np.ndarray, za: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            aa = za / da
-            return A @ (zu / du) + aa[row_of] * gl, aa * c
+        def rows_rep(s: np.ndarray) -> np.ndarray:
+            return np.concatenate([np.repeat(s, mrows[:B]), s])
 
-        def mtv(r: np.ndarray, rc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return (AT @ r) / du, (seg(gl * r, row_of) + c * rc) / da
+        def cols_sum(x: np.ndarray) -> np.ndarray:
+            return np.bincount(col_block, weights=x, minlength=B)
 
-        r, rc = np.concatenate(bNs), np.zeros(B)
-        zu, za = np.zeros(A.shape[1]), np.zeros(B)
-        su, sa = mtv(r, rc)
-        pu, pa = su.copy(), sa.copy()
-        gam = seg(su * su, col_of) + sa * sa
+        # each block's right-hand side scaled to unit norm (CGLS is linear in it): no overflow in float32
+        scale = np.sqrt(rows_sum(rhs.astype(float) ** 2))
+        scale = np.where((scale > 0) & np.isfinite(scale), scale, 1.0)
+        res = rhs / rows_rep(scale).astype(f)
+        z = np.zeros(K + B, dtype=f)
+        s = AT @ res
+        p = s.copy()
+        gam = cols_sum(s * s)
+        stop = gam * 1e-10  # a block stops once its normal-equations residual is negligible (float32)
         for _ in range(self.iterations):
-            qu, qa = mv(pu, pa)
-            qq = seg(qu * qu, row_of) + qa * qa
-            ok = (gam > 0) & (qq > 0) & np.isfinite(gam) & np.isfinite(qq)
+            qv = A @ p
+            qq = rows_sum(qv * qv)
+            ok = (gam > stop) & (qq > 0) & np.isfinite(gam) & np.isfinite(qq)
             if not ok.any():
                 break
-            al = np.where(ok, gam / np.where(ok, qq, 1.0), 0.0)
-            zu += al[col_of] * pu
-            za += al * pa
-            r -= al[row_of] * qu
-            rc -= al * qa
-            su, sa = mtv(r, rc)
-            gn = seg(su * su, col_of) + sa * sa
-            be = np.where(ok, gn / np.where(ok, gam, 1.0), 0.0)
-            pu = su + be[col_of] * pu
-            pa = sa + be * pa
+            al = np.where(ok, gam / np.where(ok, qq, 1.0), 0.0).astype(f)
+            z += al[col_block] * p
+            res -= rows_rep(al) * qv
+            s = AT @ res
+            gn = cols_sum(s * s)
+            ok &= np.isfinite(gn)
+            be = np.where(ok, gn / np.where(ok, gam, 1.0), 0.0).astype(f)
+            # a block that stopped keeps its iterate (its direction is zeroed, never inf or NaN)
+            p = np.where(ok[col_block], s + be[col_block] * p, 0.0).astype(f)
             gam = np.where(ok, gn, 0.0)
-        zu = zu / du
-        za = za / da
-        offs = np.concatenate([[0], np.cumsum(k)])
-        return [(zu[offs[i]: offs[i + 1]], float(za[i])) for i in range(B)]
+        z = z.astype(float) * scale[col_block] / norm
+        return z[:K], z[K:]
 
     def bound(self, q: int) -> tuple[float, float]:
         """Rigorous ``(X_q, E_q)`` of the local ``dy`` of the party in slot q."""
@@ -280,6 +448,11 @@ class LocalTier:
 
     def bounds(self, qs: np.ndarray) -> list[tuple[float, float]]:
         """Rigorous ``(X_q, E_q)`` of the local ``dy`` of each party in slots ``qs`` (solved together)."""
-        supports = [self.support(int(q)) for q in qs]
-        sols = self.solve_batch([int(q) for q in qs], supports)
-        return [self.evaluate(int(q), S, u, a) for q, S, (u, a) in zip(qs, supports, sols)]
+        X, E = self.bounds_array(qs)
+        return list(zip(X.tolist(), E.tolist()))
+
+    def bounds_array(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(X, E)`` arrays of :meth:`bounds`."""
+        batch = _Batch(self, np.asarray(qs, dtype=np.int64))
+        u, a = self.solve_batch(batch)
+        return self.evaluate_batch(batch, u, a)
