@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -331,9 +332,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "seconds_per_round": (sum(r.seconds for r in trained) / len(trained)) if trained else None,
         "stopped": history.stopped, "output_dir": out,
     }
+    # a script must be able to tell a completed training from one the budget stopped (the MNIST example's rule)
+    status = 1 if history.stopped else 0
     if args.json:
         print(dumps(summary, indent=1))
-        return 0
+        return status
     eps = "not private" if not math.isfinite(history.epsilon) else f"{history.epsilon:.4g} at delta = {args.delta:g}"
     acc = "n/a" if history.accuracy is None else f"{history.accuracy:.4f}"
     skipped = (f" ({history.rounds_trained} trained, {history.rounds_refused} skipped: refused by the budget)"
@@ -346,9 +349,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               "(see 'cost' in history.csv)")
     if history.stopped:
         print(history.stopped)
-    print(f"results in {out}/ (history.json, history.csv, ledger.json, accuracy_epsilon.png"
-          f"{', traces/' if args.save_traces else ''})")
-    return 0
+    written = [name for name in ("history.json", "history.csv", "ledger.json", "accuracy_epsilon.png", "traces")
+               if (Path(out) / name).exists()]  # e.g. no ledger when nothing was charged
+    print(f"results in {out}/ ({', '.join(n + '/' if n == 'traces' else n for n in written) or 'nothing written'})")
+    return status
 
 
 # ---------------------------------------------------------------------------------------- reproduce
@@ -519,7 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "ledger and a plot to --out.",
         epilog="examples:\n  flwr-inca simulate --clients 100 --rounds 10 --backend inline\n"
                "  flwr-inca simulate --clients 1000 --rounds 40 --epsilon 1 --data-dir /path/to/mnist "
-               "--out sim-1000",
+               "--out sim-1000\n\n"
+               "exit status: 0 when every round ran; 1 when training stopped early because the privacy "
+               "budget did not allow the next round (the results so far are written; the message says why); "
+               "2 on bad arguments",
         formatter_class=_HelpFormatter)
     s.add_argument("--clients", "-n", type=_positive_int, default=100, help="number of clients")
     s.add_argument("--rounds", "-R", type=_positive_int, default=40, help="training rounds")

@@ -660,6 +660,30 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     assert "--availability: p_off must be in [0, 1], got 2.0" in capsys.readouterr().err
 
 
+def test_cli_simulate_exits_1_when_the_budget_stops_training_and_lists_only_files_written(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A script can tell a run the budget stopped (exit 1, as the MNIST example) from a completed one, and the
+    summary names only the files that exist (no ledger when nothing was charged)."""
+    from flwr_inca.cli import main
+    from flwr_inca.simulation.data import load_mnist
+
+    monkeypatch.delenv("FLWR_INCA_MNIST_DIR", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # no Hugging Face: the digits fallback
+    load_mnist.cache_clear()
+    out = tmp_path / "stopped"
+    args = ["simulate", "--clients", "6", "--rounds", "2", "--backend", "inline", "--batch-size", "20",
+            "--iterations", "5", "--sigma-star", "0.5", "--sigma-delta", "2", "--epsilon", "0.01"]
+    assert main([*args, "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "stopping before round 1" in printed and "nothing of round 1 was released or charged" in printed
+    assert not (out / "ledger.json").exists()
+    assert f"results in {out}/ (history.json, history.csv, accuracy_epsilon.png)" in printed
+    assert main([*args, "--json", "--out", str(tmp_path / "j")]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rounds"] == 0 and summary["stopped"].startswith("stopping before round 1")
+    load_mnist.cache_clear()
+
+
 @pytest.mark.parametrize("schedule", ["incremental", "early"])
 @pytest.mark.parametrize("max_bytes", [64 * 2**20, 1])  # everything ahead / one draw at a time
 @pytest.mark.parametrize("workers", [1, 2, 5])
