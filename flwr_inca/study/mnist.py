@@ -713,9 +713,16 @@ def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
             ax.set_ylabel("test accuracy (%)")
             ax.set_title(f"MNIST logistic regression, n = {n}, {part}, {where}", fontsize=10)
             ax.grid(alpha=0.3)
-            if ax.has_data():
-                ax.legend(fontsize=8, loc="lower left")
-        fig.tight_layout()
+        # one legend for all panels, below them: inside a panel it covered points wherever it went
+        handles, labels = [], []
+        for ax in axes.flat:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.09 / rows if handles else 0, 1, 1))
         fig.savefig(out / f"{name}.png", dpi=120)
         plt.close(fig)
 
