@@ -431,7 +431,9 @@ def calibrate(
 
     best, rows, notes = choose(sims)
     bounded = [r for r, s in enumerate(sims) if s.profile.method in ("bound", "cascade")]
+    passes = 1
     if bounded and bound_passes == 2 and math.isfinite(best["sigma_delta"]):
+        passes = 2
         # second pass: bound those runs again where they are used, at the chosen (unit) sigmas
         at = (best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity)
         for r in bounded:
@@ -440,7 +442,7 @@ def calibrate(
         best, rows, notes = choose(sims)
     if bounded:
         notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r}, "
-                     f"bounded {'twice' if bound_passes == 2 and math.isfinite(best['sigma_delta']) else 'once'})")
+                     f"bounded {'twice' if passes == 2 else 'once'})")
     return Calibration(
         procedure=procedure, epsilon=float(epsilon), delta=float(delta), mu_target=float(mu_target),
         sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"], alpha=best["alpha"],

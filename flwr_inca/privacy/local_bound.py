@@ -444,15 +444,12 @@ class LocalTier:
 
     def bound(self, q: int) -> tuple[float, float]:
         """Rigorous ``(X_q, E_q)`` of the local ``dy`` of the party in slot q."""
-        return self.bounds(np.array([q]))[0]
-
-    def bounds(self, qs: np.ndarray) -> list[tuple[float, float]]:
-        """Rigorous ``(X_q, E_q)`` of the local ``dy`` of each party in slots ``qs`` (solved together)."""
-        X, E = self.bounds_array(qs)
-        return list(zip(X.tolist(), E.tolist()))
+        X, E = self.bounds_array(np.array([q]))
+        return float(X[0]), float(E[0])
 
     def bounds_array(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(X, E)`` arrays of :meth:`bounds`."""
+        """Rigorous ``(X, E)`` arrays, one entry per party in slots ``qs``, of each party's local ``dy``
+        (solved together)."""
         batch = _Batch(self, np.asarray(qs, dtype=np.int64))
         u, a = self.solve_batch(batch)
         return self.evaluate_batch(batch, u, a)

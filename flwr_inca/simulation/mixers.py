@@ -483,6 +483,10 @@ class IncaMixer(Mixer):
         plan.info["delivered_iterations"] = delivered
         return min(cert.mu, plan.mu) if plan.certified else cert.mu
 
+    def _local_bound(self, config: IncaConfig) -> float:
+        """``certification="local-bound"``'s cost of any round at ``config``'s sigmas: mu = S / sigma_star."""
+        return self.context.value_sensitivity / config.sigma_star
+
     def predicted_cost(self, participants: int, runs: int) -> float:
         """``IncaStrategy``'s prediction (:func:`flwr_inca.privacy.budget_check.predicted_round_mu`): the
         worst certified mu over ``runs`` executions of ``participants`` parties sampled with this mixer's
@@ -494,7 +498,7 @@ class IncaMixer(Mixer):
         if key not in self._predicted:
             config = self.inca_config(participants)
             if self.certification == "local-bound":
-                mu = self.context.value_sensitivity / config.sigma_star
+                mu = self._local_bound(config)
             else:
                 mu = predicted_round_mu(
                     participants, config, prediction_seeds(self.threat_seed(self.context.seed), participants), runs,
@@ -522,7 +526,7 @@ class IncaMixer(Mixer):
             )
         sampled = time.perf_counter()
         if self.certification == "local-bound":
-            mu, certified = self.context.value_sensitivity / config.sigma_star, False
+            mu, certified = self._local_bound(config), False
             info["cost"] = "local bound S / sigma_star (valid for any execution; not a certificate)"
             info["method"] = "local-bound"
         elif (round - 1) % self.certify_every == 0 or self._worst_certified == 0.0:
