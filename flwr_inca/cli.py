@@ -347,6 +347,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if uncertified and args.mode == "inca":
         print(f"note: {uncertified} round(s) were charged a prediction or bound, not an exact certificate "
               "(see 'cost' in history.csv)")
+    for note in history.notes:  # e.g. actors replaced, a resumed ledger, chance-level accuracy
+        print(f"note: {note}")
     if history.stopped:
         print(history.stopped)
     written = [name for name in ("history.json", "history.csv", "ledger.json", "accuracy_epsilon.png", "traces")

@@ -39,6 +39,7 @@ from flwr_inca.simulation import (  # noqa: E402
     simulate,
 )
 from flwr_inca.simulation.backend import WorkPlanner  # noqa: E402
+from flwr_inca.simulation.history import RoundRecord  # noqa: E402
 from flwr_inca.simulation.runner import charge_resolution  # noqa: E402
 from flwr_inca.simulation.training import CohortTrainer  # noqa: E402
 
@@ -85,6 +86,31 @@ def test_inca_learns_and_spends_within_the_budget(tmp_path):
     assert (tmp_path / "accuracy_epsilon.png").stat().st_size > 1000
     again = History.load(tmp_path / "history.json")
     assert again.column("accuracy") == accs
+    assert not any("no better than chance" in n for n in hist.notes)  # it learned: no hint
+
+
+def test_a_budget_too_small_to_learn_gets_a_hint_that_says_so(tmp_path):
+    """A reachable but tiny budget trains at chance accuracy: the history's notes say so and what helps."""
+    from flwr_inca.simulation.runner import _chance_hint
+
+    hist = run(rounds=6, epsilon=0.01, output_dir=str(tmp_path))
+    chance = np.bincount(YT).max() / YT.size
+    assert hist.rounds_trained == 6 and hist.accuracy <= chance + 0.05  # the noise drowned the updates
+    hint = [n for n in hist.notes if "no better than chance" in n]
+    assert len(hint) == 1 and f"({chance:.4f}" in hint[0] and "a larger epsilon, fewer rounds" in hint[0]
+    assert hint == [n for n in History.load(tmp_path / "history.json").notes if "no better than chance" in n]
+    # the rule itself, on a history whose last accuracy is set by hand
+    cfg = SimulationConfig(**FAST_CONFIG)
+    for acc, eps, labels, expected in [
+        (chance + 0.049, 0.5, YT, True), (chance + 0.051, 0.5, YT, False),
+        (chance, math.inf, YT, False),  # not private (FedAvg): no budget to blame
+        (chance, 0.5, YT.astype(np.float32), False),  # not class labels
+    ]:
+        h = History({}, {}, "inca", "inline")
+        h.records = [RoundRecord(0, accuracy=0.1), RoundRecord(1, epsilon=eps, accuracy=acc)]
+        assert bool(_chance_hint(h, (XT, labels), cfg)) is expected, (acc, eps, labels.dtype)
+    h.records = [RoundRecord(0, accuracy=chance)]  # nothing trained (e.g. stopped before round 1)
+    assert _chance_hint(h, (XT, YT), cfg) == ""
 
 
 def test_noiseless_inca_is_fedavg_exactly():

@@ -448,11 +448,40 @@ def simulate(
             pass
         backend.close()
         history.parameters = params
+        hint = _chance_hint(history, test_set, config)
+        if hint:
+            history.notes.append(hint)
         if out_dir is not None:
             history.save(out_dir)
     if history.stopped and report:
         print(f"[flwr-inca simulate] {history.stopped}", file=sys.stderr, flush=True)
     return history
+
+
+def _chance_hint(history: History, test_set: tuple[np.ndarray, np.ndarray] | None,
+                 config: SimulationConfig) -> str:
+    """A hint when a private training ends no better than always predicting the most common test label
+    (a budget that is reachable but too small for the rounds asked: the noise drowns the updates), else "".
+
+    "Chance" is the most common label's share of ``test_set`` (0.1135 on MNIST); "no better" means within
+    5 points of it. Non-integer labels (regression) and runs without a finite epsilon get no hint."""
+    try:
+        acc, eps = history.accuracy, history.epsilon
+        if test_set is None or acc is None or not history.rounds_trained or not math.isfinite(eps) or eps <= 0:
+            return ""
+        labels = np.asarray(test_set[1])
+        if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or labels.size == 0 or labels.min() < 0:
+            return ""
+        chance = float(np.bincount(labels).max() / labels.size)
+        if acc > chance + 0.05:
+            return ""
+        rounds = history.rounds_trained
+        return (f"accuracy {acc:.4f} is no better than chance ({chance:.4f}: always predicting the most common test "
+                f"label): at epsilon {eps:.4g} over {rounds} trained round(s) the privacy noise drowns the "
+                "updates. Less noise per round: a larger epsilon, fewer rounds, or more clients (record level: "
+                "larger batches too)")
+    except Exception:  # noqa: BLE001  (a hint never breaks a finished run)
+        return ""
 
 
 def _pre_round_stop(rnd: int, participants: int, mixer: Mixer, ledger: PrivacyLedger, plan: PrivacyPlan,
