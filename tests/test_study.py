@@ -462,7 +462,7 @@ def test_study_inca_at_large_n_trains_every_round_when_an_early_round_certifies_
     assert "stopped" in old.note or "stopping before round" in old.note  # refused rounds, or the pre-round check
 
 
-def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch):
+def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch, tmp_path):
     """One outlier execution (round 3 certifies at 3x the per-round target; a scripted certificate, the
     noise, traces, ledger and guard are real): the round is refused, charged what it revealed and skipped;
     the run trains every other round, and its row says so (rounds_done, rounds_refused, note)."""
@@ -484,6 +484,13 @@ def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch
     assert 0 < res.epsilon_spent <= 1.0
     assert _skipped({"rounds_refused": 1, "rounds": 6}) == " (1 of 6 rounds skipped: refused by the budget)"
     assert _skipped({"rounds_refused": ""}) == _skipped({"rounds_refused": 0}) == ""
+    # the study's progress line says it once: the note (with the round numbers), not the count again
+    one = replace(grid, methods=("inca",), epsilons=(1.0,), gammas=(0.25,), tune_rounds=(6,), seeds=(0,))
+    lines = []
+    run_study(_dataset_784(), one, tmp_path, log=lines.append)
+    runs = [line for line in lines if "refused by the budget" in line]
+    assert runs and all(line.count("refused by the budget") == 1 for line in runs), runs
+    assert "(round(s) 3)" in runs[0]
 
 
 def test_resuming_a_partial_file_of_an_earlier_version_keeps_its_rows_aligned(tmp_path):

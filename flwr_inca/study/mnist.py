@@ -584,8 +584,9 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
             tuning_runs[key] = d
         acc = "n/a" if d["accuracy"] is None else f"{float(d['accuracy']):.4f}"
         worst = "" if d["worst_node"] in (None, "") else f" (worst node {float(d['worst_node']):.4f})"
+        skipped = "" if "refused by the budget" in (d["note"] or "") else _skipped(d)  # said once, not twice
         log(progress.line(k, total, f"{phase:<4} {method:<10} n={n} {part} eps={eps:g} gamma={gamma:g} seed={seed} "
-                                    f"lr={lr:g} C={clip:g} R={rnds}: acc {acc}{worst}{_skipped(d)}  "
+                                    f"lr={lr:g} C={clip:g} R={rnds}: acc {acc}{worst}{skipped}  "
                                     f"{float(d['seconds']):.1f} s"
                                     + (f"  [{d['note']}]" if d["note"] else ""), units))
         return d
