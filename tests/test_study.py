@@ -412,6 +412,35 @@ def test_plots_have_one_panel_per_clients_and_partition(tmp_path):
         assert quadrant.sum() > 50
 
 
+@pytest.mark.parametrize("clients,partitions", [((8,), ("iid",)), ((8,), ("iid", "dirichlet:0.5")),
+                                                ((8, 16), ("iid", "dirichlet:0.5"))])
+def test_the_legend_of_every_method_fits_below_the_panels_without_covering_their_labels(clients, partitions):
+    """All eight methods (three legend rows at three columns covered the x-axis label in the n = 1000 plots):
+    the legend lies inside the figure and below every panel's x-axis label and tick labels."""
+    import matplotlib.pyplot as plt
+
+    from flwr_inca.study.mnist import METHODS, _figures
+
+    methods = tuple(METHODS)
+    summary = {"table": [
+        {"method": m, "clients": n, "partition": p, "epsilon": e, "gamma": g, "accuracy": 0.5 + 0.05 * i,
+         "spread": 0.01}
+        for i, m in enumerate(methods) for n in clients for p in partitions for e, g in ((1.0, 0.1), (4.0, 0.1))]}
+    grid = StudyGrid(clients=clients, partitions=partitions, methods=methods, epsilons=(1.0, 4.0))
+    for name, fig in _figures(summary, grid):
+        fig.canvas.draw()  # the axis labels take their places at draw time
+        renderer = fig.canvas.get_renderer()
+        legend = fig.legends[0].get_window_extent(renderer)
+        width, height = fig.bbox.width, fig.bbox.height
+        assert legend.x0 >= 0 and legend.y0 >= 0 and legend.x1 <= width and legend.y1 <= height, name
+        assert len(fig.legends[0].get_texts()) == len(methods)
+        for ax in fig.axes:
+            below = [ax.xaxis.label.get_window_extent(renderer)] + [
+                t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+            assert legend.y1 <= min(b.y0 for b in below) + 1, (name, clients, partitions)
+        plt.close(fig)
+
+
 @pytest.mark.parametrize("name", ["default", "full"])
 def test_every_grid_certifies_every_inca_round_and_calibrates_on_60_executions_at_0_9(name):
     """docs/results.md, "30% dropouts": at n = 1000 the default grid had calibrated IncA on 3 executions (success

@@ -686,6 +686,15 @@ def markdown_table(table: list[dict]) -> str:
 def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
     """``accuracy_vs_epsilon.png`` (at ``gamma_at_epsilon``) and ``accuracy_vs_gamma.png`` (at
     ``epsilon_at_gamma``): one panel per (n, partition) of the grid, rows n, columns partitions."""
+    import matplotlib.pyplot as plt
+
+    for name, fig in _figures(summary, grid):
+        fig.savefig(out / f"{name}.png", dpi=120)
+        plt.close(fig)
+
+
+def _figures(summary: dict[str, Any], grid: StudyGrid):
+    """Yield ``(name, figure)`` for :func:`plot` (open matplotlib figures; the caller closes them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -721,11 +730,14 @@ def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
                 if lab not in labels:
                     handles.append(h)
                     labels.append(lab)
+        # room below the panels for the legend's rows (about 0.22 in each at fontsize 9), not a fixed share
+        ncol = min(len(labels), 4 if cols > 1 else 2) or 1
+        legend_rows = -(-len(labels) // ncol)
+        bottom = (0.22 * legend_rows + 0.12) / fig.get_figheight() if handles else 0.0
         if handles:
-            fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=9, frameon=False)
-        fig.tight_layout(rect=(0, 0.09 / rows if handles else 0, 1, 1))
-        fig.savefig(out / f"{name}.png", dpi=120)
-        plt.close(fig)
+            fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, bottom, 1, 1))
+        yield name, fig
 
 
 # ------------------------------------------------------------------------------------------ CLI
