@@ -69,6 +69,15 @@ class BoundSettings:
         global_iterations: cascade only: CG iterations of the shared global ``dy`` of the local tier.
         local_iterations: cascade only: CGLS iterations of each party's local problem.
         local_batch: cascade only: local problems solved side by side.
+        local_start: cascade only: a party's global solve starts from its own local ``dy`` (kept from the
+            local tier) instead of the protocol's mixing: about one CG iteration from it goes as far as
+            three from the mixing.
+        cascade_tolerance: cascade only: ``tolerance`` of its refinement (which touches only the parties
+            near the maximum once the others stopped early, so a tighter one is cheap).
+        stop_factor: cascade only: a party's first global solve stops once the search's own estimate of
+            its bound is below ``stop_factor`` times the largest refined bound (0: never early). Only the
+            charged maximum must be tight; a stopped party is still evaluated rigorously, and one that ends
+            up near the maximum is refined like any other.
     """
 
     iterations: int = 4
@@ -83,6 +92,9 @@ class BoundSettings:
     global_iterations: int = 60
     local_iterations: int = 20
     local_batch: int = 16
+    local_start: bool = True
+    cascade_tolerance: float = 1e-3
+    stop_factor: float = 0.99
 
 
 @dataclass(frozen=True)
@@ -193,26 +205,35 @@ class _Operator:
         return y - (self.XT @ self._solve_K(self.X @ y)) * self.invDh
 
 
-def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int) -> np.ndarray:
+def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int,
+        stop_below: np.ndarray | None = None) -> np.ndarray:
     """Flexible preconditioned CG on ``L^T L x = L^T b`` for a batch; returns the new x.
 
     A column stops (keeps its last iterate) once its residual is negligible or anything stops being
-    finite, so no NaN or overflow ever reaches the evaluation.
+    finite, so no NaN or overflow ever reaches the evaluation; with ``stop_below`` (one value per column)
+    also once the search's float32 estimate of its cost ``||b - L x||^2`` is below that value (the charge-
+    aware early stop: the cost is evaluated rigorously afterwards, so the estimate only decides effort).
     """
     if iterations <= 0:
         return x
     x = x.astype(op.dtype)
     b = b.astype(op.dtype)
-    r = op.LT(b - op.L(x))
+    s = b - op.L(x)  # the residual b - L x, kept up to date when an early stop is asked for
+    r = op.LT(s)
     z = op.precondition(r)
     p = z.copy()
     rz = np.sum(r * z, axis=0, dtype=np.float64)
     stop = rz * 1e-12
     active = np.isfinite(rz) & (rz > 0)
+    if stop_below is not None:
+        active &= np.sum(s * s, axis=0, dtype=np.float64) > stop_below
+    else:
+        del s
     for _ in range(iterations):
         if not active.any():
             break
-        Ap = op.LT(op.L(p))
+        Lp = op.L(p)
+        Ap = op.LT(Lp)
         pAp = np.sum(p * Ap, axis=0, dtype=np.float64)
         ok = active & np.isfinite(pAp) & (pAp > 0)
         a = np.where(ok, rz / np.where(ok, pAp, 1.0), 0.0).astype(op.dtype)
@@ -222,6 +243,10 @@ def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int) -> np.ndar
         a = np.where(ok, a, 0.0).astype(op.dtype)
         x += a * p
         r -= a * Ap
+        if stop_below is not None:
+            s -= a * Lp
+            ok &= np.sum(s * s, axis=0, dtype=np.float64) > stop_below
+        del Lp
         z_new = op.precondition(r)
         rz_new = np.sum(r * z_new, axis=0, dtype=np.float64)
         beta = np.sum(r * (z_new - z), axis=0, dtype=np.float64) / np.where(rz > 0, rz, 1.0)
@@ -343,7 +368,15 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
     # iterates kept for refinement: about 1 GB of float32 (at least 256 parties, at most 2048)
     keep = int(np.clip(2.5e8 / max(ms.U, 1), max(4 * st.batch, 256), 2048))
 
-    def run(parties: np.ndarray, iterations: int) -> None:
+    local_dy: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}  # cascade: (support, u, a) per party
+    tier: LocalTier | None = None
+
+    def start(part: np.ndarray) -> np.ndarray:
+        if tier is not None and st.local_start:
+            return _local_start(tier.G, local_dy, part)
+        return _warm_start(ms, part)
+
+    def run(parties: np.ndarray, iterations: int, early: bool = False) -> None:
         # batches either continue from kept iterates or restart (from the warm start, ordered by the
         # iterations already done), never a mix: a mixed batch would redo the continuing ones
         kept = np.array([int(p) in states for p in parties], dtype=bool)
@@ -351,14 +384,19 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
         parties = np.concatenate([parties[kept], fresh[np.argsort(its[fresh], kind="stable")]])
         n_kept = int(kept.sum())
         cuts = sorted({*range(0, n_kept, st.batch), *range(n_kept, parties.size, st.batch)})
+        # the charge-aware early stop: a party's first global solve ends once its estimated bound is
+        # below stop_factor x the largest refined bound (parties already refined get every iteration)
+        refined = its > 0
+        stop_at = st.stop_factor**2 * float(current()[refined].max()) if early and refined.any() else None
         for k, stop in zip(cuts, [*cuts[1:], parties.size]):
             part = parties[k: stop]
             if all(int(p) in states for p in part):
                 x0, todo = np.column_stack([states[int(p)] for p in part]), iterations
             else:  # restart the batch from the warm start (its iterates were not kept)
-                x0, todo = _warm_start(ms, part), int(its[part].max()) + iterations
+                x0, todo = start(part), int(its[part].max()) + iterations
             b = op.w * ms.apply_P(ms.target(part))
-            x = _cg(op, b, x0, todo)
+            below = None if stop_at is None else np.where(its[part] == 0, stop_at, -np.inf)
+            x = _cg(op, b, x0, todo, below)
             Xb, Eb = _evaluate(ms, x, part)
             X[part], E[part] = Xb, Eb
             its[part] = np.maximum(its[part], 0) + iterations
@@ -372,6 +410,28 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
     def current() -> np.ndarray:  # the best bound of each party at the nominal sigmas
         return np.minimum(X / s_star**2 + E / s_delta**2, Xc / s_star**2 + Ec / s_delta**2)
 
+    change = np.full(nH, np.inf)  # relative decrease of each party's bound at its last refinement
+    tolerance = st.cascade_tolerance if cascade else st.tolerance
+
+    def refine(refined_only: bool) -> None:
+        # more iterations for the parties within refine_band of the largest bound, until they settle
+        while True:
+            f = current()
+            refined = its > 0
+            top = f[refined].max(initial=0.0) if refined_only else f.max()
+            band = (f >= st.refine_band**2 * top) & (its < st.max_iterations) & (change > tolerance)
+            if cascade:  # refine the parties near the top; a local-only party only once it is above them
+                band &= refined if refined_only else refined | (f > f[refined].max(initial=0.0))
+            pick = np.flatnonzero(band)
+            if pick.size == 0:
+                break
+            before = f[pick].copy()
+            run(pick, st.refine_iterations)
+            after = current()[pick]
+            change[pick] = (before - after) / np.maximum(before, 1e-300) / 2  # of mu, not mu^2
+            if progress:
+                progress(f"bound: refined {pick.size} parties; max mu {math.sqrt(current().max()):.5g}")
+
     everyone = np.arange(nH)
     if not cascade:
         run(everyone, st.iterations)
@@ -382,11 +442,17 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
         step = max(st.local_batch, 1)
         for k in range(0, nH, step):
             part = everyone[k: k + step]
-            Xc[part], Ec[part] = tier.bounds_array(part)
+            Xc[part], Ec[part], dys = tier.bounds_and_dy(part)
+            if st.local_start:
+                local_dy.update(zip(part.tolist(), dys))
             if progress and (k // step + 1) % max(1000 // step, 1) == 0:
                 progress(f"cascade: local bounds of {k + part.size} / {nH} parties")
+        if progress:
+            progress(f"cascade: local bounds done; max local mu {math.sqrt(float(current().max())):.5g}")
         # refine in descending order of the local bound, until the next local bound is at most the
-        # largest refined one: every party left has min(local, global) below the charged maximum
+        # largest refined one: every party left has min(local, global) below the charged maximum.
+        # The first chunk is refined at once, so that the early stop of the others aims at (nearly)
+        # the final maximum, not at a first, higher estimate of it.
         fc = Xc / s_star**2 + Ec / s_delta**2
         order = np.argsort(-fc, kind="stable")
         top, pos = -np.inf, 0
@@ -395,28 +461,18 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
             chunk = chunk[fc[chunk] > top]
             if chunk.size == 0:
                 break
-            run(chunk, st.iterations)
+            run(chunk, st.iterations, early=st.stop_factor > 0)
+            if pos == 0:
+                refine(refined_only=True)
+                if progress:
+                    progress(f"cascade: the {chunk.size} largest local bounds refined globally; their max mu "
+                             f"{math.sqrt(float(current()[its > 0].max())):.5g}")
             top = max(top, float(current()[its > 0].max()))
             pos += st.batch
         if progress:
             progress(f"cascade: local bound for {nH} parties, global bound for {int((its > 0).sum())}; "
                      f"max mu {math.sqrt(current().max()):.5g}")
-    change = np.full(nH, np.inf)  # relative decrease of each party's bound at its last refinement
-    while True:
-        f = current()
-        band = (f >= st.refine_band**2 * f.max()) & (its < st.max_iterations) & (change > st.tolerance)
-        if cascade:  # refine the parties near the top; a local-only party only once it is above them
-            refined = its > 0
-            band &= refined | (f > f[refined].max(initial=0.0))
-        pick = np.flatnonzero(band)
-        if pick.size == 0:
-            break
-        before = f[pick].copy()
-        run(pick, st.refine_iterations)
-        after = current()[pick]
-        change[pick] = (before - after) / np.maximum(before, 1e-300) / 2  # of mu, not mu^2
-        if progress:
-            progress(f"bound: refined {pick.size} parties; max mu {math.sqrt(current().max()):.5g}")
+    refine(refined_only=False)
     # each party keeps the smaller of its two bounds at the nominal sigmas (both are sound for all)
     use_local = Xc / s_star**2 + Ec / s_delta**2 < X / s_star**2 + E / s_delta**2
     Xo, Eo = np.where(use_local, Xc, X), np.where(use_local, Ec, E)
@@ -435,6 +491,17 @@ def _local_tier(ms: MessageSpace, op: _Operator, st: BoundSettings, s_star: floa
     b = op.w * ms.apply_P(t_sum) / ms.nH
     G = _cg(op, b, np.zeros((ms.U, 1)), st.global_iterations).astype(float)[:, 0]
     return LocalTier(ms, G, s_star, s_delta, st.local_iterations)
+
+
+def _local_start(G: np.ndarray, local_dy: dict[int, tuple[np.ndarray, np.ndarray, float]],
+                 parties: np.ndarray) -> np.ndarray:
+    """Each party's own local ``dy = a G + u`` (kept from the local tier), as float32 columns."""
+    x0 = np.empty((G.size, parties.size), dtype=np.float32)
+    for j, q in enumerate(parties):
+        S, u, a = local_dy[int(q)]
+        x0[:, j] = G * a
+        x0[S, j] += u
+    return x0
 
 
 def _warm_start(ms: MessageSpace, parties: np.ndarray) -> np.ndarray:
