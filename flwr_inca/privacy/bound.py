@@ -213,9 +213,70 @@ def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int,
     finite, so no NaN or overflow ever reaches the evaluation; with ``stop_below`` (one value per column)
     also once the search's float32 estimate of its cost ``||b - L x||^2`` is below that value (the charge-
     aware early stop: the cost is evaluated rigorously afterwards, so the estimate only decides effort).
+    The columns still running are compacted once at most half of them are left (columns never interact).
     """
     if iterations <= 0:
         return x
+    out = x.astype(op.dtype)  # a copy: the caller's x is never modified
+    cols = np.arange(out.shape[1])
+    s = b.astype(op.dtype) - op.L(out)  # the residual b - L x, kept up to date for the early stop
+    if stop_below is not None:
+        running = np.sum(s * s, axis=0, dtype=np.float64) > stop_below
+        if not running.any():
+            return out
+        if not running.all():
+            cols = np.flatnonzero(running)
+            s, stop_below = s[:, cols], stop_below[cols]
+    x = out if cols.size == out.shape[1] else out[:, cols]
+    r = op.LT(s)
+    if stop_below is None:
+        del s
+    z = op.precondition(r)
+    p = z.copy()
+    rz = np.sum(r * z, axis=0, dtype=np.float64)
+    stop = rz * 1e-12
+    active = np.isfinite(rz) & (rz > 0)
+    for it in range(iterations):
+        if not active.any():
+            break
+        if 2 * active.sum() <= active.size:  # compact: drop the columns that stopped
+            if x is not out:
+                out[:, cols] = x
+            keep = np.flatnonzero(active)
+            cols, x, r, z, p = cols[keep], x[:, keep], r[:, keep], z[:, keep], p[:, keep]
+            rz, stop, active = rz[keep], stop[keep], active[keep]
+            if stop_below is not None:
+                s, stop_below = s[:, keep], stop_below[keep]
+        Lp = op.L(p)
+        Ap = op.LT(Lp)
+        pAp = np.sum(p * Ap, axis=0, dtype=np.float64)
+        ok = active & np.isfinite(pAp) & (pAp > 0)
+        a = np.where(ok, rz / np.where(ok, pAp, 1.0), 0.0).astype(op.dtype)
+        x_new = x + a * p
+        finite = np.all(np.isfinite(x_new), axis=0)
+        if not finite.all():  # those columns keep their last iterate
+            x_new[:, ~finite] = x[:, ~finite]
+            ok &= finite
+            a = np.where(ok, a, 0.0).astype(op.dtype)
+        x = x_new
+        r -= a * Ap
+        if stop_below is not None:
+            s -= a * Lp
+            ok &= np.sum(s * s, axis=0, dtype=np.float64) > stop_below
+        del Lp, Ap
+        if it == iterations - 1 or not ok.any():
+            break  # the next direction would not be used
+        z_new = op.precondition(r)
+        rz_new = np.sum(r * z_new, axis=0, dtype=np.float64)
+        beta = np.sum(r * (z_new - z), axis=0, dtype=np.float64) / np.where(rz > 0, rz, 1.0)
+        beta = np.where(ok & np.isfinite(beta), np.maximum(beta, 0.0), 0.0).astype(op.dtype)
+        p = z_new + beta * p
+        z = z_new
+        rz = rz_new
+        active = ok & np.isfinite(rz) & (rz > stop)
+    if x is not out:
+        out[:, cols] = x
+    return out
     x = x.astype(op.dtype)
     b = b.astype(op.dtype)
     s = b - op.L(x)  # the residual b - L x, kept up to date when an early stop is asked for
