@@ -85,7 +85,7 @@ class BoundSettings:
     max_iterations: int = 40
     tolerance: float = 2e-3
     refine_band: float = 0.97
-    batch: int = 64
+    batch: int = 32
     inner_iterations: int = 12
     dense_limit: int = 3000
     blas_threads: int | None = 1
@@ -319,14 +319,27 @@ def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int,
     return x
 
 
+_EVAL_CHUNK = 16  # columns evaluated together: (R, 16) float64 arrays stay near the cache (2-3x faster than 64)
+
+
 def _evaluate(ms: MessageSpace, dy: np.ndarray, parties: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rigorous ``(X, E)`` upper bounds of the cost of ``dy`` for each column (see docs/privacy.md).
 
     The computed residual differs from the exact one by the rounding of two short sums (at most
     ``N = T + 1 + max row length of Dz + 4`` terms each), so each component is enlarged by
     ``gamma_N * (|P| (|Dz| |dy| + |t|))``; the error of the computed right inverses P (their defect)
-    is added in norm; the final sums of squares get a relative ``(1 + 4 N' u)``.
+    is added in norm; the final sums of squares get a relative ``(1 + 4 N' u)``. Columns are
+    independent; they are evaluated ``_EVAL_CHUNK`` at a time.
     """
+    parties = np.asarray(parties)
+    if dy.shape[1] <= _EVAL_CHUNK:
+        return _evaluate_chunk(ms, dy, parties)
+    out = [_evaluate_chunk(ms, dy[:, k: k + _EVAL_CHUNK], parties[k: k + _EVAL_CHUNK])
+           for k in range(0, dy.shape[1], _EVAL_CHUNK)]
+    return np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
+
+
+def _evaluate_chunk(ms: MessageSpace, dy: np.ndarray, parties: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     dy = np.asarray(dy, dtype=float)
     bad = ~np.all(np.isfinite(dy), axis=0)
     if bad.any():  # never happens in practice; dy = 0 (no noise change) is always admissible
@@ -557,11 +570,11 @@ def _local_tier(ms: MessageSpace, op: _Operator, st: BoundSettings, s_star: floa
 def _local_start(G: np.ndarray, local_dy: dict[int, tuple[np.ndarray, np.ndarray, float]],
                  parties: np.ndarray) -> np.ndarray:
     """Each party's own local ``dy = a G + u`` (kept from the local tier), as float32 columns."""
-    x0 = np.empty((G.size, parties.size), dtype=np.float32)
-    for j, q in enumerate(parties):
-        S, u, a = local_dy[int(q)]
-        x0[:, j] = G * a
-        x0[S, j] += u
+    dys = [local_dy[int(q)] for q in parties]
+    x0 = np.outer(G.astype(np.float32), np.array([a for _, _, a in dys], dtype=np.float32))
+    rows = np.concatenate([S for S, _, _ in dys])
+    cols = np.repeat(np.arange(parties.size), [S.size for S, _, _ in dys])
+    x0[rows, cols] += np.concatenate([u for _, u, _ in dys])  # (row, col) pairs are distinct
     return x0
 
 
