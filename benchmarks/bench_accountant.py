@@ -9,6 +9,7 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --large 10000 --methods bound cascade  # old vs new
     python benchmarks/bench_accountant.py --structure 100000             # the Thm 4.5 / 4.9 check alone
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
+    python benchmarks/bench_accountant.py --cascade-split 10000 --ratios 6 10      # local tier vs global part
     python benchmarks/bench_accountant.py --tightness 2000 --gammas 0.1 --passes 1 2   # one vs two bound passes
     python benchmarks/bench_accountant.py --local-tier 10000 --sample 256 # the cascade's local tier alone
     python benchmarks/bench_accountant.py --screening 1000               # could a cheap pass screen parties?
@@ -88,6 +89,23 @@ def _job(kind: str, n: int, extra: dict) -> dict:
             _evaluate(ms, x, part)
             per = (time.perf_counter() - t0) / part.size
         out.update(setup=setup, per_party=per, parties=int(ms.nH), unknowns=int(ms.U))
+    elif kind == "cascade-split":
+        from flwr_inca.privacy.bound import bound_profile
+
+        trace, view = _setting(n)
+        s_delta = S_STAR * extra["ratio"]
+        marks: dict[str, float] = {}
+        start = time.perf_counter()
+
+        def mark(line: str) -> None:  # the cascade's progress lines, timed
+            if "local bounds done" in line:
+                marks["local"] = time.perf_counter() - start
+
+        prof = bound_profile(trace, view, sigma_star=S_STAR, sigma_delta=s_delta, cascade=True, progress=mark)
+        out["seconds"] = time.perf_counter() - start
+        out["local"] = marks.get("local", math.nan)
+        out["max_mu"] = float(prof.mu(S_STAR, s_delta).max())
+        out["refined"], out["parties"] = int((prof.iterations > 0).sum()), int(view.honest.size)
     elif kind == "structure":
         trace, view = _setting(n)
         start = time.perf_counter()
@@ -305,6 +323,18 @@ def local_tier(ns: list[int], sample: int, batches: list[int]) -> None:
                     print(f"  {dtype} batch {b:>3}: batch + system {per[0]:.2f} ms, solve (system + CGLS) "
                           f"{per[1]:.2f} ms, evaluation {per[2]:.2f} ms per party; local bound / first row's: "
                           f"max {np.max(mu / np.maximum(ref, 1e-300)):.5f}", flush=True)
+
+
+def cascade_split(ns: list[int], ratios: list[float]) -> None:
+    """The cascade at sigma_star = 1 and sigma_delta = ratio: its local tier (set-up, G and every party's local
+    bound) and its global part (the global solves and the refinement), each n and ratio in its own process."""
+    for n in ns:
+        for ratio in ratios:
+            r = run_job("cascade-split", n, ratio=ratio)
+            print(f"n = {n}, sigma_delta / sigma_star = {ratio:g}: cascade {r['seconds']:.1f} s = local tier "
+                  f"{r['local']:.1f} s + global part {r['seconds'] - r['local']:.1f} s; global solves "
+                  f"{r['refined']} / {r['parties']}; max mu {r['max_mu']:.7g}; peak {r['max_rss_gb']:.2f} GB",
+                  flush=True)
 
 
 def calibrate_large(ns: list[int], runs: int, passes: int = 1) -> None:
@@ -672,6 +702,9 @@ def main() -> None:
                    help="--large / --scaling: which bound methods (each in its own process)")
     p.add_argument("--structure", type=int, nargs="*", help="the Thm 4.5 / 4.9 pre-check alone")
     p.add_argument("--calibrate-large", type=int, nargs="*")
+    p.add_argument("--cascade-split", type=int, nargs="*", help="the cascade's local tier vs its global part")
+    p.add_argument("--ratios", type=float, nargs="+", default=[6.0, 10.0],
+                   help="--cascade-split: sigma_delta / sigma_star (10: calibration's nominal pair)")
     p.add_argument("--screening", type=int, nargs="*", help="bounds after 0..8 CG iterations")
     p.add_argument("--strategy", type=int, nargs="*")
     p.add_argument("--draws", type=int, default=3)
@@ -705,6 +738,8 @@ def main() -> None:
         screening(args.screening)
     if args.local_tier:
         local_tier(args.local_tier, args.sample, args.batches)
+    if args.cascade_split:
+        cascade_split(args.cascade_split, args.ratios)
     if args.calibrate_large:
         calibrate_large(args.calibrate_large, args.runs, args.passes[0])
     if args.strategy:
@@ -722,7 +757,7 @@ def main() -> None:
         full()
     if not any([args.scaling, args.tightness, args.large, args.calibrate_large, args.local_tier, args.strategy,
                 args.baseline, args.structure, args.screening, args.full, args.extrapolate, args.locality,
-                args.charged]):
+                args.charged, args.cascade_split]):
         p.print_help()
 
 

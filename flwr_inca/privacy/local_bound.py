@@ -453,3 +453,14 @@ class LocalTier:
         batch = _Batch(self, np.asarray(qs, dtype=np.int64))
         u, a = self.solve_batch(batch)
         return self.evaluate_batch(batch, u, a)
+
+    def bounds_and_dy(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray, float]]]:
+        """:meth:`bounds_array` and each party's local ``dy = a G + u`` as ``(support, u, a)`` (int32 support
+        columns, float32 u: a start for the global solve, whose precision cannot affect soundness)."""
+        batch = _Batch(self, np.asarray(qs, dtype=np.int64))
+        u, a = self.solve_batch(batch)
+        X, E = self.evaluate_batch(batch, u, a)
+        ks = batch.Kstart
+        dys = [(batch.S[ks[b]: ks[b + 1]].astype(np.int32), u[ks[b]: ks[b + 1]].astype(np.float32), float(a[b]))
+               for b in range(batch.B)]
+        return X, E, dys
