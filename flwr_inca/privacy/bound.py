@@ -277,46 +277,6 @@ def _cg(op: _Operator, b: np.ndarray, x: np.ndarray, iterations: int,
     if x is not out:
         out[:, cols] = x
     return out
-    x = x.astype(op.dtype)
-    b = b.astype(op.dtype)
-    s = b - op.L(x)  # the residual b - L x, kept up to date when an early stop is asked for
-    r = op.LT(s)
-    z = op.precondition(r)
-    p = z.copy()
-    rz = np.sum(r * z, axis=0, dtype=np.float64)
-    stop = rz * 1e-12
-    active = np.isfinite(rz) & (rz > 0)
-    if stop_below is not None:
-        active &= np.sum(s * s, axis=0, dtype=np.float64) > stop_below
-    else:
-        del s
-    for _ in range(iterations):
-        if not active.any():
-            break
-        Lp = op.L(p)
-        Ap = op.LT(Lp)
-        pAp = np.sum(p * Ap, axis=0, dtype=np.float64)
-        ok = active & np.isfinite(pAp) & (pAp > 0)
-        a = np.where(ok, rz / np.where(ok, pAp, 1.0), 0.0).astype(op.dtype)
-        x_new = x + a * p
-        finite = np.all(np.isfinite(x_new), axis=0)
-        ok &= finite
-        a = np.where(ok, a, 0.0).astype(op.dtype)
-        x += a * p
-        r -= a * Ap
-        if stop_below is not None:
-            s -= a * Lp
-            ok &= np.sum(s * s, axis=0, dtype=np.float64) > stop_below
-        del Lp
-        z_new = op.precondition(r)
-        rz_new = np.sum(r * z_new, axis=0, dtype=np.float64)
-        beta = np.sum(r * (z_new - z), axis=0, dtype=np.float64) / np.where(rz > 0, rz, 1.0)
-        beta = np.where(ok & np.isfinite(beta), np.maximum(beta, 0.0), 0.0).astype(op.dtype)
-        p = z_new + beta * p
-        z = z_new
-        rz = rz_new
-        active = ok & np.isfinite(rz) & (rz > stop)
-    return x
 
 
 _EVAL_CHUNK = 16  # columns evaluated together: (R, 16) float64 arrays stay near the cache (2-3x faster than 64)
