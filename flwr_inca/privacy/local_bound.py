@@ -450,9 +450,8 @@ class LocalTier:
     def bounds_array(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rigorous ``(X, E)`` arrays, one entry per party in slots ``qs``, of each party's local ``dy``
         (solved together)."""
-        batch = _Batch(self, np.asarray(qs, dtype=np.int64))
-        u, a = self.solve_batch(batch)
-        return self.evaluate_batch(batch, u, a)
+        X, E, _ = self.bounds_and_dy(qs)
+        return X, E
 
     def bounds_and_dy(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray, float]]]:
         """:meth:`bounds_array` and each party's local ``dy = a G + u`` as ``(support, u, a)`` (int32 support
