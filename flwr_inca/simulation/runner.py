@@ -472,7 +472,7 @@ def _chance_hint(history: History, test_set: tuple[np.ndarray, np.ndarray] | Non
         labels = np.asarray(test_set[1])
         if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or labels.size == 0 or labels.min() < 0:
             return ""
-        chance = float(np.bincount(labels).max() / labels.size)
+        chance = float(np.unique(labels, return_counts=True)[1].max() / labels.size)  # any label values
         if acc > chance + 0.05:
             return ""
         rounds = history.rounds_trained
