@@ -50,19 +50,30 @@ def _setting(n: int, gamma: float = 0.1, seed: int = 1, s_star: float = S_STAR, 
 # ------------------------------------------------------------------ one measurement per subprocess
 def _job(kind: str, n: int, extra: dict) -> dict:
     """Run in a child process: one timed measurement; returns figures (and max RSS)."""
-    from flwr_inca.privacy import calibrate, certify, profile
+    from flwr_inca.privacy import calibrate, certify
     from flwr_inca.privacy.structure import analyze_structure
 
     out: dict = {"kind": kind, "n": n}
-    if kind in ("exact", "bound", "cascade"):
+    if kind in ("exact", "bound", "cascade", "cascade-numpy"):
+        from flwr_inca.privacy.bound import BoundSettings, bound_profile
+
         trace, view = _setting(n)
         out["rows"] = int(view.honest_observed().sum())
         start = time.perf_counter()
+
+        def mark(line: str) -> None:  # the cascade's progress lines, timed
+            if "local bounds done" in line:
+                out["local"] = time.perf_counter() - start
+
         if kind == "exact":
             cert = certify(trace, view, solver=kind)
             mu = np.array([cert.mu[int(i)] for i in view.honest])
-        else:  # what certify(solver=kind) computes, keeping the per-party iteration counts
-            prof = profile(trace, view, solver=kind)
+        else:  # what certify(solver=...) computes, keeping the per-party iteration counts
+            # cascade-numpy: the cascade with the NumPy local tier (what runs without numba)
+            settings = BoundSettings(local_engine="numpy" if kind == "cascade-numpy" else "auto",
+                                     threads=extra.get("threads"))
+            prof = bound_profile(trace, view, sigma_star=trace.sigma_star, sigma_delta=trace.sigma_delta,
+                                 settings=settings, cascade=kind != "bound", progress=mark)
             mu = prof.mu(trace.sigma_star, trace.sigma_delta)
             # how many parties got the global solve (the cascade: only those near the maximum)
             out["refined"] = int((prof.iterations > 0).sum())
@@ -90,7 +101,7 @@ def _job(kind: str, n: int, extra: dict) -> dict:
             per = (time.perf_counter() - t0) / part.size
         out.update(setup=setup, per_party=per, parties=int(ms.nH), unknowns=int(ms.U))
     elif kind == "cascade-split":
-        from flwr_inca.privacy.bound import bound_profile
+        from flwr_inca.privacy.bound import BoundSettings, bound_profile
 
         trace, view = _setting(n)
         s_delta = S_STAR * extra["ratio"]
@@ -101,7 +112,8 @@ def _job(kind: str, n: int, extra: dict) -> dict:
             if "local bounds done" in line:
                 marks["local"] = time.perf_counter() - start
 
-        prof = bound_profile(trace, view, sigma_star=S_STAR, sigma_delta=s_delta, cascade=True, progress=mark)
+        prof = bound_profile(trace, view, sigma_star=S_STAR, sigma_delta=s_delta, cascade=True, progress=mark,
+                             settings=BoundSettings(threads=extra.get("threads")))
         out["seconds"] = time.perf_counter() - start
         out["local"] = marks.get("local", math.nan)
         out["max_mu"] = float(prof.mu(S_STAR, s_delta).max())
@@ -116,9 +128,12 @@ def _job(kind: str, n: int, extra: dict) -> dict:
         from flwr_inca import PermanentDropout
 
         start = time.perf_counter()
+        from flwr_inca.privacy.bound import BoundSettings
+
         cal = calibrate(extra.get("epsilon", 1.0), 1e-5, n, iterations=20, neighbors=1, collusion=0.1,
                         dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"],
-                        bound_passes=extra.get("passes", 1))
+                        bound_passes=extra.get("passes", 1),
+                        bound_settings=BoundSettings(threads=extra.get("threads")))
         out["seconds"] = time.perf_counter() - start
         out.update(sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta, mse=cal.predicted_mse,
                    success=cal.success_fraction)
@@ -226,15 +241,17 @@ def structure(ns: list[int]) -> None:
               f"peak {s['max_rss_gb']:.2f} GB", flush=True)
 
 
-def large(ns: list[int], methods: list[str]) -> None:
+def large(ns: list[int], methods: list[str], threads: int | None = None) -> None:
     """The bound methods at scale (what certify(solver=method) computes), each in its own process, on
     the same execution."""
     print("the bound at scale (sigma_star = 1, sigma_delta = 6) and the Thm 4.5 / 4.9 pre-check\n")
     for n in ns:
         structure([n])
         for method in methods:
-            b = run_job(method, n)
+            b = run_job(method, n, threads=threads)
             refined = f", global solve for {b['refined']} of {b['parties']} parties" if b.get("refined") else ""
+            if "local" in b:
+                refined += f" (local tier {b['local']:.1f} s)"
             print(f"n = {n}: {method} certificate {b['seconds']:.1f} s, max mu {b['max_mu']:.6g}, "
                   f"{b['rows']} observed honest messages, peak {b['max_rss_gb']:.2f} GB{refined}", flush=True)
 
@@ -281,9 +298,10 @@ def screening(ns: list[int], iterations: tuple[int, ...] = (0, 1, 2, 4, 8)) -> N
 
 def local_tier(ns: list[int], sample: int, batches: list[int]) -> None:
     """The cascade's local tier alone (``LocalTier.bounds_array``) on ``sample`` random parties: ms per
-    party by batch size and search precision, and where the time goes (system / CGLS / evaluation)."""
+    party by batch size and search (compiled when numba imports, then NumPy), and where the time goes."""
     from threadpoolctl import threadpool_limits
 
+    from flwr_inca.privacy import local_compiled
     from flwr_inca.privacy.bound import BoundSettings, _local_tier, _Operator
     from flwr_inca.privacy.local_bound import _Batch
     from flwr_inca.privacy.message_space import MessageSpace
@@ -298,48 +316,55 @@ def local_tier(ns: list[int], sample: int, batches: list[int]) -> None:
             print(f"n = {n}: set-up (message space, G, tier) {time.perf_counter() - t0:.1f} s", flush=True)
             qs = np.random.default_rng(0).choice(ms.nH, min(sample, ms.nH), replace=False)
             ref = None
-            for dtype in ("float32", "float64"):
-                tier.dtype = np.dtype(dtype)
+            if local_compiled.available():  # compile (or load numba's cache) outside the timings
+                tier.engine = "compiled"
+                tier.bounds_and_dy(qs[:1])
+            paths = ["compiled", "numpy"] if local_compiled.available() else ["numpy"]
+            for path in paths:  # the NumPy search in its default precision (float32)
+                tier.engine = path
                 for b in batches:
                     parts = [qs[k: k + b] for k in range(0, qs.size, b)]
-                    t = [0.0, 0.0, 0.0]
+                    t = np.zeros(3)
                     mus = []
                     for part in parts:
                         c0 = time.perf_counter()
-                        batch = _Batch(tier, part)
-                        tier.system(batch)  # timed alone here; solve_batch builds it again
-                        c1 = time.perf_counter()
-                        u, a = tier.solve_batch(batch)
-                        c2 = time.perf_counter()
-                        X, E = tier.evaluate_batch(batch, u, a)
-                        c3 = time.perf_counter()
-                        t[0] += c1 - c0
-                        t[1] += c2 - c1  # solve_batch builds the system again
-                        t[2] += c3 - c2
+                        if path == "compiled":  # supports, search and evaluation, each compiled
+                            X, E, _ = tier.bounds_and_dy(part)
+                            c1 = c2 = c3 = time.perf_counter()
+                        else:
+                            batch = _Batch(tier, part)
+                            c1 = time.perf_counter()
+                            u, a = tier.solve_batch(batch)  # builds its sparse system here
+                            c2 = time.perf_counter()
+                            X, E = tier.evaluate_batch(batch, u, a)
+                            c3 = time.perf_counter()
+                        t += [c1 - c0, c2 - c1, c3 - c2]
                         mus.append(np.sqrt(X / S_STAR**2 + E / S_DELTA**2))
                     mu = np.concatenate(mus)
                     ref = mu if ref is None else ref
-                    per = [x / qs.size * 1e3 for x in t]
-                    print(f"  {dtype} batch {b:>3}: batch + system {per[0]:.2f} ms, solve (system + CGLS) "
-                          f"{per[1]:.2f} ms, evaluation {per[2]:.2f} ms per party; local bound / first row's: "
+                    per = t / qs.size * 1e3
+                    split = (f"supports {per[0]:.2f} ms + search {per[1]:.2f} ms + evaluation {per[2]:.2f} ms = "
+                             if path == "numpy" else "")
+                    print(f"  {path:>8}, batch {b:>3}: {split}{per.sum():.2f} ms per party; local bound / first "
+                          f"row's: min {np.min(mu / np.maximum(ref, 1e-300)):.5f}, "
                           f"max {np.max(mu / np.maximum(ref, 1e-300)):.5f}", flush=True)
 
 
-def cascade_split(ns: list[int], ratios: list[float]) -> None:
+def cascade_split(ns: list[int], ratios: list[float], threads: int | None = None) -> None:
     """The cascade at sigma_star = 1 and sigma_delta = ratio: its local tier (set-up, G and every party's local
     bound) and its global part (the global solves and the refinement), each n and ratio in its own process."""
     for n in ns:
         for ratio in ratios:
-            r = run_job("cascade-split", n, ratio=ratio)
+            r = run_job("cascade-split", n, ratio=ratio, threads=threads)
             print(f"n = {n}, sigma_delta / sigma_star = {ratio:g}: cascade {r['seconds']:.1f} s = local tier "
                   f"{r['local']:.1f} s + global part {r['seconds'] - r['local']:.1f} s; global solves "
                   f"{r['refined']} / {r['parties']}; max mu {r['max_mu']:.7g}; peak {r['max_rss_gb']:.2f} GB",
                   flush=True)
 
 
-def calibrate_large(ns: list[int], runs: int, passes: int = 1) -> None:
+def calibrate_large(ns: list[int], runs: int, passes: int = 1, threads: int | None = None) -> None:
     for n in ns:
-        c = run_job("calibrate", n, runs=runs, solver="auto", passes=passes)
+        c = run_job("calibrate", n, runs=runs, solver="auto", passes=passes, threads=threads)
         print(f"calibrate(n = {n}, runs = {runs}, epsilon = 1, delta = 1e-5): {c['seconds']:.1f} s, "
               f"sigma_star {c['sigma_star']:.4g}, sigma_delta {c['sigma_delta']:.4g}, "
               f"success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB", flush=True)
@@ -695,10 +720,12 @@ def main() -> None:
     p.add_argument("--gammas", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None,
+                   help="--large / --cascade-split / --calibrate-large: BoundSettings.threads (default: every CPU)")
     p.add_argument("--passes", type=int, nargs="+", default=[1], choices=[1, 2],
                    help="--tightness / --calibrate-large: calibrate's bound_passes (tightness: each, side by side)")
     p.add_argument("--large", type=int, nargs="*")
-    p.add_argument("--methods", nargs="+", default=["bound"], choices=["bound", "cascade"],
+    p.add_argument("--methods", nargs="+", default=["bound"], choices=["bound", "cascade", "cascade-numpy"],
                    help="--large / --scaling: which bound methods (each in its own process)")
     p.add_argument("--structure", type=int, nargs="*", help="the Thm 4.5 / 4.9 pre-check alone")
     p.add_argument("--calibrate-large", type=int, nargs="*")
@@ -733,15 +760,15 @@ def main() -> None:
     if args.structure:
         structure(args.structure)
     if args.large:
-        large(args.large, args.methods)
+        large(args.large, args.methods, args.threads)
     if args.screening:
         screening(args.screening)
     if args.local_tier:
         local_tier(args.local_tier, args.sample, args.batches)
     if args.cascade_split:
-        cascade_split(args.cascade_split, args.ratios)
+        cascade_split(args.cascade_split, args.ratios, args.threads)
     if args.calibrate_large:
-        calibrate_large(args.calibrate_large, args.runs, args.passes[0])
+        calibrate_large(args.calibrate_large, args.runs, args.passes[0], args.threads)
     if args.strategy:
         strategy(args.strategy, args.draws)
     if args.locality:

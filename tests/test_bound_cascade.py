@@ -69,6 +69,23 @@ def _tier(trace, view, iterations: int = 20) -> tuple[MessageSpace, LocalTier]:
     return ms, LocalTier(ms, G, 0.3, 3.0, iterations)
 
 
+def _ld_cost(ms: MessageSpace, tier: LocalTier, q: int, S: np.ndarray, u: np.ndarray, a: float,
+             Dz: np.ndarray | None = None) -> tuple[np.longdouble, np.longdouble]:
+    """(X, E) of dy = a G + u (u on the columns S) for party q over every party, in 80-bit precision, from
+    the dense Dz and each group's P (independent of both evaluations)."""
+    Dz = ms.Dz.toarray().astype(np.longdouble) if Dz is None else Dz
+    dy = a * tier.G.astype(np.longdouble)
+    dy[S] += u
+    dz = Dz @ dy - ms.target(np.array([q]))[:, 0].astype(np.longdouble)
+    x_ld = e_ld = np.longdouble(0)
+    for k, g in enumerate(ms.groups):
+        rows = slice(ms.offsets[k], ms.offsets[k + 1])
+        uu = g.P.astype(np.longdouble) @ dz[rows].reshape(ms.T + 1, -1)
+        x_ld += np.sum(uu[0] ** 2)
+        e_ld += np.sum(uu[1:] ** 2)
+    return x_ld, e_ld
+
+
 def test_local_evaluation_covers_an_extended_precision_evaluation_of_the_whole_dy():
     # the local evaluation never forms dy = a G + u; here it is formed and its cost computed over every
     # party in 80-bit precision, independently of both evaluations
@@ -82,19 +99,13 @@ def test_local_evaluation_covers_an_extended_precision_evaluation_of_the_whole_d
         u, a = tier.solve(q, S)
         a *= 1 + 1e-3  # off the optimum too: any (u, a) must be bounded
         X, E = tier.evaluate(q, S, u, a)
-        dy = a * tier.G.astype(np.longdouble)
-        dy[S] += u
-        dz = Dz @ dy - ms.target(np.array([q]))[:, 0].astype(np.longdouble)
-        x_ld = e_ld = np.longdouble(0)
-        for k, g in enumerate(ms.groups):
-            rows = slice(ms.offsets[k], ms.offsets[k + 1])
-            uu = g.P.astype(np.longdouble) @ dz[rows].reshape(ms.T + 1, -1)
-            x_ld += np.sum(uu[0] ** 2)
-            e_ld += np.sum(uu[1:] ** 2)
+        x_ld, e_ld = _ld_cost(ms, tier, int(q), S, u, a, Dz)
         assert X >= x_ld and E >= e_ld, (q, X, x_ld, E, e_ld)
         assert X <= x_ld * (1 + 1e-8) and E <= e_ld * (1 + 1e-8)
         # and it agrees with the global rigorous evaluation of the same dy
-        Xg, Eg = _evaluate(ms, dy.astype(float)[:, None], np.array([q]))
+        dy = a * tier.G
+        dy[S] += u
+        Xg, Eg = _evaluate(ms, dy[:, None], np.array([q]))
         assert X == pytest.approx(Xg[0], rel=1e-9) and E == pytest.approx(Eg[0], rel=1e-9)
         touched = np.unique(ms.row_q[tier.DzC[:, S].indices])
         far += ms.nH - touched.size

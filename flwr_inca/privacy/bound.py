@@ -31,7 +31,9 @@ See docs/privacy.md ("Bound") for the proof of soundness.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -69,6 +71,14 @@ class BoundSettings:
         global_iterations: cascade only: CG iterations of the shared global ``dy`` of the local tier.
         local_iterations: cascade only: CGLS iterations of each party's local problem.
         local_batch: cascade only: local problems solved side by side.
+        local_engine: cascade only: ``"auto"`` (the compiled local tier when numba imports, else NumPy),
+            ``"compiled"`` or ``"numpy"`` (:class:`~flwr_inca.privacy.local_bound.LocalTier`). Both are
+            rigorous; the compiled one is several times faster.
+        threads: batches solved side by side (None: every CPU this process may use): the global solves'
+            batches, and the compiled local tier's (its kernels release the GIL; the NumPy local tier
+            always uses one thread). Each thread keeps ``blas_threads``; memory grows with the batches in
+            flight. Results do not depend on timing; the global bounds may differ slightly with the number
+            of threads (which kept iterates a batch continues from), every one of them sound.
         local_start: cascade only: a party's global solve starts from its own local ``dy`` (kept from the
             local tier) instead of the protocol's mixing: about one CG iteration from it goes as far as
             three from the mixing.
@@ -92,9 +102,18 @@ class BoundSettings:
     global_iterations: int = 60
     local_iterations: int = 20
     local_batch: int = 16
+    local_engine: str = "auto"
+    threads: int | None = None
     local_start: bool = True
     cascade_tolerance: float = 1e-3
     stop_factor: float = 0.99
+
+    def __post_init__(self) -> None:
+        if self.local_engine not in ("auto", "compiled", "numpy"):
+            raise ValueError(f"local_engine must be 'auto', 'compiled' or 'numpy', got {self.local_engine!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be None or an integer >= 1, got {self.threads!r}")
 
 
 @dataclass(frozen=True)
@@ -391,6 +410,14 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
            progress: Callable[[str], None] | None, cascade: bool = False) -> SensitivityBound:
     """The global bound for every party, or (``cascade``) the local bound for every party and the global
     one only for the parties whose local bound is above the charged maximum (see the module docstring)."""
+    threads = _threads(st)
+    with ThreadPoolExecutor(threads) if threads > 1 else nullcontext() as pool:
+        return _solve_in(ms, st, s_star, s_delta, progress, cascade, pool, threads)
+
+
+def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
+              progress: Callable[[str], None] | None, cascade: bool, pool: ThreadPoolExecutor | None,
+              threads: int) -> SensitivityBound:
     nH = ms.nH
     # global bounds (inf: not computed) and local bounds (inf: no local tier)
     X, E = np.full(nH, np.inf), np.full(nH, np.inf)
@@ -422,24 +449,35 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
         # below stop_factor x the largest refined bound (parties already refined get every iteration)
         refined = its > 0
         stop_at = st.stop_factor**2 * float(current()[refined].max()) if early and refined.any() else None
-        for k, stop in zip(cuts, [*cuts[1:], parties.size]):
-            part = parties[k: stop]
+        jobs = [parties[k: stop] for k, stop in zip(cuts, [*cuts[1:], parties.size])]
+
+        def prepare(part: np.ndarray) -> tuple:  # in this thread: which kept iterates a batch starts from
             if all(int(p) in states for p in part):
-                x0, todo = np.column_stack([states[int(p)] for p in part]), iterations
-            else:  # restart the batch from the warm start (its iterates were not kept)
-                x0, todo = start(part), int(its[part].max()) + iterations
+                return part, [states[int(p)] for p in part], iterations
+            return part, None, int(its[part].max()) + iterations
+
+        def solve(job: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            part, kept_x, todo = job
+            x0 = np.column_stack(kept_x) if kept_x is not None else start(part)
             b = op.w * ms.apply_P(ms.target(part))
             below = None if stop_at is None else np.where(its[part] == 0, stop_at, -np.inf)
             x = _cg(op, b, x0, todo, below)
             Xb, Eb = _evaluate(ms, x, part)
-            X[part], E[part] = Xb, Eb
-            its[part] = np.maximum(its[part], 0) + iterations
-            for j, p in enumerate(part):
-                states[int(p)] = x[:, j]
-            if len(states) > keep:  # keep the iterates of the parties with the largest bounds
-                f = current()
-                for p in sorted(states, key=lambda q: f[q])[: len(states) - keep]:
-                    del states[p]
+            return part, x, Xb, Eb
+
+        # ``threads`` batches at a time, their results taken in order (the same for any timing)
+        for w in range(0, len(jobs), threads):
+            window = [prepare(part) for part in jobs[w: w + threads]]
+            results = pool.map(solve, window) if pool is not None and len(window) > 1 else map(solve, window)
+            for part, x, Xb, Eb in results:
+                X[part], E[part] = Xb, Eb
+                its[part] = np.maximum(its[part], 0) + iterations
+                for j, p in enumerate(part):
+                    states[int(p)] = x[:, j]
+                if len(states) > keep:  # keep the iterates of the parties with the largest bounds
+                    f = current()
+                    for p in sorted(states, key=lambda q: f[q])[: len(states) - keep]:
+                        del states[p]
 
     def current() -> np.ndarray:  # the best bound of each party at the nominal sigmas
         return np.minimum(X / s_star**2 + E / s_delta**2, Xc / s_star**2 + Ec / s_delta**2)
@@ -474,13 +512,16 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
     else:
         tier = _local_tier(ms, op, st, s_star, s_delta)
         step = max(st.local_batch, 1)
-        for k in range(0, nH, step):
-            part = everyone[k: k + step]
-            Xc[part], Ec[part], dys = tier.bounds_and_dy(part)
+        parts = [everyone[k: k + step] for k in range(0, nH, step)]
+        # the compiled kernels release the GIL: batches run side by side, results come back in order
+        side_by_side = pool is not None and tier.engine == "compiled"
+        results = pool.map(tier.bounds_and_dy, parts) if side_by_side else map(tier.bounds_and_dy, parts)
+        for index, (part, (Xb, Eb, dys)) in enumerate(zip(parts, results)):
+            Xc[part], Ec[part] = Xb, Eb
             if st.local_start:
                 local_dy.update(zip(part.tolist(), dys))
-            if progress and (k // step + 1) % max(1000 // step, 1) == 0:
-                progress(f"cascade: local bounds of {k + part.size} / {nH} parties")
+            if progress and (index + 1) % max(1000 // step, 1) == 0:
+                progress(f"cascade: local bounds of {part[-1] + 1} / {nH} parties")
         if progress:
             progress(f"cascade: local bounds done; max local mu {math.sqrt(float(current().max())):.5g}")
         # refine in descending order of the local bound, until the next local bound is at most the
@@ -491,7 +532,9 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
         order = np.argsort(-fc, kind="stable")
         top, pos = -np.inf, 0
         while pos < nH:
-            chunk = order[pos: pos + st.batch]
+            # the first batch alone (it sets the maximum the others stop early at), then one per thread
+            width = st.batch if pos == 0 else st.batch * threads
+            chunk = order[pos: pos + width]
             chunk = chunk[fc[chunk] > top]
             if chunk.size == 0:
                 break
@@ -502,7 +545,7 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
                     progress(f"cascade: the {chunk.size} largest local bounds refined globally; their max mu "
                              f"{math.sqrt(float(current()[its > 0].max())):.5g}")
             top = max(top, float(current()[its > 0].max()))
-            pos += st.batch
+            pos += width
         if progress:
             progress(f"cascade: local bound for {nH} parties, global bound for {int((its > 0).sum())}; "
                      f"max mu {math.sqrt(current().max()):.5g}")
@@ -515,6 +558,16 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
                             method="cascade" if cascade else "bound")
 
 
+def _threads(st: BoundSettings) -> int:
+    """``st.threads``, or every CPU this process may use."""
+    if st.threads is not None:
+        return st.threads
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return max(os.cpu_count() or 1, 1)
+
+
 def _local_tier(ms: MessageSpace, op: _Operator, st: BoundSettings, s_star: float, s_delta: float) -> LocalTier:
     """The cascade's cheap tier, with its shared global ``dy``: CG on the mean right-hand side."""
     t_sum = np.zeros((ms.R, 1))  # the sum of every party's target, without R x n_H floats
@@ -524,7 +577,7 @@ def _local_tier(ms: MessageSpace, op: _Operator, st: BoundSettings, s_star: floa
     t_sum[rows.ravel(), 0] = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).ravel()
     b = op.w * ms.apply_P(t_sum) / ms.nH
     G = _cg(op, b, np.zeros((ms.U, 1)), st.global_iterations).astype(float)[:, 0]
-    return LocalTier(ms, G, s_star, s_delta, st.local_iterations)
+    return LocalTier(ms, G, s_star, s_delta, st.local_iterations, engine=st.local_engine)
 
 
 def _local_start(G: np.ndarray, local_dy: dict[int, tuple[np.ndarray, np.ndarray, float]],

@@ -15,6 +15,10 @@ The evaluation is in float64 with explicit rounding margins (:meth:`LocalTier.ev
 is a sound upper bound whatever the solver did. It is looser than the global bound for most parties
 (1.2--1.8x their own mu) but far below the charged maximum for most of them; the cascade
 (:mod:`flwr_inca.privacy.bound`) refines the rest with the global bound.
+
+Two engines compute the same bounds: ``"numpy"`` (this module: CGLS on an explicit sparse system, then
+:meth:`LocalTier.evaluate_batch`) and ``"compiled"`` (:mod:`~flwr_inca.privacy.local_compiled`, numba: the
+supports, the search and the same rigorous evaluation as compiled loops, several times faster).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
+from . import local_compiled
 from .message_space import MessageSpace
 
 __all__ = ["LocalTier"]
@@ -123,12 +128,24 @@ class LocalTier:
         G: (U,) the shared global ``dy`` (float64; any vector is sound, a good one is tight).
         s_star, s_delta: nominal sigmas of the local least-squares problems (the bound holds for all).
         iterations: CGLS iterations per party.
-        dtype: precision of the search (CGLS); the evaluation is float64 with rounding margins whatever
-            the search did, so float32 cannot make a bound unsound, only (slightly) less tight.
+        dtype: precision of the NumPy search (CGLS); the evaluation is float64 with rounding margins
+            whatever the search did, so float32 cannot make a bound unsound, only (slightly) less tight.
+        engine: ``"compiled"`` (:mod:`~flwr_inca.privacy.local_compiled`: supports, a float64 search and
+            the same rigorous evaluation, compiled by numba), ``"numpy"`` (CGLS on an explicit sparse system,
+            in ``dtype``) or ``"auto"`` (compiled when numba imports). Every bound of either engine is
+            rigorous; the compiled one is several times faster (benchmarks/RESULTS.md).
     """
 
     def __init__(self, ms: MessageSpace, G: np.ndarray, s_star: float, s_delta: float,
-                 iterations: int = 20, dtype: type = np.float32) -> None:
+                 iterations: int = 20, dtype: type = np.float32, engine: str = "auto") -> None:
+        if engine not in ("auto", "compiled", "numpy"):
+            raise ValueError(f"engine must be 'auto', 'compiled' or 'numpy', got {engine!r}")
+        if engine == "compiled" and not local_compiled.available():
+            raise ValueError("engine='compiled' needs numba (pip install 'flwr-inca[scale]'); "
+                             "use engine='numpy' or 'auto'")
+        if engine == "auto":
+            engine = "compiled" if local_compiled.available() else "numpy"
+        self.engine = engine
         self.ms = ms
         self.iterations = int(iterations)
         self.dtype = np.dtype(dtype)
@@ -175,6 +192,11 @@ class LocalTier:
         self.AE2 = AE * AE * (1 + 4 * _EPS)
         self.TX = _sum_up(self.AX2)
         self.TE = _sum_up(self.AE2)
+        # the compiled search's per-party data: gz_j, M_j = (W P_j)^T W P_j, M_j gz_j, gz_j^T M_j gz_j
+        self._Mg = np.ascontiguousarray(self.WPcols @ np.swapaxes(self.WPcols, 1, 2))
+        self._GZ = np.ascontiguousarray(gz[ms.rowid(np.arange(T1)[None, :], np.arange(ms.nH)[:, None])])
+        self._MG = np.einsum("jts,js->jt", self._Mg[ms.group_of], self._GZ) if ms.nH else self._GZ.copy()
+        self._gMg = np.einsum("jt,jt->j", self._GZ, self._MG)
 
     # ------------------------------------------------------------------ rigorous evaluation
     def _party_bounds(self, J: np.ndarray, v: np.ndarray, av: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -384,10 +406,75 @@ class LocalTier:
         return A, rhs, row_start
 
     def solve_batch(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
-        """``(u, a)`` for every block of ``batch`` at once (u concatenated by block): CGLS on
-        :meth:`system` with its columns scaled to unit norm. Every CGLS scalar is per block, so the blocks
-        do not interact: the same iterates as one party at a time, with one sparse product per iteration
-        for all of them."""
+        """``(u, a)`` for every block of ``batch`` at once (u concatenated by block), by the compiled
+        search (:mod:`~flwr_inca.privacy.local_compiled`) or :meth:`solve_batch_numpy` (``engine``)."""
+        if self.engine == "compiled":
+            return self.solve_batch_compiled(batch)
+        return self.solve_batch_numpy(batch)
+
+    def _kernel_arrays(self) -> dict:
+        """The arrays the compiled kernels read (int64 indices, float64 values), built once."""
+        if not hasattr(self, "_k"):
+            ms = self.ms
+            T1 = ms.T + 1
+            rows = ms.rowid(np.arange(T1)[None, :], np.arange(ms.nH)[:, None])
+            i64 = (lambda x: np.ascontiguousarray(x, dtype=np.int64))
+            self._k = {
+                "indptr": i64(self.DzC.indptr), "indices": i64(self.DzC.indices),
+                "data": self.DzC.data.astype(float), "near_ptr": i64(self.near.indptr),
+                "near_idx": i64(self.near.indices), "tb_ptr": i64(self.touched_by.indptr),
+                "tb_idx": i64(self.touched_by.indices), "AGZ": np.ascontiguousarray(self.agz[rows])}
+        return self._k
+
+    def _own_targets(self, qs: np.ndarray) -> np.ndarray:
+        """(B, T+1) each party's own unit change ``t_q`` (its injection rows)."""
+        ms = self.ms
+        hon = ms.parties[qs]
+        return np.ascontiguousarray(np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).T, dtype=float)
+
+    def solve_batch_compiled(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
+        """Jacobi-preconditioned CG on each block's normal equations, compiled (float64)."""
+        k = self._kernel_arrays()
+        return self._search(batch.qs.astype(np.int64), batch.S.astype(np.int64), batch.Kstart.astype(np.int64), k)
+
+    def _search(self, qs: np.ndarray, S: np.ndarray, Kstart: np.ndarray, k: dict) -> tuple[np.ndarray, np.ndarray]:
+        ms = self.ms
+        return local_compiled.solve_blocks(
+            qs, S, Kstart, k["indptr"], k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, self._Mg,
+            self._GZ, self._MG, self._gMg, float(self.LG2), self._own_targets(qs), ms.blocked[qs],
+            self.iterations)
+
+    def _bounds_compiled(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                          np.ndarray, np.ndarray]:
+        """``(X, E, S, Kstart, u, a)`` of the parties in slots ``qs``: supports, search and rigorous
+        evaluation, each compiled (the twins of ``_Batch``, :meth:`solve_batch_numpy` and
+        :meth:`evaluate_batch`)."""
+        ms = self.ms
+        k = self._kernel_arrays()
+        qs = np.ascontiguousarray(qs, dtype=np.int64)
+        S, Kstart = local_compiled.supports(qs, k["near_ptr"], k["near_idx"], k["tb_ptr"], k["tb_idx"], ms.U)
+        u, a = self._search(qs, S, Kstart, k)
+        X, E = self.evaluate_compiled(qs, S, Kstart, u, a)
+        return X, E, S, Kstart, u, a
+
+    def evaluate_compiled(self, qs: np.ndarray, S: np.ndarray, Kstart: np.ndarray, u: np.ndarray,
+                          a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`evaluate_batch`, compiled: rigorous ``(X, E)`` of ``dy_b = a_b G + u_b`` for the parties
+        in slots ``qs`` (block b: support ``S[Kstart[b]:Kstart[b+1]]``, values ``u`` at the same places)."""
+        ms = self.ms
+        k = self._kernel_arrays()
+        qs = np.ascontiguousarray(qs, dtype=np.int64)
+        return local_compiled.evaluate_blocks(
+            qs, np.ascontiguousarray(S, dtype=np.int64), np.ascontiguousarray(Kstart, dtype=np.int64),
+            np.ascontiguousarray(u, dtype=float), np.ascontiguousarray(a, dtype=float), k["indptr"],
+            k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, self.Pst, self.absPst, self.defect,
+            self._GZ, k["AGZ"], self._own_targets(qs), ms.blocked[qs], self.AX2, self.AE2, float(self.TX),
+            float(self.TE), float(self.gamma_v), float(self.gamma_r))
+
+    def solve_batch_numpy(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
+        """CGLS on :meth:`system` with its columns scaled to unit norm. Every CGLS scalar is per block, so
+        the blocks do not interact: the same iterates as one party at a time, with one sparse product per
+        iteration for all of them."""
         f = self.dtype
         B = batch.B
         K = int(batch.Kstart[-1])
@@ -456,10 +543,14 @@ class LocalTier:
     def bounds_and_dy(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray, float]]]:
         """:meth:`bounds_array` and each party's local ``dy = a G + u`` as ``(support, u, a)`` (int32 support
         columns, float32 u: a start for the global solve, whose precision cannot affect soundness)."""
-        batch = _Batch(self, np.asarray(qs, dtype=np.int64))
-        u, a = self.solve_batch(batch)
-        X, E = self.evaluate_batch(batch, u, a)
-        ks = batch.Kstart
-        dys = [(batch.S[ks[b]: ks[b + 1]].astype(np.int32), u[ks[b]: ks[b + 1]].astype(np.float32), float(a[b]))
-               for b in range(batch.B)]
+        qs = np.asarray(qs, dtype=np.int64)
+        if self.engine == "compiled":
+            X, E, S, ks, u, a = self._bounds_compiled(qs)
+        else:
+            batch = _Batch(self, qs)
+            u, a = self.solve_batch_numpy(batch)
+            X, E = self.evaluate_batch(batch, u, a)
+            S, ks = batch.S, batch.Kstart
+        dys = [(S[ks[b]: ks[b + 1]].astype(np.int32), u[ks[b]: ks[b + 1]].astype(np.float32), float(a[b]))
+               for b in range(qs.size)]
         return X, E, dys
