@@ -189,3 +189,13 @@ def test_without_numba_the_compiled_engine_is_a_clear_error_and_auto_falls_back(
 def test_bad_local_settings_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):
         BoundSettings(**kwargs)
+
+
+def test_threads_never_exceed_the_cpus_this_process_may_use():
+    # a huge request would hold one batch of the global solve in memory per thread
+    from flwr_inca.privacy.bound import _threads
+
+    every = _threads(BoundSettings())
+    assert every >= 1
+    assert _threads(BoundSettings(threads=10**6)) == every
+    assert _threads(BoundSettings(threads=1)) == 1

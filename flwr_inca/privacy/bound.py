@@ -74,8 +74,8 @@ class BoundSettings:
         local_engine: cascade only: ``"auto"`` (the compiled local tier when numba imports, else NumPy),
             ``"compiled"`` or ``"numpy"`` (:class:`~flwr_inca.privacy.local_bound.LocalTier`). Both are
             rigorous; the compiled one is several times faster.
-        threads: batches solved side by side (None: every CPU this process may use): the global solves'
-            batches, and the compiled local tier's (its kernels release the GIL; the NumPy local tier
+        threads: batches solved side by side (None: every CPU this process may use; never more than
+            those CPUs): the global solves' batches, and the compiled local tier's (its kernels release the GIL; the NumPy local tier
             always uses one thread). Each thread keeps ``blas_threads``; memory grows with the batches in
             flight. Results do not depend on timing; the global bounds may differ slightly with the number
             of threads (which kept iterates a batch continues from), every one of them sound.
@@ -559,13 +559,14 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
 
 
 def _threads(st: BoundSettings) -> int:
-    """``st.threads``, or every CPU this process may use."""
-    if st.threads is not None:
-        return st.threads
+    """``st.threads``, at most the CPUs this process may use (more threads would only hold more batches in
+    memory: about ``12 * batch`` vectors of the unseen messages each); None: all of them."""
     try:
-        return max(len(os.sched_getaffinity(0)), 1)
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return max(os.cpu_count() or 1, 1)
+        cpus = os.cpu_count() or 1
+    cpus = max(cpus, 1)
+    return cpus if st.threads is None else min(st.threads, cpus)
 
 
 def _local_tier(ms: MessageSpace, op: _Operator, st: BoundSettings, s_star: float, s_delta: float) -> LocalTier:
