@@ -130,11 +130,14 @@ def _job(kind: str, n: int, extra: dict) -> dict:
         start = time.perf_counter()
         from flwr_inca.privacy.bound import BoundSettings
 
+        done: list[float] = []  # when each simulated run was certified
         cal = calibrate(extra.get("epsilon", 1.0), 1e-5, n, iterations=20, neighbors=1, collusion=0.1,
                         dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"],
                         bound_passes=extra.get("passes", 1),
-                        bound_settings=BoundSettings(threads=extra.get("threads")))
+                        bound_settings=BoundSettings(threads=extra.get("threads")),
+                        progress=lambda r, total: done.append(time.perf_counter() - start))
         out["seconds"] = time.perf_counter() - start
+        out["per_run"] = np.diff([0.0, *done]).tolist()
         out.update(sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta, mse=cal.predicted_mse,
                    success=cal.success_fraction)
     out["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -368,6 +371,9 @@ def calibrate_large(ns: list[int], runs: int, passes: int = 1, threads: int | No
         print(f"calibrate(n = {n}, runs = {runs}, epsilon = 1, delta = 1e-5): {c['seconds']:.1f} s, "
               f"sigma_star {c['sigma_star']:.4g}, sigma_delta {c['sigma_delta']:.4g}, "
               f"success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB", flush=True)
+        per = np.array(c["per_run"])
+        print(f"  per run (simulate and certify): {', '.join(f'{x:.1f}' for x in per)} s; median {np.median(per):.1f} s, "
+              f"max {per.max():.1f} s; the rest (alpha grid, bisection) {c['seconds'] - per.sum():.1f} s", flush=True)
 
 
 def strategy(ns: list[int], draws: int, repeats: int = 3) -> None:

@@ -8,8 +8,7 @@ Three kernels, each the compiled twin of a NumPy step of :class:`~flwr_inca.priv
 * :func:`evaluate_blocks` -- the rigorous float64 evaluation (``LocalTier.evaluate_batch``), the same
   operations with the same rounding margins (each margin covers any order of its sums).
 
-The search looks, for each party q,
-for ``(u_q, a_q)`` minimizing the cost of ``dy_q = a_q G + u_q`` (u_q on the one-hop support ``S_q``):
+The search looks, for each party q, for ``(u_q, a_q)`` minimizing the cost of ``dy_q = a_q G + u_q`` (u_q on the one-hop support ``S_q``):
 
     sum_{j in J_q} || W P_j (a gz_j + (Dz_S u)_j - [j = q] t_q) ||^2 + a^2 c_q^2,
 
@@ -21,8 +20,8 @@ Dz's one or two entries of a column at party j), and contributes ``Y_j^T M_j Y_j
 ``M_j = (W P_j)^T W P_j``. Lightly touched parties (``m_j + 1 < T + 1``, most of them) keep that Gram
 block; the others (the one-hop parties, and q) apply ``M_j`` to ``Y_j x`` each time. Jacobi-preconditioned
 CG on these normal equations has, in exact arithmetic, the iterates of the NumPy path's column-scaled
-CGLS; both are only a *search*: the float64 evaluation with rounding margins
-(:meth:`LocalTier.evaluate_batch`) makes any result a sound bound, so nothing here affects soundness.
+CGLS; both are only a *search*: the float64 evaluation with rounding margins (:func:`evaluate_blocks`, or
+:meth:`LocalTier.evaluate_batch`) makes any result a sound bound, so the search cannot affect soundness.
 
 The NumPy path spends most of its time building each batch's sparse system (about 60% of the local tier
 at n = 10,000); here one compiled loop per party builds the blocks and runs the iterations in place.
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # optional: the NumPy search is used without it
+try:  # optional: the NumPy engine is used without it
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent
     numba = None
@@ -46,8 +45,8 @@ def available() -> bool:
 
 
 def _njit(fn):
-    """Compiled lazily, on first call; plain Python without numba (only the tests call the kernels that way,
-    on tiny cases). The machine code is cached on disk where numba finds a writable place for it (next to
+    """Compiled lazily, on first call (without numba the functions stay plain Python, which the public
+    wrappers refuse to run: the NumPy engine is the fallback). The machine code is cached on disk where numba finds a writable place for it (next to
     this file or in the user's cache directory); elsewhere, e.g. a read-only install with no home
     directory, each process compiles again (a few seconds) instead of failing at import."""
     if numba is None:
