@@ -81,8 +81,8 @@ class BoundSettings:
         threads: batches solved side by side (None: every CPU this process may use; never more than
             those CPUs): the global solves' batches, and the compiled local tier's (its kernels release the GIL; the NumPy local tier
             always uses one thread). Each thread keeps ``blas_threads``; memory grows with the batches in
-            flight. Results do not depend on timing; the global bounds may differ slightly with the number
-            of threads (which kept iterates a batch continues from), every one of them sound.
+            flight. Results do not depend on timing; the cascade's may differ slightly with the number of
+            threads (its global solves take one batch per thread at a time), every one of them sound.
         local_start: cascade only: a party's global solve starts from its own local ``dy`` (kept from the
             local tier) instead of the protocol's mixing: about one CG iteration from it goes as far as
             three from the mixing.
@@ -469,19 +469,19 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
             Xb, Eb = _evaluate(ms, x, part)
             return part, x, Xb, Eb
 
-        # ``threads`` batches at a time, their results taken in order (the same for any timing)
-        for w in range(0, len(jobs), threads):
-            window = [prepare(part) for part in jobs[w: w + threads]]
-            results = pool.map(solve, window) if pool is not None and len(window) > 1 else map(solve, window)
-            for part, x, Xb, Eb in results:
-                X[part], E[part] = Xb, Eb
-                its[part] = np.maximum(its[part], 0) + iterations
-                for j, p in enumerate(part):
-                    states[int(p)] = x[:, j]
-                if len(states) > keep:  # keep the iterates of the parties with the largest bounds
-                    f = current()
-                    for p in sorted(states, key=lambda q: f[q])[: len(states) - keep]:
-                        del states[p]
+        # every batch prepared here first, then solved on the threads as they free up, the results taken
+        # in order: the same for any timing (a batch continuing from kept iterates holds them until solved)
+        prepared = [prepare(part) for part in jobs]
+        results = pool.map(solve, prepared) if pool is not None and len(prepared) > 1 else map(solve, prepared)
+        for part, x, Xb, Eb in results:
+            X[part], E[part] = Xb, Eb
+            its[part] = np.maximum(its[part], 0) + iterations
+            for j, p in enumerate(part):
+                states[int(p)] = x[:, j]
+            if len(states) > keep:  # keep the iterates of the parties with the largest bounds
+                f = current()
+                for p in sorted(states, key=lambda q: f[q])[: len(states) - keep]:
+                    del states[p]
 
     def current() -> np.ndarray:  # the best bound of each party at the nominal sigmas
         return np.minimum(X / s_star**2 + E / s_delta**2, Xc / s_star**2 + Ec / s_delta**2)
