@@ -69,12 +69,15 @@ def _job(kind: str, n: int, extra: dict) -> dict:
             cert = certify(trace, view, solver=kind)
             mu = np.array([cert.mu[int(i)] for i in view.honest])
         else:  # what certify(solver=...) computes, keeping the per-party iteration counts
-            # cascade-numpy: the cascade with the NumPy local tier (what runs without numba)
+            # cascade-numpy: the cascade with the NumPy local tier (what runs without numba); extra "ratio":
+            # sigma_delta / sigma_star instead of the trace's (--cascade-split)
             settings = BoundSettings(local_engine="numpy" if kind == "cascade-numpy" else "auto",
                                      threads=extra.get("threads"))
-            prof = bound_profile(trace, view, sigma_star=trace.sigma_star, sigma_delta=trace.sigma_delta,
-                                 settings=settings, cascade=kind != "bound", progress=mark)
-            mu = prof.mu(trace.sigma_star, trace.sigma_delta)
+            s_star = trace.sigma_star
+            s_delta = s_star * extra["ratio"] if "ratio" in extra else trace.sigma_delta
+            prof = bound_profile(trace, view, sigma_star=s_star, sigma_delta=s_delta, settings=settings,
+                                 cascade=kind != "bound", progress=mark)
+            mu = prof.mu(s_star, s_delta)
             # how many parties got the global solve (the cascade: only those near the maximum)
             out["refined"] = int((prof.iterations > 0).sum())
             out["parties"] = int(view.honest.size)
@@ -100,24 +103,6 @@ def _job(kind: str, n: int, extra: dict) -> dict:
             _evaluate(ms, x, part)
             per = (time.perf_counter() - t0) / part.size
         out.update(setup=setup, per_party=per, parties=int(ms.nH), unknowns=int(ms.U))
-    elif kind == "cascade-split":
-        from flwr_inca.privacy.bound import BoundSettings, bound_profile
-
-        trace, view = _setting(n)
-        s_delta = S_STAR * extra["ratio"]
-        marks: dict[str, float] = {}
-        start = time.perf_counter()
-
-        def mark(line: str) -> None:  # the cascade's progress lines, timed
-            if "local bounds done" in line:
-                marks["local"] = time.perf_counter() - start
-
-        prof = bound_profile(trace, view, sigma_star=S_STAR, sigma_delta=s_delta, cascade=True, progress=mark,
-                             settings=BoundSettings(threads=extra.get("threads")))
-        out["seconds"] = time.perf_counter() - start
-        out["local"] = marks.get("local", math.nan)
-        out["max_mu"] = float(prof.mu(S_STAR, s_delta).max())
-        out["refined"], out["parties"] = int((prof.iterations > 0).sum()), int(view.honest.size)
     elif kind == "structure":
         trace, view = _setting(n)
         start = time.perf_counter()
@@ -126,10 +111,9 @@ def _job(kind: str, n: int, extra: dict) -> dict:
         out["components"] = report.components
     elif kind == "calibrate":
         from flwr_inca import PermanentDropout
-
-        start = time.perf_counter()
         from flwr_inca.privacy.bound import BoundSettings
 
+        start = time.perf_counter()
         done: list[float] = []  # when each simulated run was certified
         cal = calibrate(extra.get("epsilon", 1.0), 1e-5, n, iterations=20, neighbors=1, collusion=0.1,
                         dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"],
@@ -358,7 +342,7 @@ def cascade_split(ns: list[int], ratios: list[float], threads: int | None = None
     bound) and its global part (the global solves and the refinement), each n and ratio in its own process."""
     for n in ns:
         for ratio in ratios:
-            r = run_job("cascade-split", n, ratio=ratio, threads=threads)
+            r = run_job("cascade", n, ratio=ratio, threads=threads)
             print(f"n = {n}, sigma_delta / sigma_star = {ratio:g}: cascade {r['seconds']:.1f} s = local tier "
                   f"{r['local']:.1f} s + global part {r['seconds'] - r['local']:.1f} s; global solves "
                   f"{r['refined']} / {r['parties']}; max mu {r['max_mu']:.7g}; peak {r['max_rss_gb']:.2f} GB",

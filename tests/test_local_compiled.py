@@ -119,14 +119,14 @@ def test_interpreted_and_compiled_kernels_agree():
     S_py, K_py = local_compiled._supports_py.py_func(*args)
     assert np.array_equal(S, S_py) and np.array_equal(Kstart, K_py)
     X, E, _, _, u, a = tier._bounds_compiled(qs)
-    search = (qs, S, Kstart, k["indptr"], k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, tier._Mg,
-              tier._GZ, tier._MG, tier._gMg, float(tier.LG2), tier._own_targets(qs), ms.blocked[qs],
+    search = (qs, S, Kstart, k["indptr"], k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, k["Mg"],
+              k["GZ"], k["MG"], k["gMg"], float(tier.LG2), tier._own_targets(qs), ms.blocked[qs],
               tier.iterations)
     u_py, a_py = local_compiled._solve_blocks_py.py_func(*search)
     np.testing.assert_allclose(u_py, u, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(a_py, a, rtol=1e-9, atol=1e-12)
     ev = (qs, S, Kstart, u, a, k["indptr"], k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, tier.Pst,
-          tier.absPst, tier.defect, tier._GZ, k["AGZ"], tier._own_targets(qs), ms.blocked[qs], tier.AX2,
+          tier.absPst, tier.defect, k["GZ"], k["AGZ"], tier._own_targets(qs), ms.blocked[qs], tier.AX2,
           tier.AE2, float(tier.TX), float(tier.TE), float(tier.gamma_v), float(tier.gamma_r))
     X_py, E_py = local_compiled._evaluate_blocks_py.py_func(*ev)
     np.testing.assert_allclose(X_py, X, rtol=1e-12)

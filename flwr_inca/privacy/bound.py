@@ -79,9 +79,9 @@ class BoundSettings:
             ``"compiled"`` or ``"numpy"`` (:class:`~flwr_inca.privacy.local_bound.LocalTier`). Both are
             rigorous; the compiled one is several times faster.
         threads: batches solved side by side (None: every CPU this process may use; never more than
-            those CPUs): the global solves' batches, and the compiled local tier's (its kernels release the GIL; the NumPy local tier
-            always uses one thread). Each thread keeps ``blas_threads``; memory grows with the batches in
-            flight. Results do not depend on timing; the cascade's may differ slightly with the number of
+            those CPUs): the global solves' batches, and the compiled local tier's (its kernels release
+            the GIL; the NumPy local tier always uses one thread). Each thread keeps ``blas_threads``;
+            memory grows with the batches in flight. Results do not depend on timing; the cascade's may differ slightly with the number of
             threads (its global solves take one batch per thread at a time), every one of them sound.
         local_start: cascade only: a party's global solve starts from its own local ``dy`` (kept from the
             local tier) instead of the protocol's mixing: about one CG iteration from it goes as far as

@@ -192,11 +192,6 @@ class LocalTier:
         self.AE2 = AE * AE * (1 + 4 * _EPS)
         self.TX = _sum_up(self.AX2)
         self.TE = _sum_up(self.AE2)
-        # the compiled search's per-party data: gz_j, M_j = (W P_j)^T W P_j, M_j gz_j, gz_j^T M_j gz_j
-        self._Mg = np.ascontiguousarray(self.WPcols @ np.swapaxes(self.WPcols, 1, 2))
-        self._GZ = np.ascontiguousarray(gz[ms.rowid(np.arange(T1)[None, :], np.arange(ms.nH)[:, None])])
-        self._MG = np.einsum("jts,js->jt", self._Mg[ms.group_of], self._GZ) if ms.nH else self._GZ.copy()
-        self._gMg = np.einsum("jt,jt->j", self._GZ, self._MG)
 
     # ------------------------------------------------------------------ rigorous evaluation
     def _party_bounds(self, J: np.ndarray, v: np.ndarray, av: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -270,8 +265,7 @@ class LocalTier:
         av += np.bincount(loc, weights=np.abs(cu), minlength=v.size)
         v = v.reshape(J.size, T1)
         av = av.reshape(J.size, T1)
-        hon = ms.parties[batch.qs]
-        t = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).T  # (B, T+1)
+        t = self._own_targets(batch.qs)  # (B, T+1)
         v[batch.own] -= t
         av[batch.own] += np.abs(t)
         bx, be = self._party_bounds(J, v, av)
@@ -396,8 +390,7 @@ class LocalTier:
         nz = vals != 0
         A = sp.csc_matrix((vals[nz], (np.concatenate(rows)[nz], np.concatenate(cols)[nz])), shape=(M0 + B, K + B))
         # right-hand side: the party's own rows, w P t (0 for pinned rows)
-        hon = ms.parties[batch.qs]
-        t = np.where(ms.online[:, hon], ms.c_o[:, hon], 0.0).T  # (B, T+1)
+        t = self._own_targets(batch.qs)  # (B, T+1)
         bt = np.einsum("bts,bs->bt", self.Pst[ms.group_of[batch.qs]], t)
         bt[ms.blocked[batch.qs]] = 0.0
         own_rows = ms.rowid(np.arange(T1)[None, :], batch.qs[:, None])
@@ -413,17 +406,25 @@ class LocalTier:
         return self.solve_batch_numpy(batch)
 
     def _kernel_arrays(self) -> dict:
-        """The arrays the compiled kernels read (int64 indices, float64 values), built once."""
+        """The arrays the compiled kernels read (int64 indices, float64 values), built on first use (the
+        NumPy engine never needs them). The search's per-party data: ``GZ`` (n_H, T+1) ``gz_j``, ``Mg``
+        (groups, T+1, T+1) ``M_g = (W P_g)^T W P_g``, ``MG`` ``M_j gz_j`` and ``gMg`` ``gz_j^T M_j gz_j``."""
         if not hasattr(self, "_k"):
             ms = self.ms
             T1 = ms.T + 1
             rows = ms.rowid(np.arange(T1)[None, :], np.arange(ms.nH)[:, None])
             i64 = (lambda x: np.ascontiguousarray(x, dtype=np.int64))
+            GZ = np.ascontiguousarray(self.gz[rows])
+            Mg = np.ascontiguousarray(self.WPcols @ np.swapaxes(self.WPcols, 1, 2))
+            MG = np.empty_like(GZ)
+            for g, grp in enumerate(ms.groups):  # slots of a group are contiguous; M_g is symmetric
+                MG[grp.start: grp.stop] = GZ[grp.start: grp.stop] @ Mg[g]
             self._k = {
                 "indptr": i64(self.DzC.indptr), "indices": i64(self.DzC.indices),
                 "data": self.DzC.data.astype(float), "near_ptr": i64(self.near.indptr),
                 "near_idx": i64(self.near.indices), "tb_ptr": i64(self.touched_by.indptr),
-                "tb_idx": i64(self.touched_by.indices), "AGZ": np.ascontiguousarray(self.agz[rows])}
+                "tb_idx": i64(self.touched_by.indices), "AGZ": np.ascontiguousarray(self.agz[rows]),
+                "GZ": GZ, "Mg": Mg, "MG": MG, "gMg": np.einsum("jt,jt->j", GZ, MG)}
         return self._k
 
     def _own_targets(self, qs: np.ndarray) -> np.ndarray:
@@ -440,9 +441,8 @@ class LocalTier:
     def _search(self, qs: np.ndarray, S: np.ndarray, Kstart: np.ndarray, k: dict) -> tuple[np.ndarray, np.ndarray]:
         ms = self.ms
         return local_compiled.solve_blocks(
-            qs, S, Kstart, k["indptr"], k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, self._Mg,
-            self._GZ, self._MG, self._gMg, float(self.LG2), self._own_targets(qs), ms.blocked[qs],
-            self.iterations)
+            qs, S, Kstart, k["indptr"], k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, k["Mg"],
+            k["GZ"], k["MG"], k["gMg"], float(self.LG2), self._own_targets(qs), ms.blocked[qs], self.iterations)
 
     def _bounds_compiled(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                                                           np.ndarray, np.ndarray]:
@@ -468,7 +468,7 @@ class LocalTier:
             qs, np.ascontiguousarray(S, dtype=np.int64), np.ascontiguousarray(Kstart, dtype=np.int64),
             np.ascontiguousarray(u, dtype=float), np.ascontiguousarray(a, dtype=float), k["indptr"],
             k["indices"], k["data"], ms.row_q, ms.row_t, ms.group_of, self.Pst, self.absPst, self.defect,
-            self._GZ, k["AGZ"], self._own_targets(qs), ms.blocked[qs], self.AX2, self.AE2, float(self.TX),
+            k["GZ"], k["AGZ"], self._own_targets(qs), ms.blocked[qs], self.AX2, self.AE2, float(self.TX),
             float(self.TE), float(self.gamma_v), float(self.gamma_r))
 
     def solve_batch_numpy(self, batch: _Batch) -> tuple[np.ndarray, np.ndarray]:
