@@ -9,6 +9,7 @@ gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory =
     python benchmarks/bench_accountant.py --large 10000 --methods bound cascade  # old vs new
     python benchmarks/bench_accountant.py --structure 100000             # the Thm 4.5 / 4.9 check alone
     python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20
+    python benchmarks/bench_accountant.py --calibrate-large 10000 --runs 20 --tight-runs no yes  # side by side
     python benchmarks/bench_accountant.py --cascade-split 10000 --ratios 6 10      # local tier vs global part
     python benchmarks/bench_accountant.py --tightness 2000 --gammas 0.1 --passes 1 2   # one vs two bound passes
     python benchmarks/bench_accountant.py --local-tier 10000 --sample 256 # the cascade's local tier alone
@@ -117,13 +118,13 @@ def _job(kind: str, n: int, extra: dict) -> dict:
         done: list[float] = []  # when each simulated run was certified
         cal = calibrate(extra.get("epsilon", 1.0), 1e-5, n, iterations=20, neighbors=1, collusion=0.1,
                         dropout=PermanentDropout(0.1), runs=extra["runs"], seed=0, solver=extra["solver"],
-                        bound_passes=extra.get("passes", 1),
+                        bound_passes=extra.get("passes", 1), tight_runs=extra.get("tight_runs", False),
                         bound_settings=BoundSettings(threads=extra.get("threads")),
                         progress=lambda r, total: done.append(time.perf_counter() - start))
         out["seconds"] = time.perf_counter() - start
         out["per_run"] = np.diff([0.0, *done]).tolist()
         out.update(sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta, mse=cal.predicted_mse,
-                   success=cal.success_fraction)
+                   success=cal.success_fraction, notes=cal.notes)
     out["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return out
 
@@ -349,15 +350,27 @@ def cascade_split(ns: list[int], ratios: list[float], threads: int | None = None
                   flush=True)
 
 
-def calibrate_large(ns: list[int], runs: int, passes: int = 1, threads: int | None = None) -> None:
+def calibrate_large(ns: list[int], runs: int, passes: int = 1, threads: int | None = None,
+                    tight: tuple[bool, ...] = (False,)) -> None:
+    """calibrate(solver="auto") at each n; ``tight``: the tight_runs settings, side by side."""
     for n in ns:
-        c = run_job("calibrate", n, runs=runs, solver="auto", passes=passes, threads=threads)
-        print(f"calibrate(n = {n}, runs = {runs}, epsilon = 1, delta = 1e-5): {c['seconds']:.1f} s, "
-              f"sigma_star {c['sigma_star']:.4g}, sigma_delta {c['sigma_delta']:.4g}, "
-              f"success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB", flush=True)
-        per = np.array(c["per_run"])
-        print(f"  per run (simulate and certify): {', '.join(f'{x:.1f}' for x in per)} s; median {np.median(per):.1f} s, "
-              f"max {per.max():.1f} s; the rest (alpha grid, bisection) {c['seconds'] - per.sum():.1f} s", flush=True)
+        for tight_runs in tight:
+            c = run_job("calibrate", n, runs=runs, solver="auto", passes=passes, threads=threads,
+                        tight_runs=tight_runs)
+            print(f"calibrate(n = {n}, runs = {runs}, epsilon = 1, delta = 1e-5, tight_runs = {tight_runs}): "
+                  f"{c['seconds']:.1f} s, sigma_star {c['sigma_star']:.4g}, sigma_delta {c['sigma_delta']:.4g}, "
+                  f"predicted MSE {c['mse']:.4g}, success {c['success']:.2f}, peak {c['max_rss_gb']:.2f} GB",
+                  flush=True)
+            for note in c["notes"]:
+                print(f"  note: {note}", flush=True)
+            _per_run(c)
+
+
+def _per_run(c: dict) -> None:
+    per = np.array(c["per_run"])
+    print(f"  per run (simulate and certify): {', '.join(f'{x:.1f}' for x in per)} s; median {np.median(per):.1f} s, "
+          f"max {per.max():.1f} s; the rest (alpha grid, bisection, runs bounded again) "
+          f"{c['seconds'] - per.sum():.1f} s", flush=True)
 
 
 def strategy(ns: list[int], draws: int, repeats: int = 3) -> None:
@@ -710,6 +723,8 @@ def main() -> None:
     p.add_argument("--gammas", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     p.add_argument("--epsilon", type=float, default=0.2)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--tight-runs", nargs="+", default=["no"], choices=["no", "yes"],
+                   help="--calibrate-large: calibrate's tight_runs (each, side by side: --tight-runs no yes)")
     p.add_argument("--threads", type=int, default=None,
                    help="--large / --cascade-split / --calibrate-large: BoundSettings.threads (default: every CPU)")
     p.add_argument("--passes", type=int, nargs="+", default=[1], choices=[1, 2],
@@ -758,7 +773,8 @@ def main() -> None:
     if args.cascade_split:
         cascade_split(args.cascade_split, args.ratios, args.threads)
     if args.calibrate_large:
-        calibrate_large(args.calibrate_large, args.runs, args.passes[0], args.threads)
+        calibrate_large(args.calibrate_large, args.runs, args.passes[0], args.threads,
+                        tuple(t == "yes" for t in args.tight_runs))
     if args.strategy:
         strategy(args.strategy, args.draws)
     if args.locality:

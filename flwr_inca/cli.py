@@ -20,7 +20,7 @@ import numpy as np
 from . import __version__
 from ._checks import check_int, check_real
 from ._json import dumps
-from ._progress import ProgressBar
+from ._progress import ProgressBar, format_duration
 from .protocol import (
     IncaConfig,
     MarkovDropout,
@@ -67,6 +67,22 @@ def _progress(label: str) -> Callable[[int, int], None]:
         bar.advance(done - bar.done)
         if done >= total:
             bar.close()
+
+    return report
+
+
+def _status(label: str, every: float = 10.0) -> Callable[[str], None]:
+    """A ``progress(line)`` callback printing a long computation's phases on stderr with the elapsed time;
+    counting lines (``... 1000 / 90000 ...``) at most once every ``every`` seconds."""
+    start, last = time.perf_counter(), -math.inf
+
+    def report(line: str) -> None:
+        nonlocal last
+        now = time.perf_counter() - start
+        if " / " in line and now - last < every:
+            return
+        last = now
+        print(f"{label} [{format_duration(now)}] {line}", file=sys.stderr, flush=True)
 
     return report
 
@@ -221,6 +237,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(f"error: cannot read trace {args.trace}: {exc}", file=sys.stderr)
         return 2
     kw = {"value_sensitivity": args.value_sensitivity, "delta": args.delta}
+    progress = None if args.json else _status("audit")  # a bound at n = 100,000 takes minutes
     if args.adversarial is not None:
         res = adversarial_collusion(trace, args.adversarial, seed=args.seed, finals=finals, **kw)
         cert = res.certificate
@@ -236,11 +253,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: --corrupted: {exc}", file=sys.stderr)
             return 2
-        cert = certify(trace, view, **kw)
+        cert = certify(trace, view, progress=progress, **kw)
     elif args.observed_fraction is not None:
-        cert = certify(trace, random_eavesdrop(trace, args.observed_fraction, args.seed, finals=finals), **kw)
+        cert = certify(trace, random_eavesdrop(trace, args.observed_fraction, args.seed, finals=finals),
+                       progress=progress, **kw)
     else:
-        cert = certify(trace, random_collusion(trace, args.collusion, args.seed, finals=finals), **kw)
+        cert = certify(trace, random_collusion(trace, args.collusion, args.seed, finals=finals),
+                       progress=progress, **kw)
     online = trace.steps[-1].online.tolist()
     counted = online if finals is None else finals.tolist()
     if args.json:

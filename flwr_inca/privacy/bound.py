@@ -375,6 +375,7 @@ def bound_profile(
     settings: BoundSettings | None = None,
     progress: Callable[[str], None] | None = None,
     cascade: bool = False,
+    charged_mu: float | None = None,
 ) -> SensitivityBound:
     """Upper bounds on every honest party's mu (see the module docstring).
 
@@ -387,8 +388,15 @@ def bound_profile(
         cascade: the charge-aware cascade (``method="cascade"``): a cheap local bound for every party
             (:mod:`~flwr_inca.privacy.local_bound`), the global one only for the parties whose local
             bound is above the largest refined bound; the maximum is as tight as the global bound's.
+        charged_mu: a mu (at the nominal sigmas) that the caller charges whatever this execution gives,
+            e.g. calibration's running maximum over the runs already bounded: no effort is spent below
+            it. The cascade solves globally only the parties whose local bound is above it, stops their
+            first solve once below it, and refines only above it. Every bound stays sound; the ones at
+            most ``charged_mu`` may be looser than without it, the maximum is as tight when it is above.
     """
     st = settings or BoundSettings()
+    if charged_mu is not None and not (charged_mu >= 0):  # also refuses NaN
+        raise ValueError(f"charged_mu must be None or a mu >= 0, got {charged_mu!r}")
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
     s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
     if not (s_star > 0 and s_delta > 0 and math.isfinite(s_star) and math.isfinite(s_delta)):
@@ -407,22 +415,25 @@ def bound_profile(
         return SensitivityBound(ms.honest, X[ms.natural], E[ms.natural], (s_star, s_delta), its, method)
     limits = threadpool_limits(st.blas_threads, user_api="blas") if st.blas_threads else nullcontext()
     with limits:
-        return _solve(ms, st, s_star, s_delta, progress, cascade)
+        return _solve(ms, st, s_star, s_delta, progress, cascade, charged_mu)
 
 
 def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
-           progress: Callable[[str], None] | None, cascade: bool = False) -> SensitivityBound:
+           progress: Callable[[str], None] | None, cascade: bool = False,
+           charged_mu: float | None = None) -> SensitivityBound:
     """The global bound for every party, or (``cascade``) the local bound for every party and the global
     one only for the parties whose local bound is above the charged maximum (see the module docstring)."""
     threads = _threads(st)
     with ThreadPoolExecutor(threads) if threads > 1 else nullcontext() as pool:
-        return _solve_in(ms, st, s_star, s_delta, progress, cascade, pool, threads)
+        return _solve_in(ms, st, s_star, s_delta, progress, cascade, pool, threads, charged_mu)
 
 
 def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
               progress: Callable[[str], None] | None, cascade: bool, pool: ThreadPoolExecutor | None,
-              threads: int) -> SensitivityBound:
+              threads: int, charged_mu: float | None = None) -> SensitivityBound:
     nH = ms.nH
+    # mu^2 charged anyway (0: none): no party is tightened below it
+    charged = 0.0 if charged_mu is None else float(charged_mu) ** 2
     # global bounds (inf: not computed) and local bounds (inf: no local tier)
     X, E = np.full(nH, np.inf), np.full(nH, np.inf)
     Xc, Ec = np.full(nH, np.inf), np.full(nH, np.inf)
@@ -452,7 +463,8 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
         # the charge-aware early stop: a party's first global solve ends once its estimated bound is
         # below stop_factor x the largest refined bound (parties already refined get every iteration)
         refined = its > 0
-        stop_at = st.stop_factor**2 * float(current()[refined].max()) if early and refined.any() else None
+        aim = max(float(current()[refined].max(initial=0.0)), charged)
+        stop_at = st.stop_factor**2 * aim if early and aim > 0 else None
         jobs = [parties[k: stop] for k, stop in zip(cuts, [*cuts[1:], parties.size])]
 
         def prepare(part: np.ndarray) -> tuple:  # in this thread: which kept iterates a batch starts from
@@ -495,7 +507,7 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
             f = current()
             refined = its > 0
             top = f[refined].max(initial=0.0) if refined_only else f.max()
-            band = (f >= st.refine_band**2 * top) & (its < st.max_iterations) & (change > tolerance)
+            band = (f >= st.refine_band**2 * top) & (f > charged) & (its < st.max_iterations) & (change > tolerance)
             if cascade:  # refine the parties near the top; a local-only party only once it is above them
                 band &= refined if refined_only else refined | (f > f[refined].max(initial=0.0))
             pick = np.flatnonzero(band)
@@ -534,7 +546,7 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
         # the final maximum, not at a first, higher estimate of it.
         fc = Xc / s_star**2 + Ec / s_delta**2
         order = np.argsort(-fc, kind="stable")
-        top, pos = -np.inf, 0
+        top, pos = (charged if charged > 0 else -np.inf), 0
         while pos < nH:
             # the first batch alone (it sets the maximum the others stop early at), then one per thread
             width = st.batch if pos == 0 else st.batch * threads

@@ -26,6 +26,7 @@ it, so that exactly noise-free directions are recognised as such; this moves eac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -320,6 +321,7 @@ def profile(
     sigma_star: float | None = None,
     sigma_delta: float | None = None,
     bound_settings: BoundSettings | None = None,
+    charged_mu: float | None = None,
 ) -> SensitivityProfile | SensitivityBound:
     """mu of every honest party of ``view`` on ``trace`` as a function of the sigmas.
 
@@ -327,13 +329,14 @@ def profile(
     ``"bound"`` or ``"cascade"`` a :class:`~flwr_inca.privacy.bound.SensitivityBound` (valid for any
     sigmas, tightest near ``sigma_star``/``sigma_delta``, default the trace's); ``"auto"`` picks by size
     (:func:`choose_solver`). Both have ``mu``, ``mu_limit``, ``min_sigma_delta`` and ``method``.
-    ``method`` selects the exact method's linear-system builder (:func:`build_model`).
+    ``method`` selects the exact method's linear-system builder (:func:`build_model`). ``charged_mu``: a
+    bound need not be tightened below this mu at the nominal sigmas (:func:`bound_profile`; exact ignores it).
     """
     choice = choose_solver(trace, view, solver)
     if choice == "exact":
         return SensitivityProfile.from_model(build_model(trace, view, method))
     return bound_profile(trace, view, sigma_star=sigma_star, sigma_delta=sigma_delta, settings=bound_settings,
-                         cascade=choice == "cascade")
+                         cascade=choice == "cascade", charged_mu=charged_mu)
 
 
 def certify(
@@ -347,6 +350,7 @@ def certify(
     method: str = "auto",
     solver: str = "auto",
     bound_settings: BoundSettings | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Certificate:
     """The guarantee of every honest party in the recorded execution ``trace`` against ``view``.
 
@@ -362,6 +366,8 @@ def certify(
             same maximum, faster at scale); ``Certificate.method`` says which one was used. A bound is
             never below the exact mu.
         bound_settings: work budget of the bound (:class:`~flwr_inca.privacy.bound.BoundSettings`).
+        progress: a bound calls it with a short status line after each phase (minutes at n = 100,000);
+            the exact method does not.
     """
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
     s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
@@ -378,7 +384,7 @@ def certify(
         prof = _FixedSigmas.from_model(model, s_star, s_delta) or SensitivityProfile.from_model(model)
     else:
         prof = bound_profile(trace, view, sigma_star=s_star, sigma_delta=s_delta, settings=bound_settings,
-                             cascade=choice == "cascade")
+                             cascade=choice == "cascade", progress=progress)
     mu = prof.mu(s_star, s_delta) * value_sensitivity
     cert = Certificate({int(i): float(m) for i, m in zip(prof.honest, mu)}, s_star, s_delta,
                        float(value_sensitivity), view, delta, method=prof.method)

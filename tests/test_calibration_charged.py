@@ -1,0 +1,125 @@
+"""Charge-aware calibration: a run's bound is tightened only above the level the runs before it charge
+(bound_profile's ``charged_mu``, simulate_runs' ``quantile``, calibrate's ``tight_runs``). Every bound
+stays >= exact; the calibrated noise is that of every run tightened alone; a loose run that sets
+sigma_delta is bounded again alone."""
+
+import math
+
+import numpy as np
+import pytest
+from test_bound import _case
+
+from flwr_inca import IncaConfig, PermanentDropout
+from flwr_inca.privacy import calibrate, certify, random_collusion
+from flwr_inca.privacy import calibration as calibration_module
+from flwr_inca.privacy.bound import bound_profile
+from flwr_inca.privacy.calibration import CHARGED_MARGIN, simulate_runs
+from flwr_inca.protocol import sample_trace
+
+KW = {"iterations": 12, "neighbors": 1, "collusion": 0.1, "dropout": PermanentDropout(0.1), "seed": 3}
+
+
+def _regenerate(parties: int, seeds: tuple[int, int]):
+    config = IncaConfig(iterations=12, neighbors=1, sigma_star=1.0, sigma_delta=1.0, dropout=PermanentDropout(0.1))
+    trace = sample_trace(parties, config, seeds[0])
+    return trace, random_collusion(trace, 0.1, seeds[1])
+
+
+@pytest.mark.parametrize("cascade", [True, False])
+def test_a_charged_bound_is_never_below_exact_on_random_small_executions(cascade):
+    # charged levels below, near and above the exact maximum: only effort changes, never soundness
+    checked = 0
+    for index in range(200):
+        trace, view = _case(index, seed=5)
+        exact = certify(trace, view, solver="exact")
+        mu_e = np.array([exact.mu[int(i)] for i in view.honest])
+        factor = (0.5, 0.97, 1.2, 4.0)[index % 4]
+        bound = bound_profile(trace, view, cascade=cascade, charged_mu=factor * float(mu_e.max()))
+        mu_b = bound.mu(trace.sigma_star, trace.sigma_delta)
+        assert np.all(np.isfinite(mu_b)), index  # exact mu <= 1 / sigma_star is always finite
+        assert np.all(mu_b >= mu_e * (1 - 1e-9) - 1e-12 / trace.sigma_star), index
+        checked += mu_e.size
+    assert checked > 800
+
+
+def _setting():
+    trace = sample_trace(200, IncaConfig(iterations=20, neighbors=1, sigma_star=0.25, sigma_delta=3.0,
+                                         dropout=PermanentDropout(0.1)), seed=3)
+    return trace, random_collusion(trace, 0.1, seed=3)
+
+
+def test_a_charged_level_below_the_maximum_leaves_it_as_tight_with_fewer_global_solves():
+    trace, view = _setting()
+    alone = bound_profile(trace, view, cascade=True)
+    top = float(alone.mu(0.25, 3.0).max())
+    charged = bound_profile(trace, view, cascade=True, charged_mu=0.9 * top)
+    assert charged.mu(0.25, 3.0).max() == pytest.approx(top, rel=1e-6)
+    assert 0 < (charged.iterations > 0).sum() < (alone.iterations > 0).sum()
+
+
+def test_a_charged_level_above_every_bound_needs_no_global_solve():
+    trace, view = _setting()
+    exact = certify(trace, view, solver="exact")
+    mu_e = np.array([exact.mu[int(i)] for i in view.honest])
+    loose = bound_profile(trace, view, cascade=True, charged_mu=10 * exact.max_mu)
+    mu_l = loose.mu(0.25, 3.0)
+    assert np.all(loose.iterations == 0)  # the local tier alone: sound ...
+    assert np.all(mu_l >= mu_e * (1 - 1e-9))
+    assert mu_l.max() > 1.01 * exact.max_mu  # ... and looser than when the maximum is charged here
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan])
+def test_charged_mu_must_be_a_mu(bad):
+    trace, view = _case(0, seed=5)
+    with pytest.raises(ValueError, match="charged_mu must be None or a mu >= 0"):
+        bound_profile(trace, view, cascade=True, charged_mu=bad)
+
+
+def test_simulate_runs_charges_margin_times_the_kth_largest_maximum_of_the_runs_before():
+    runs, quantile = 6, 0.5  # k = 6 - 3 + 1 = 4: runs 4 and 5 are charged the 4th largest of those before
+    seeds = np.random.SeedSequence(7).generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
+    base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=12, neighbors=1, dropout=PermanentDropout(0.1))
+    nominal = (0.2, 2.0)
+    sims = simulate_runs(60, base, seeds, rho=0.1, observed_fraction=None, solver="cascade", nominal=nominal,
+                         quantile=quantile)
+    maxima = [float(s.profile.mu(*nominal).max()) for s in sims]
+    for r, s in enumerate(sims):
+        expected = CHARGED_MARGIN * sorted(maxima[:r])[-4] if r >= 4 else None
+        assert s.charged == expected, (r, s.charged, expected)
+    plain = simulate_runs(60, base, seeds, rho=0.1, observed_fraction=None, solver="cascade", nominal=nominal)
+    assert all(s.charged is None for s in plain)
+
+
+def test_charged_calibration_needs_the_noise_of_tight_runs_and_every_run_is_private():
+    kw = dict(KW, runs=6)
+    tight = calibrate(0.5, 1e-5, 100, solver="cascade", tight_runs=True, **kw)
+    charged = calibrate(0.5, 1e-5, 100, solver="cascade", **kw)
+    assert not any("bounded only above" in note for note in tight.notes)
+    assert any("5 of 6 runs bounded only above" in note for note in charged.notes)
+    assert charged.sigma_star == pytest.approx(tight.sigma_star)
+    assert charged.sigma_delta == pytest.approx(tight.sigma_delta, rel=0.01)
+    assert charged.predicted_mse <= 1.01 * tight.predicted_mse
+    for seeds in charged.run_seeds:  # the guarantee itself, certified exactly at the calibrated sigmas
+        trace, view = _regenerate(100, seeds)
+        cert = certify(trace, view, sigma_star=charged.sigma_star, sigma_delta=charged.sigma_delta, solver="exact")
+        assert cert.max_mu <= charged.mu_target * (1 + 1e-9)
+
+
+def test_a_loose_run_that_sets_sigma_delta_is_bounded_again_alone(monkeypatch):
+    # a margin of 50: every run after the first is left at its local bound, and the loosest sets sigma_delta
+    monkeypatch.setattr(calibration_module, "CHARGED_MARGIN", 50.0)
+    kw = dict(KW, runs=4)
+    repaired = calibrate(0.5, 1e-5, 100, solver="cascade", **kw)
+    note = next(note for note in repaired.notes if "bounded only above" in note)
+    again = int(note.split("; ")[1].split(" of them")[0])
+    assert again >= 1
+    monkeypatch.setattr(calibration_module, "_loose_and_binding", lambda *args: [])  # no repair
+    loose = calibrate(0.5, 1e-5, 100, solver="cascade", **kw)
+    assert loose.predicted_mse > repaired.predicted_mse
+    tight = calibrate(0.5, 1e-5, 100, solver="cascade", tight_runs=True, **kw)
+    assert repaired.predicted_mse <= 1.01 * tight.predicted_mse
+
+
+def test_tight_runs_must_be_a_bool():
+    with pytest.raises(ValueError, match="tight_runs must be True or False"):
+        calibrate(0.5, 1e-5, 30, runs=1, tight_runs="yes")
