@@ -350,6 +350,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "certified_rounds": sum(r.certified for r in rounds),
         "seconds_per_round": (sum(r.seconds for r in trained) / len(trained)) if trained else None,
         "stopped": history.stopped, "output_dir": out,
+        "notes": list(history.notes),  # e.g. actors replaced, a resumed ledger, chance-level accuracy
     }
     # a script must be able to tell a completed training from one the budget stopped (the MNIST example's rule)
     status = 1 if history.stopped else 0

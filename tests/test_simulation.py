@@ -679,6 +679,8 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     assert main([*common, "--mode", "fedavg", "--epsilon", "none", *json_out]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["epsilon"] == "inf" and summary["rounds"] == 1 and summary["accuracy"] > 0
+    # the notes the text output prints, e.g. one round of 6 clients on digits: chance-level accuracy or none
+    assert summary["notes"] == json.loads((tmp_path / "j" / "history.json").read_text())["notes"]
     load_mnist.cache_clear()
     assert main(["simulate", "--clients", "1", "--backend", "inline", "--out", str(tmp_path / "x")]) == 2
     assert "num_clients must be an integer >= 2" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._checks import check_int, check_probability, check_real
+from .._checks import check_bool, check_int, check_probability, check_real
 from .._json import jsonable
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel, NoDropout, PermanentDropout
@@ -427,8 +427,7 @@ def calibrate(
     value_variance = check_real("value_variance", value_variance, 0.0)
     min_alpha = check_real("min_alpha", min_alpha, 0.0)
     bound_passes = check_int("bound_passes", bound_passes, 1, 2)
-    if not isinstance(tight_runs, bool):
-        raise ValueError(f"tight_runs must be True or False, got {tight_runs!r}")
+    tight_runs = check_bool("tight_runs", tight_runs)
     rho, threat = _threat(collusion, observed_fraction)
     # the paper's classic bound raises for epsilon >= 1
     mu_target = classic_mu(epsilon, delta) if procedure == "paper" else mu_for_epsilon(epsilon, delta)
