@@ -68,10 +68,10 @@ def test_a_charged_level_above_every_bound_needs_no_global_solve():
     assert mu_l.max() > 1.01 * exact.max_mu  # ... and looser than when the maximum is charged here
 
 
-@pytest.mark.parametrize("bad", [-1.0, math.nan])
+@pytest.mark.parametrize("bad", [-1.0, math.nan, "0.5", True])
 def test_charged_mu_must_be_a_mu(bad):
     trace, view = _case(0, seed=5)
-    with pytest.raises(ValueError, match="charged_mu must be None or a mu >= 0"):
+    with pytest.raises(ValueError, match="charged_mu must be >= 0, got"):
         bound_profile(trace, view, cascade=True, charged_mu=bad)
 
 
@@ -88,6 +88,8 @@ def test_simulate_runs_charges_margin_times_the_kth_largest_maximum_of_the_runs_
         assert s.charged == expected, (r, s.charged, expected)
     plain = simulate_runs(60, base, seeds, rho=0.1, observed_fraction=None, solver="cascade", nominal=nominal)
     assert all(s.charged is None for s in plain)
+    with pytest.raises(ValueError, match="quantile must be"):
+        simulate_runs(60, base, seeds[:1], rho=0.1, observed_fraction=None, nominal=nominal, quantile=0.0)
 
 
 def test_charged_calibration_needs_the_noise_of_tight_runs_and_every_run_is_private():

@@ -42,6 +42,7 @@ import scipy.linalg as la
 import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
+from .._checks import check_real
 from ..protocol.trace import ExecutionTrace
 from .local_bound import LocalTier
 from .message_space import MessageSpace, _pair_weights
@@ -395,8 +396,8 @@ def bound_profile(
             most ``charged_mu`` may be looser than without it, the maximum is as tight when it is above.
     """
     st = settings or BoundSettings()
-    if charged_mu is not None and not (charged_mu >= 0):  # also refuses NaN
-        raise ValueError(f"charged_mu must be None or a mu >= 0, got {charged_mu!r}")
+    if charged_mu is not None:  # inf: no global solve at all (every bound still sound)
+        charged_mu = check_real("charged_mu", charged_mu, 0.0, finite=False)
     s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
     s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
     if not (s_star > 0 and s_delta > 0 and math.isfinite(s_star) and math.isfinite(s_delta)):

@@ -240,6 +240,8 @@ def simulate_runs(
     with a bound: one pass per run"). Every bound stays sound. None: every run tightened alone.
     """
     runs = len(seeds)
+    if quantile is not None:
+        quantile = check_probability("quantile", quantile, zero=False)
     out: list[_Run] = []
     k = runs - math.ceil(quantile * runs - 1e-9) + 1 if quantile is not None and nominal is not None else 0
     maxima: list[float] = []  # each run's largest mu at the nominal sigmas
