@@ -23,7 +23,10 @@ the exact check use the sound bound (``solver``, :func:`~flwr_inca.privacy.certi
 it never claims more privacy than the exact check would, so it may only ask for more noise. A bound's
 ``(X_i, E_i)`` hold for every pair of sigmas, so each such run is bounded once, near the central-DP level
 (``bound_passes=1``; docs/privacy.md, "Calibrating with a bound: one pass per run"); ``bound_passes=2``
-bounds it again at the sigmas the first pass chose (tightest there, twice the cost).
+bounds it again at the sigmas the first pass chose (tightest there, twice the cost). Only the runs that set
+sigma_delta must be tight: a run is not tightened below the level the runs before it charge, and one that
+sets sigma_delta anyway is bounded again alone (``tight_runs=False``; docs/privacy.md, "Charging across
+runs").
 
 The procedure is split in small steps: :func:`simulate_runs`, :func:`alpha_grid`,
 :func:`evaluate_alpha` and :func:`pick_alpha`.
@@ -236,8 +239,8 @@ def simulate_runs(
     is set by the ``k = R - ceil(quantile R) + 1`` runs that need the most, so a bound is not tightened
     below :data:`CHARGED_MARGIN` times the k-th largest maximum mu (at the nominal sigmas) of the runs
     before it (``charged_mu`` of :func:`~flwr_inca.privacy.bound.bound_profile`): a run below that level is
-    rarely among them, and :func:`calibrate` bounds again alone any that is (docs/privacy.md, "Calibrating
-    with a bound: one pass per run"). Every bound stays sound. None: every run tightened alone.
+    rarely among them, and :func:`calibrate` bounds again alone any that is (docs/privacy.md, "Charging
+    across runs"). Every bound stays sound. None: every run tightened alone.
     """
     runs = len(seeds)
     if quantile is not None:
