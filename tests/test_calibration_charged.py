@@ -125,3 +125,14 @@ def test_a_loose_run_that_sets_sigma_delta_is_bounded_again_alone(monkeypatch):
 def test_tight_runs_must_be_a_bool():
     with pytest.raises(ValueError, match="tight_runs must be True or False"):
         calibrate(0.5, 1e-5, 30, runs=1, tight_runs="yes")
+
+
+def test_with_a_target_success_below_one_only_runs_after_the_kth_are_charged():
+    # target_success 0.5 of 6 runs: sigma_delta is the 4th largest need, so runs 4 and 5 are charged
+    kw = dict(KW, runs=6, target_success=0.5)
+    tight = calibrate(0.5, 1e-5, 100, solver="cascade", tight_runs=True, **kw)
+    charged = calibrate(0.5, 1e-5, 100, solver="cascade", **kw)
+    assert any(note.startswith("2 of 6 runs bounded only above") for note in charged.notes)
+    assert charged.success_fraction >= 0.5 and tight.success_fraction >= 0.5
+    assert charged.sigma_delta == pytest.approx(tight.sigma_delta, rel=0.01)
+    assert charged.predicted_mse <= 1.01 * tight.predicted_mse
