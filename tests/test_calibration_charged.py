@@ -1,9 +1,7 @@
 """Charge-aware calibration: a run's bound is tightened only above the level the runs before it charge
 (bound_profile's ``charged_mu``, simulate_runs' ``quantile``, calibrate's ``tight_runs``). Every bound
-stays >= exact; a charged run that could change the choice is bounded again alone, so the predicted MSE is
-within 1% of the best that tightening every run could give."""
-
-import dataclasses
+stays >= exact; a charged run that sets sigma_delta (or cannot be made private) at the chosen sigma_star is
+bounded again alone, and the calibrated noise is, on these executions, that of every run tightened alone."""
 
 import math
 
@@ -134,37 +132,16 @@ def test_a_loose_run_that_sets_sigma_delta_is_bounded_again_alone(monkeypatch):
     kw = dict(KW, runs=4)
     repaired = calibrate(0.5, 1e-5, 100, solver="cascade", **kw)
     assert _rebounded(repaired) >= 1
-    monkeypatch.setattr(calibration_module, "_close_enough", lambda *args: True)  # no repair
+    monkeypatch.setattr(calibration_module, "_loose_and_binding", lambda *args: [])  # no repair
     loose = calibrate(0.5, 1e-5, 100, solver="cascade", **kw)
     assert loose.predicted_mse > repaired.predicted_mse
     tight = calibrate(0.5, 1e-5, 100, solver="cascade", tight_runs=True, **kw)
     assert repaired.predicted_mse <= 1.01 * tight.predicted_mse
 
 
-def test_charged_runs_loose_away_from_the_nominal_pair_do_not_cost_noise(monkeypatch):
-    # charged runs whose bounds weigh X more than a tight bound (X x 1.2, E x 0.8: still sound, as X and E
-    # are only ever enlarged here... and shrunk: so only the choice is compared, never a guarantee) make
-    # small alphas look infeasible; the check against the optimistic choice bounds them again
-    real = calibration_module.profile
-
-    def skewed(*args, charged_mu=None, **kwargs):
-        prof = real(*args, charged_mu=charged_mu, **kwargs)
-        return prof if charged_mu is None else dataclasses.replace(prof, X=prof.X * 1.2, E=prof.E * 0.8)
-
-    monkeypatch.setattr(calibration_module, "profile", skewed)
-    kw = {"iterations": 12, "neighbors": 1, "collusion": 0.3, "dropout": None, "runs": 5, "seed": 0,
-          "alphas": tuple(np.linspace(0.2, 3, 15)), "min_alpha": 0.0}
-    charged = calibrate(0.5, 1e-5, 60, solver="cascade", **kw)
-    tight = calibrate(0.5, 1e-5, 60, solver="cascade", tight_runs=True, **kw)
-    assert _rebounded(charged) >= 1
-    assert charged.predicted_mse <= (1 + calibration_module.CHARGED_MSE_TOLERANCE) * tight.predicted_mse
-    monkeypatch.setattr(calibration_module, "_close_enough", lambda *args: True)  # without the check
-    assert calibrate(0.5, 1e-5, 60, solver="cascade", **kw).predicted_mse > 1.05 * tight.predicted_mse
-
-
 def test_the_paper_procedure_bounds_again_runs_infeasible_only_as_charged():
     # every run after the first is charged at the first's (infeasible) level and left loose: without bounding
-    # them again the paper's alpha would find no feasible run and raise
+    # them again the paper's alpha would find no feasible run and raise (found by review)
     kw = {"iterations": 2, "neighbors": 1, "collusion": 0.35, "procedure": "paper", "solver": "cascade",
           "runs": 5, "seed": 1}
     tight = calibrate(0.5, 1e-5, 40, tight_runs=True, **kw)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -74,9 +74,6 @@ BOUND_NOMINAL_RATIO = 10.0
 # left loose weighs differently: at n = 2000 (10 runs) 1.0 gave 2% more MSE, 0.95 the same as every run
 # tightened alone. The run that sets sigma_delta is bounded again alone anyway (calibrate).
 CHARGED_MARGIN = 0.95
-# calibrate keeps a choice made with charged runs once its predicted MSE is within this share of the best any
-# tightening of them could give (the choice as if they needed no noise); else it bounds the blocking ones alone
-CHARGED_MSE_TOLERANCE = 0.01
 
 
 @dataclass
@@ -421,9 +418,10 @@ def calibrate(
             pass chose (slightly less noise, twice the cost).
         tight_runs: False (default): a run's bound is tightened only above the level the runs before it
             already charge (:func:`simulate_runs`' ``quantile``; at n = 10,000 most runs then need no global
-            solve), and charged runs that could change the choice are bounded again alone, so the sigmas
-            are those of tight runs; True: every run's bound is tightened on its own (its largest mu as
-            tight as a lone ``certify``'s; slower). ``bound_passes=2`` bounds every run alone anyway.
+            solve), and a charged run that sets sigma_delta at the chosen sigma_star (or cannot be made
+            private there) is bounded again alone; the sigmas may differ slightly from those of tight runs
+            (docs/privacy.md, "Charging across runs"); True: every run's bound is tightened on its own (its
+            largest mu as tight as a lone ``certify``'s; slower). ``bound_passes=2`` bounds every run alone.
     """
     start = time.perf_counter()
     if procedure not in ("exact", "paper"):
@@ -466,23 +464,20 @@ def calibrate(
 
     charged = sum(s.charged is not None for s in sims)
     rebounded = 0
-    # Charged runs may be looser than alone. The choice stands once it is as successful as, and within
-    # CHARGED_MSE_TOLERANCE of the MSE of, the one made as if they needed no noise at all (no tightening can
-    # do better); until then the charged runs that block that optimistic choice are bounded again alone (each
-    # pass at least one: at most R passes).
+    # Charged runs may be looser than alone: those that set sigma_delta at the chosen sigma_star, or cannot
+    # be made private there, are bounded again alone and the choice is made again (each pass at least one run:
+    # at most R passes). If no choice can be made (the paper's alpha, every run infeasible), all of them are.
     while True:
         try:
             best, rows, notes = choose(sims)
-        except ValueError:  # e.g. the paper's alpha: every run infeasible, maybe only as bounded loosely
+        except ValueError:
             if not any(s.charged is not None for s in sims):
                 raise
-            best = None
-        if not any(s.charged is not None for s in sims):
+            again = [r for r, s in enumerate(sims) if s.charged is not None]
+        else:
+            again = _loose_and_binding(sims, best, mu_target, value_sensitivity)
+        if not again:
             break
-        hoped = choose([_needs_nothing(s) for s in sims])[0]
-        if best is not None and _close_enough(best, hoped):
-            break
-        again = _blocking(sims, hoped, mu_target, value_sensitivity)
         for r in again:
             sims[r].profile = profile(sims[r].trace, sims[r].view, solver=sims[r].profile.method,
                                       sigma_star=nominal[0], sigma_delta=nominal[1], bound_settings=bound_settings)
@@ -504,8 +499,8 @@ def calibrate(
                      f"bounded {'twice' if passes == 2 else 'once'})")
     if charged:
         notes.append(f"{charged} of {runs} runs bounded only above {CHARGED_MARGIN:g} x the level the runs before "
-                     f"them charge (tight_runs=False); {rebounded} of them bounded again alone, as they could "
-                     "change the choice")
+                     f"them charge (tight_runs=False); {rebounded} of them bounded again alone, as they set "
+                     "sigma_delta")
     return Calibration(
         procedure=procedure, epsilon=float(epsilon), delta=float(delta), mu_target=float(mu_target),
         sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"], alpha=best["alpha"],
@@ -518,44 +513,19 @@ def calibrate(
     )
 
 
-class _NeedsNothing:
-    """The profile of a run that any sigmas make private (mu = 0): what a charged run could at best turn
-    out to be, once bounded alone."""
-
-    def mu(self, sigma_star: float, sigma_delta: float) -> np.ndarray:
-        return np.zeros(1)
-
-    def mu_limit(self, sigma_star: float) -> np.ndarray:
-        return np.zeros(1)
-
-    def min_sigma_delta(self, sigma_star: float, mu_target: float) -> float:
-        return 0.0
-
-
-def _needs_nothing(run: _Run) -> _Run:
-    """``run`` itself, or if it is charged the same run needing no noise (its MSE terms unchanged)."""
-    return run if run.charged is None else replace(run, profile=_NeedsNothing())
-
-
-def _close_enough(best: dict[str, float], hoped: dict[str, float]) -> bool:
-    """``best`` as successful as ``hoped`` and its predicted MSE within :data:`CHARGED_MSE_TOLERANCE`."""
-    return (best["success_fraction"] >= hoped["success_fraction"]
-            and (best["predicted_mse"] <= (1 + CHARGED_MSE_TOLERANCE) * hoped["predicted_mse"]
-                 or best["predicted_mse"] == hoped["predicted_mse"]))  # (inf == inf: nothing feasible)
-
-
-def _blocking(sims: list[_Run], hoped: dict[str, float], mu_target: float, value_sensitivity: float) -> list[int]:
-    """Charged runs to bound again alone, at least one: those that need more than the optimistic choice
-    ``hoped`` at its sigma_star (or cannot be made private there); else those whose sigma_delta -> inf limit
-    is above every other run's (they raise the alpha grid's floor); else all of them."""
-    s_star, s_delta = hoped["sigma_star"] / value_sensitivity, hoped["sigma_delta"] / value_sensitivity
-    charged = [r for r, s in enumerate(sims) if s.charged is not None]
-    need = [r for r in charged if sims[r].profile.min_sigma_delta(s_star, mu_target) > s_delta * (1 + 1e-9)]
-    if need:
-        return need
-    top = max((float(s.profile.mu_limit(1.0).max(initial=0.0)) for s in sims if s.charged is None), default=0.0)
-    floor = [r for r in charged if float(sims[r].profile.mu_limit(1.0).max(initial=0.0)) > top]
-    return floor or charged
+def _loose_and_binding(sims: list[_Run], best: dict[str, float], mu_target: float,
+                       value_sensitivity: float) -> list[int]:
+    """The charged runs that need at least the chosen sigma_delta at the chosen sigma_star (those that set
+    it), or that no sigma_delta makes private there: their bound may be looser than alone."""
+    s_star, s_delta = best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity
+    out = []
+    for r, s in enumerate(sims):
+        if s.charged is None:
+            continue
+        need = s.profile.min_sigma_delta(s_star, mu_target)
+        if need == math.inf or need >= s_delta * (1 - 1e-9) > 0:
+            out.append(r)
+    return out
 
 
 def _dropout_fraction(dropout: DropoutModel | None, sims: list[_Run], n: int, rho: float) -> float:
