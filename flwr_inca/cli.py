@@ -57,13 +57,16 @@ def parse_dropout(spec: str) -> DropoutModel:
 
 
 def _progress(label: str) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback drawing the package's progress bar (elapsed time, ETA)."""
+    """A ``progress(done, total)`` callback drawing the package's progress bar (elapsed time, ETA), timed from
+    its creation (the first report comes after the first step's work, which the elapsed time must include)."""
     bar: ProgressBar | None = None
+    start = time.perf_counter()
 
     def report(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
             bar = ProgressBar(total, label)
+            bar.start = start
         bar.advance(done - bar.done)
         if done >= total:
             bar.close()

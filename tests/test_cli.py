@@ -2,6 +2,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -292,3 +293,17 @@ def test_mean_table_is_tidy(capsys):
     assert max(len(row) for row in table) == len(table[1]) <= 100  # no column padded past its content
     # the numbers line up on the right edge of their column
     assert len({row.rstrip().rfind(row.split()[-1]) + len(row.split()[-1]) for row in table[2:]}) == 1
+
+
+def test_progress_bar_times_from_its_creation_not_from_the_first_report(capsys):
+    # calibrate reports after each simulated run: the first run's work must count in the elapsed time
+    import time
+
+    from flwr_inca.cli import _progress
+
+    report = _progress("runs")
+    time.sleep(1.2)
+    report(1, 2)
+    report(2, 2)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("runs")]
+    assert lines and re.search(r"100% [1-9]\d*s$", lines[-1]), lines
