@@ -519,9 +519,9 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
             after = current()[pick]
             change[pick] = (before - after) / np.maximum(before, 1e-300) / 2  # of mu, not mu^2
             if progress:
-                top = float(current()[its > 0].max(initial=0.0))  # the cascade's local-only parties aside
+                refined_top = float(current()[its > 0].max(initial=0.0))  # the cascade's local-only parties aside
                 progress(f"bound: refined {pick.size} part{'y' if pick.size == 1 else 'ies'}; largest refined mu "
-                         f"{math.sqrt(top):.5g}")
+                         f"{math.sqrt(refined_top):.5g}")
 
     everyone = np.arange(nH)
     if not cascade:

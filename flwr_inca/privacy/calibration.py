@@ -263,9 +263,10 @@ def simulate_runs(
         charged = CHARGED_MARGIN * sorted(maxima)[-k] if k and len(maxima) >= k else None
         prof = profile(trace, view, solver=solver, sigma_star=s_star, sigma_delta=s_delta,
                        bound_settings=bound_settings, charged_mu=charged)
-        top = float(prof.mu(s_star, s_delta).max(initial=0.0)) if k else math.inf
-        if math.isfinite(top):  # a run no sigma makes private sets no level (the paper's skips it)
-            maxima.append(top)
+        if k:
+            top = float(prof.mu(s_star, s_delta).max(initial=0.0))
+            if math.isfinite(top):  # an unbounded mu (a party the view exposes whatever the sigmas) sets no level
+                maxima.append(top)
         out.append(_Run(prof, trace, view, float(b @ b), float(np.sum(a * a)), total, lost,
                         int(finals[view.honest].sum()), charged if prof.method in ("bound", "cascade") else None))
         if progress is not None:
@@ -471,17 +472,15 @@ def calibrate(
         try:
             best, rows, notes = choose(sims)
         except ValueError:
-            if not any(s.charged is not None for s in sims):
-                raise
             again = [r for r, s in enumerate(sims) if s.charged is not None]
+            if not again:
+                raise
         else:
             again = _loose_and_binding(sims, best, mu_target, value_sensitivity)
         if not again:
             break
         for r in again:
-            sims[r].profile = profile(sims[r].trace, sims[r].view, solver=sims[r].profile.method,
-                                      sigma_star=nominal[0], sigma_delta=nominal[1], bound_settings=bound_settings)
-            sims[r].charged = None
+            _bound_again(sims[r], nominal, bound_settings)
         rebounded += len(again)
     bounded = [r for r, s in enumerate(sims) if s.profile.method in ("bound", "cascade")]
     passes = 1
@@ -490,9 +489,7 @@ def calibrate(
         # second pass: bound those runs again where they are used, at the chosen (unit) sigmas
         at = (best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity)
         for r in bounded:
-            sims[r].profile = profile(sims[r].trace, sims[r].view, solver=sims[r].profile.method,
-                                      sigma_star=at[0], sigma_delta=at[1], bound_settings=bound_settings)
-            sims[r].charged = None
+            _bound_again(sims[r], at, bound_settings)
         best, rows, notes = choose(sims)
     if bounded:
         notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r}, "
@@ -511,6 +508,13 @@ def calibrate(
         run_seeds=[(int(a), int(b)) for a, b in seeds],
         notes=notes,
     )
+
+
+def _bound_again(run: _Run, nominal: tuple[float, float], bound_settings: BoundSettings | None) -> None:
+    """Bound ``run`` again on its own (no ``charged_mu``), tightest at ``nominal`` (unit sensitivity)."""
+    run.profile = profile(run.trace, run.view, solver=run.profile.method, sigma_star=nominal[0],
+                          sigma_delta=nominal[1], bound_settings=bound_settings)
+    run.charged = None
 
 
 def _loose_and_binding(sims: list[_Run], best: dict[str, float], mu_target: float,
