@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import tempfile
@@ -81,8 +80,9 @@ def _replace_quickly(target: str, data: bytes) -> None:
 
 @contextmanager
 def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold an exclusive OS lock (``flock``) on the sidecar file ``<path>.lock`` (created if needed, mode
-    0600, never removed: removing it would let two processes lock two different files).
+    """Hold an exclusive OS lock (``flock``; ``msvcrt.locking`` on Windows) on the sidecar file
+    ``<path>.lock`` (created if needed, mode 0600, never removed: removing it would let two processes
+    lock two different files).
 
     The lock belongs to the open file, so it excludes other processes and other threads alike, and the
     OS releases it when its holder dies, even by ``kill -9``.
@@ -94,10 +94,27 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
         os.makedirs(os.path.dirname(lock) or ".", exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock_exclusive(fd)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _lock_exclusive(fd: int) -> None:
+    """Block until this process holds the exclusive lock of the open file ``fd``. Imported here, not at
+    module import: ``fcntl`` exists only on POSIX, and the package must import everywhere."""
+    if os.name == "nt":  # pragma: no cover - exercised on Windows only
+        import msvcrt
+
+        while True:  # LK_LOCK gives up after 10 s of retries: retry until the holder releases it
+            try:
+                msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
+                return
+            except OSError:
+                continue
+    import fcntl
+
+    fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def remove_temp_files(path: str | os.PathLike[str]) -> list[Path]:

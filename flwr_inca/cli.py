@@ -329,21 +329,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .simulation import SimulationConfig
     from .simulation.mnist import simulate_mnist
 
+    if args.resume and not args.out:
+        raise ValueError("--resume needs --out (the directory of the run to continue)")
     out = args.out or time.strftime(f"simulation-{args.mode}-{args.clients}c-%Y%m%d-%H%M%S")
     config = SimulationConfig(
         rounds=args.rounds, mode=args.mode, fraction=args.fraction, min_clients=args.min_clients,
         availability=_availability(args.availability), privacy_unit=args.privacy_unit, lr=args.lr,
         clip_norm=args.clip_norm, batch_size=args.batch_size, local_steps=args.local_steps,
-        local_epochs=args.local_epochs, epsilon=args.epsilon, delta=args.delta, accountant=args.accountant,
+        local_epochs=args.local_epochs, max_epsilon=args.max_epsilon, delta=args.delta, accountant=args.accountant,
         iterations=args.iterations, neighbors=args.neighbors, topology=args.topology, dropout=args.dropout,
         collusion=args.collusion, observed_fraction=args.observed_fraction, threat_draws=args.threat_draws,
         sigma_star=args.sigma_star, sigma_delta=args.sigma_delta, calibration_runs=args.calibration_runs,
         certification=args.certification, certify_every=args.certify_every,
         noise_multiplier=args.noise_multiplier, backend=args.backend, num_actors=args.num_actors,
         ray_address=args.ray_address, precision=args.precision, seed=args.seed, eval_every=args.eval_every,
-        output_dir=out, save_traces=args.save_traces)
+        output_dir=out, trace_dir="traces" if args.save_traces else None)
     history = simulate_mnist(config, clients=args.clients, partition=args.partition, model=args.model,
-                             data_dir=args.data_dir, progress=not args.json)
+                             data_dir=args.data_dir, progress=not args.json, resume=args.resume)
     rounds = history.rounds
     trained = [r for r in rounds if not r.failed]
     summary = {
@@ -374,7 +376,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if history.stopped:
         print(history.stopped)
-    written = [name for name in ("history.json", "history.csv", "ledger.json", "accuracy_epsilon.png", "traces")
+    written = [name for name in ("history.json", "history.csv", "model.npy", "inca_ledger.json", "accuracy_epsilon.png",
+                                 "traces")
                if (Path(out) / name).exists()]  # e.g. no ledger when nothing was charged
     print(f"results in {out}/ ({', '.join(n + '/' if n == 'traces' else n for n in written) or 'nothing written'})")
     return status
@@ -547,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "reference), certifying and charging every round; writes history.json/.csv, the "
                     "ledger and a plot to --out.",
         epilog="examples:\n  flwr-inca simulate --clients 100 --rounds 10 --backend inline\n"
-               "  flwr-inca simulate --clients 1000 --rounds 40 --epsilon 1 --data-dir /path/to/mnist "
+               "  flwr-inca simulate --clients 1000 --rounds 40 --max-epsilon 1 --data-dir /path/to/mnist "
                "--out sim-1000\n\n"
                "exit status: 0 when every round ran; 1 when training stopped early because the privacy "
                "budget did not allow the next round (the results so far are written; the message says why); "
@@ -575,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=50, help="record level: expected Poisson batch per client")
     s.add_argument("--local-steps", type=int, default=None, help="party level: local SGD steps (default: --local-epochs)")
     s.add_argument("--local-epochs", type=int, default=None, help="party level: local epochs (default: 1, or --local-steps)")
-    s.add_argument("--epsilon", type=_optional_epsilon, default=1.0, help="total budget over the rounds, or 'none'")
+    s.add_argument("--max-epsilon", type=_optional_epsilon, default=1.0,
+                   help="total privacy budget over the rounds, or 'none'")
     s.add_argument("--delta", type=float, default=1e-5, help="delta of the budget, in (0, 1)")
     s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp", "prv", "rdp", "gdp"],
                    default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
@@ -589,12 +593,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random colluding sets certified per round (the worst counts)")
     s.add_argument("--sigma-star", type=float, default=None, help="fixed sigma_star (default: calibrated for the budget)")
     s.add_argument("--sigma-delta", type=float, default=None, help="fixed sigma_delta (default: calibrated for the budget)")
-    s.add_argument("--calibration-runs", type=_positive_int, default=10, help="simulated runs of the calibration")
+    s.add_argument("--calibration-runs", type=_positive_int, default=20, help="simulated runs of the calibration")
     s.add_argument("--certification", choices=["exact", "local-bound"], default="exact",
                    help="per-round certificate: exact, or a cheaper local upper bound")
     s.add_argument("--certify-every", type=_positive_int, default=1,
                    help="exact certificate every r rounds (a prediction, marked, in between)")
-    s.add_argument("--noise-multiplier", type=float, default=None, help="central-dp without a budget: noise std / sensitivity (default: from --epsilon)")
+    s.add_argument("--noise-multiplier", type=float, default=None, help="central-dp without a budget: noise std / sensitivity (default: from --max-epsilon)")
     s.add_argument("--backend", choices=["ray", "inline"], default="ray",
                    help="ray: training in Ray actors; inline: in this process")
     s.add_argument("--num-actors", type=int, default=None, help="Ray actors (default: one per CPU)")
@@ -603,7 +607,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--eval-every", type=_positive_int, default=1, help="evaluate the model every r rounds")
     s.add_argument("--seed", type=int, default=0, help="seed of the partition, sampling and mixing")
     s.add_argument("--out", default=None, help="output directory (default: a new simulation-<mode>-<clients>c-<time> directory)")
-    s.add_argument("--save-traces", action="store_true", help="also write each round's execution trace")
+    s.add_argument("--save-traces", action="store_true", help="also write each round's execution trace (to traces/)")
+    s.add_argument("--resume", action="store_true",
+                   help="continue the run recorded in --out from its last recorded round (same settings; "
+                        "--rounds may be larger); without it an --out that holds a run is refused")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
     s.set_defaults(func=cmd_simulate)
     add_reproduce_parser(sub)
@@ -614,8 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "epsilon", None) is not None:
-            check_real("--epsilon", args.epsilon, 0.0, low_open=True)
+        for name in ("epsilon", "max_epsilon"):
+            if getattr(args, name, None) is not None:
+                check_real("--" + name.replace("_", "-"), getattr(args, name), 0.0, low_open=True)
         if getattr(args, "delta", None) is not None:
             check_real("--delta", args.delta, 0.0, 1.0, low_open=True, high_open=True)
         return int(args.func(args))

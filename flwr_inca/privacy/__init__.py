@@ -8,7 +8,6 @@ Typical use::
     cert.max_mu, cert.epsilon, cert.weakest[:3]
 """
 
-from . import accountants as _accountants
 from .accountants import (
     ACCOUNTANTS,
     ExactAccountant,
@@ -84,6 +83,3 @@ __all__ = [
     "with_finals",
 ]
 
-
-def __getattr__(name: str):  # the accountants' class names before 0.2, with a DeprecationWarning
-    return _accountants._old_class(__name__, name)

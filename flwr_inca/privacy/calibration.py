@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -53,10 +53,10 @@ from ..protocol.topology import Topology
 from ..protocol.utility import output_coefficients
 from .bound import BoundSettings, SensitivityBound
 from .certificate import SensitivityProfile, profile
-from .conversions import classic_mu, mu_for_epsilon
+from .conversions import classic_mu, epsilon_for_delta, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
-__all__ = ["DEFAULT_ALPHAS", "Calibration", "alpha_candidates", "alpha_grid", "calibrate", "evaluate_alpha",
+__all__ = ["DEFAULT_ALPHAS", "Calibration", "NoiseCalibrator", "alpha_candidates", "alpha_grid", "calibrate", "evaluate_alpha",
            "pick_alpha", "required_sigma_delta", "simulate_runs"]
 
 # alpha: sigma_star^2 in units of 1 / (n_O mu^2), the central-DP level of the honest finalists
@@ -541,3 +541,96 @@ def _dropout_fraction(dropout: DropoutModel | None, sims: list[_Run], n: int, rh
     # other models: the observed share of honest parties missing at the end
     honest = n * (1.0 - rho)
     return float(1.0 - np.mean([s.honest_finalists for s in sims]) / honest) if honest > 0 else 0.0
+
+
+REUSE_WITHIN = 0.1  # a calibration serves every party count within 10% of the one it was made for
+
+
+class NoiseCalibrator:
+    """The calibrated noise of a training's rounds, for any number of parties and any target.
+
+    One rule for every driver (``IncaStrategy``, the simulator, the study): the noise for ``n`` parties
+    and a per-round target ``mu`` is :func:`calibrate`'s, made once per party count and reused:
+
+    * for every target and value sensitivity: the exact procedure is scale-free (a view's certificate is
+      proportional to S / sigma when both sigmas scale together, and the predicted MSE's choice of alpha
+      does not depend on the scale), so one calibration at unit sensitivity and a reference target serves
+      every (mu, S) by scaling both sigmas by ``S * mu_ref / mu``. The paper's procedure (the classic
+      bound, not scale-free) is calibrated per target;
+    * for party counts within :data:`REUSE_WITHIN` of one already calibrated: sigma_star is scaled by
+      ``sqrt(n_cal / n)`` (it protects through the sum of n values), sigma_delta is kept.
+
+    Calibration is a choice of noise, not a guarantee: every round is certified on the execution that
+    happened and charged that certificate.
+
+    Args:
+        iterations, neighbors, topology, schedule, dropout: the protocol as it will run.
+        collusion, observed_fraction: the threat (see :func:`calibrate`).
+        runs: simulated executions per calibration.
+        seed: the calibration's seed; each party count derives its own from it.
+        procedure, target_success: as in :func:`calibrate`.
+    """
+
+    REFERENCE_MU = 0.05  # the unit-sensitivity target the exact procedure is calibrated at
+
+    def __init__(self, *, iterations: int, neighbors: int = 1, collusion: float | None = 0.1,
+                 observed_fraction: float | None = None, dropout: DropoutModel | None = None,
+                 topology: str | Topology = "random", schedule: str | InjectionSchedule = "incremental",
+                 runs: int = 20, seed: int = 0, procedure: str = "exact", target_success: float = 1.0,
+                 progress: Callable[[str], None] | None = None) -> None:
+        if procedure not in ("exact", "paper"):
+            raise ValueError(f"procedure must be 'exact' or 'paper', got {procedure!r}")
+        self.settings = {"iterations": iterations, "neighbors": neighbors, "collusion": collusion,
+                         "observed_fraction": observed_fraction, "dropout": dropout, "topology": topology,
+                         "schedule": schedule, "runs": check_int("runs (calibration_runs)", runs, 1),
+                         "procedure": procedure,
+                         "target_success": check_probability("target_success", target_success, zero=False)}
+        self.seed = check_int("seed", seed, 0)
+        self.progress = progress
+        self.calibrations: dict[tuple[int, float, float], Calibration] = {}  # (n, reference mu, delta), S = 1
+        self.seconds = 0.0
+
+    def calibration(self, n: int, mu_target: float, delta: float, value_sensitivity: float) -> Calibration:
+        """The calibration for ``n`` parties, per-round GDP target ``mu_target`` at ``delta`` (the epsilon it
+        reports), and value sensitivity ``value_sensitivity`` (sigmas in value units)."""
+        n = check_int("parties", n, 2)
+        mu_target = check_real("mu_target", mu_target, 0.0, low_open=True)
+        exact = self.settings["procedure"] == "exact"
+        ref = self.REFERENCE_MU if exact else mu_target
+        base, n_cal = self._nearest(n, ref, delta)
+        if base is None:
+            base, n_cal = self._calibrate(n, ref, delta), n
+        scale = value_sensitivity * ref / mu_target
+        star = base.sigma_star * scale * math.sqrt(n_cal / n)
+        return replace(base, sigma_star=star, sigma_delta=base.sigma_delta * scale, mu_target=mu_target,
+                        epsilon=epsilon_for_delta(mu_target, delta), value_sensitivity=value_sensitivity,
+                        parties=n)
+
+    def sigmas(self, n: int, mu_target: float, delta: float, value_sensitivity: float) -> tuple[float, float]:
+        """``(sigma_star, sigma_delta)`` in value units of :meth:`calibration`."""
+        cal = self.calibration(n, mu_target, delta, value_sensitivity)
+        return cal.sigma_star, cal.sigma_delta
+
+    def _nearest(self, n: int, ref: float, delta: float) -> tuple[Calibration | None, int]:
+        near = [(abs(m - n), m) for (m, r, d) in self.calibrations
+                if r == ref and d == delta and abs(m - n) <= REUSE_WITHIN * m]
+        if not near:
+            return None, n
+        m = min(near)[1]
+        return self.calibrations[(m, ref, delta)], m
+
+    def _calibrate(self, n: int, ref: float, delta: float) -> Calibration:
+        if self.progress is not None:
+            self.progress(f"calibrating the noise for n = {n} parties over {self.settings['runs']} simulated runs")
+        start = time.perf_counter()
+        s = self.settings
+        seed = int(np.random.SeedSequence(self.seed, spawn_key=(n,)).generate_state(1, dtype=np.uint64)[0])
+        cal = calibrate(epsilon_for_delta(ref, delta), delta, n, iterations=s["iterations"],
+                        neighbors=min(s["neighbors"], n - 1), collusion=s["collusion"],
+                        observed_fraction=s["observed_fraction"], dropout=s["dropout"], topology=s["topology"],
+                        schedule=s["schedule"], runs=s["runs"], seed=seed, procedure=s["procedure"],
+                        target_success=s["target_success"], value_sensitivity=1.0)
+        self.seconds += time.perf_counter() - start
+        self.calibrations[(n, ref, delta)] = cal
+        return cal
+

@@ -31,7 +31,7 @@ from .._checks import check_int, check_real
 from .accountants import ACCOUNTANTS, resolve_accountant_name
 from .conversions import epsilon_for_delta, mu_for_epsilon
 
-__all__ = ["PRIVACY_UNITS", "PrivacyPlan", "privacy_plan", "record_sample_rate"]
+__all__ = ["PRIVACY_UNITS", "PrivacyPlan", "privacy_plan", "record_sample_rate", "round_mu"]
 
 PRIVACY_UNITS = ("record", "party")
 # a record-level client update is at most lr * C * (sampled batch) / B; clip it far above that, so the
@@ -102,8 +102,7 @@ def privacy_plan(
         lr, batch_size, local_size: record level only: learning rate, expected Poisson batch B and
             the number of examples per client (q = B / local_size).
         accountant: record level ``"opacus-prv"`` (default) or ``"opacus-rdp"``; party level
-            ``"exact"`` (default), ``"opacus-prv"`` or ``"opacus-rdp"``. The names before 0.2
-            (``"prv"``, ``"rdp"``, ``"gdp"``) still work and warn (``DeprecationWarning``).
+            ``"exact"`` (default), ``"opacus-prv"`` or ``"opacus-rdp"``.
     """
     if unit not in PRIVACY_UNITS:
         raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {unit!r}")
@@ -151,6 +150,14 @@ def privacy_plan(
         party_clip,
         accountant,
     )
+
+
+def round_mu(epsilon: float, delta: float, rounds: int, sample_rate: float = 1.0,
+             accountant: str = "exact") -> float:
+    """The per-round GDP mu (per unit of value sensitivity) whose ``rounds`` rounds at Poisson rate
+    ``sample_rate`` compose to (``epsilon``, ``delta``) under ``accountant``: ``mu / sqrt(rounds)`` for the
+    exact composition of Gaussian rounds, else ``1 / z`` for the noise multiplier ``z`` Opacus finds."""
+    return _mu_round(epsilon, delta, sample_rate, rounds, accountant)
 
 
 def _mu_round(epsilon: float, delta: float, q: float, rounds: int, accountant: str) -> float:

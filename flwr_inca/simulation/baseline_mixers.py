@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,7 +68,8 @@ from ..baselines.pairwise import pairwise_estimate, pairwise_masked_values
 from ..privacy.budget_check import prediction_seeds, worst_over_executions
 from ..privacy.certificate import SensitivityProfile
 from ..privacy.conversions import epsilon_for_delta
-from ..privacy.rounds import certification_seeds, worst_mu
+from ..privacy.rounds import RoundCertificate, certification_seeds, worst_mu
+from ..privacy.session import RoundCharge, RoundSession
 from ..protocol.dropout import PermanentDropout
 from . import seeding
 from .mixers import MixContext, Mixer, RoundPlan, calibration_point, register_mixer
@@ -322,17 +322,19 @@ class GOPAMixer(Mixer):
         """``collusion``, ``threat_draws``, the sigmas and ``calibration_runs`` from the config (unless
         ``mixer_options`` gives them); the
         dropouts from ``mixer_options`` (``gamma``, ``gamma_rollback``) or a ``PermanentDropout(gamma)``;
-        k_PR from ``mixer_options["neighbors"]`` (default 20: ``config.neighbors`` is IncA's k)."""
+        k_PR from ``mixer_options["neighbors"]`` (default 20: ``mixing.neighbors`` is IncA's k)."""
         options = dict(config.mixer_options)
-        if config.dropout is not None:
-            if not isinstance(config.dropout, PermanentDropout):
+        dropout, priv, mix = config.mixing.dropout, config.privacy, config.mixing
+        if dropout is not None:
+            if not isinstance(dropout, PermanentDropout):
                 raise ValueError(f"dropout: gopa takes PermanentDropout(gamma) or mixer_options['gamma'], got "
-                                 f"{config.dropout!r}")
-            if "gamma" in options and options["gamma"] != config.dropout.gamma:
+                                 f"{dropout!r}")
+            if "gamma" in options and options["gamma"] != dropout.gamma:
                 raise ValueError("dropout and mixer_options['gamma'] disagree: give one of them")
-            options["gamma"] = config.dropout.gamma
-        kwargs = {"collusion": config.collusion, "threat_draws": config.threat_draws, "sigma_star": config.sigma_star,
-                  "sigma_delta": config.sigma_delta, "calibration_runs": config.calibration_runs}
+            options["gamma"] = dropout.gamma
+        kwargs = {"collusion": priv.collusion, "threat_draws": priv.threat_draws, "sigma_star": mix.sigma_star,
+                  "sigma_delta": mix.sigma_delta, "calibration_runs": priv.calibration_runs,
+                  "calibration_margin": priv.calibration_margin}
         return cls(**{**kwargs, **options})  # mixer_options win
 
     def describe(self) -> str:
@@ -449,26 +451,26 @@ class GOPAMixer(Mixer):
             estimate = total / pub.sum()
         return estimate.astype(updates.dtype)
 
-    def stopped_cost(self, plan: RoundPlan, fits: Callable[[float], bool] | None = None) -> float:
-        """A round whose charge was refused (GOPA's pre-final rule): its masked updates were published, it
-        stops before the roll-back, and is charged the exact certificate of what was published (no term
-        revealed; at most the round's cost). With ``fits`` (the budget guard) a deployment publishes only
-        when the local ceiling ``S / sigma_star`` fits, a bound for any dropouts (everything about x_i
-        passes through x_i + eta*_i), since the first-phase dropouts are known only once published: if it
-        does not fit the round stopped before publishing, having spent nothing.
-
-        The simulator runs a round whose exact cost fits even when that ceiling does not (a deployment with
-        the guard would stop it): only rounds at the end of the budget differ, and every charge is exact."""
-        execution: PairwiseExecution | None = plan.info.get("execution")
-        if execution is None:
-            return 0.0
-        s_star, s_delta = plan.info["sigma_star"], plan.info["sigma_delta"]
-        if fits is not None and not fits(self.context.value_sensitivity / s_star if s_star > 0 else math.inf):
+    def charge(self, session: RoundSession, plan: RoundPlan) -> RoundCharge:
+        """The round as a GOPA deployment runs it through ``session``: the masked updates are published only
+        if the local ceiling ``S / sigma_star`` fits (a bound for any dropouts: everything about x_i passes
+        through x_i + eta*_i; the first-phase dropouts are known only once published), reserved first; the
+        roll-back only if the round's exact certificate fits. A round refused before its roll-back is
+        charged the exact certificate of what was published (no term revealed; at most the round's cost)."""
+        s_star = plan.info["sigma_star"]
+        ceiling = self.context.value_sensitivity / s_star if s_star > 0 else math.inf
+        opened = session.open(plan.round, ceilings=[ceiling], note=f"round {plan.round}")
+        if not opened.may_deliver(1):
             plan.info["stopped"] = "before publishing"
-            return 0.0
-        published = self.certify(dataclasses.replace(execution, rollback=False), plan.round, s_star, s_delta)
+            return opened.refuse()
+        cost = RoundCertificate(plan.mu, ("exact",))
+        if opened.may_release(cost):
+            return opened.settle(cost)
         plan.info["stopped"] = "before its roll-back"
-        return min(published, plan.mu)
+        execution: PairwiseExecution = plan.info["execution"]
+        published = self.certify(dataclasses.replace(execution, rollback=False), plan.round, s_star,
+                                 plan.info["sigma_delta"])
+        return opened.refuse(RoundCertificate(min(published, plan.mu), ("exact",)))
 
 
 class WithinRoundDropout(Mixer):
@@ -512,6 +514,13 @@ class WithinRoundDropout(Mixer):
 
     def abandon(self, plan: RoundPlan) -> None:
         self.inner.abandon(plan.info["inner_plan"])
+
+    def charge(self, session: RoundSession, plan: RoundPlan) -> RoundCharge:
+        return self.inner.charge(session, plan.info["inner_plan"])
+
+    def predicted_cost(self, participants: int, runs: int) -> float | None:
+        survivors = max(2, participants - min(round_half(self.gamma * participants), participants - 2))
+        return self.inner.predicted_cost(survivors, runs)
 
     def describe(self) -> str:
         return f"{self.inner.describe()}; {self.gamma:.0%} of the participants drop out before mixing"

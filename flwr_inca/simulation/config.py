@@ -1,26 +1,41 @@
-"""``SimulationConfig``: every parameter of a simulated training run, validated when it is built."""
+"""``SimulationConfig``: a simulated training run, with the settings groups every driver shares.
+
+The privacy, mixing and persistence settings are the objects of :mod:`flwr_inca.settings` (the same that
+``IncaStrategy`` takes: move a setup to Flower by changing the driver, not the settings); the rest is the
+simulation's own: rounds, clients, local training, execution.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
-from .._checks import check_bool, check_int, check_probability, check_real
-from ..privacy.accountants import ACCOUNTANTS, resolve_accountant_name
+from .._checks import check_int, check_probability, check_real
 from ..privacy.plan import PRIVACY_UNITS
-from ..protocol.dropout import DropoutModel
+from ..settings import GROUPS, MixingConfig, PersistenceConfig, PrivacyTarget, build_groups
 from .availability import Availability
 
 __all__ = ["SimulationConfig", "DEFAULT_LR"]
 
 DEFAULT_LR = {"record": 6.0, "party": 0.05}  # lr=None picks these (the MNIST example's settings)
 BACKENDS = ("ray", "inline")
-PRECISIONS = ("float32", "float64")
+MAX_ROUNDS = 1_000_000
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class SimulationConfig:
     """A simulated decentralized training run.
+
+    Shared settings (:mod:`flwr_inca.settings`; each field may also be given directly as a keyword, e.g.
+    ``SimulationConfig(rounds=40, max_epsilon=1.0, iterations=20)``):
+        privacy: a :class:`~flwr_inca.settings.PrivacyTarget`: the total budget ``max_epsilon`` over
+            ``budget_rounds`` (default ``rounds``), the threat, the refusal policy. ``value_sensitivity``
+            and ``sample_rate`` are derived here from the training settings (leave them unset).
+        mixing: a :class:`~flwr_inca.settings.MixingConfig`: IncA's iterations, noise, dropout model
+            (drawn within each round), topology, certification.
+        persistence: a :class:`~flwr_inca.settings.PersistenceConfig`: the ledger (relative to
+            ``output_dir``; memory only without one) and ``trace_dir`` for each round's trace.
 
     Rounds and clients:
         rounds: training rounds.
@@ -32,67 +47,24 @@ class SimulationConfig:
             None: everybody, every round.
 
     Local training (SGD from the current global model):
-        privacy_unit: ``"record"`` (one example: per-example clipping, one Poisson-sampled local step
-            per round) or ``"party"`` (a client's whole update is clipped).
+        privacy_unit: ``"record"`` (one example: per-example clipping at ``clip_norm``, one Poisson-sampled
+            local step per round) or ``"party"`` (a client's whole update is clipped at ``clip_norm``).
         lr: learning rate (None: 6.0 for record level, as in the MNIST example, 0.05 for party level).
-        clip_norm: record level: per-example gradient clip; party level: clip of the update (L2).
         batch_size: record level: expected Poisson batch; party level: minibatch size.
-        local_steps, local_epochs: party level: S steps or E epochs (default one epoch). Record
-            level takes exactly one step per round (several noiseless local steps have no per-record
-            sensitivity bound).
+        local_steps, local_epochs: party level: S steps or E epochs (default one epoch). Record level
+            takes exactly one step per round.
 
-    Privacy:
-        epsilon, delta: total budget over ``budget_rounds`` (epsilon None: no budget; then the noise must be
-            given: ``sigma_star``/``sigma_delta`` for inca, ``noise_multiplier`` for central-dp).
-            A round whose charge would exceed epsilon is refused and skipped (see ``max_consecutive_refusals``).
-        budget_rounds: rounds the budget is planned for (default ``rounds``): each round's target is
-            the budget's share of ``budget_rounds`` (e.g. plan for 100 rounds, run 20 now).
-        accountant: record level ``"opacus-prv"`` (default) or ``"opacus-rdp"``; party level ``"exact"``
-            (default) or either Opacus accountant. The names before 0.2 (``"prv"``, ``"rdp"``, ``"gdp"``)
-            still work, warn (``DeprecationWarning``) and are stored under the new name.
-        reserve_stopped_round: IncA with a budget: the budget guard (default; ``epsilon`` then holds
-            always): a round whose cost does not fit is stopped before its final messages, or before the
-            first iteration whose messages would not fit, and charged what was revealed until then.
-            False: it is always stopped only before its finals and charged their no-finals cost, which
-            may take the total past ``epsilon`` (see ``flwr_inca.flower.PrivacyTarget.reserve_stopped_round``);
-            training then stops.
-        max_consecutive_refusals: a round refused by the budget (its fresh execution certified too costly)
-            is *skipped*: charged what it revealed, the model kept, and training goes on with the next
-            round's fresh execution. Training stops after this many refused rounds in a row (a round
-            whose charge is accepted resets the count), so a cost that is systematically too high for the
-            budget left cannot spend it round after round; 1 stops at the first refused round. A refused
-            round none of whose messages was delivered (a mechanism that reveals nothing before its
-            release, GOPA's guard before publishing, IncA's guard before the first iteration) stops training
-            at once: the budget left does not afford the first step of a round. Same name and meaning as
-            ``flwr_inca.flower.PrivacyTarget.max_consecutive_refusals``.
-        budget_check_runs: the pre-round budget check, as ``IncaStrategy`` runs it (same name and meaning as
-            ``flwr_inca.flower.PrivacyTarget.budget_check_runs``): a round is predicted to cost the worst
-            certified mu over this many simulated executions of its participants, and if that does not fit
-            the budget left, training stops *before* the round (nothing charged; ``History.stopped`` says
-            why). Evaluated for the rounds whose own execution does not fit (only they can differ from a
-            run without the check; docs/simulation.md, "The pre-round budget check").
-        mu_resolution: a round is charged its mu rounded *up* to this relative grid (0.005: at most
-            0.5% more), so the PRV accountant composes few distinct rounds (its cost grows with them);
-            0 charges mu exactly.
-        ledger_path: the privacy ledger (default ``output_dir/ledger.json``; memory only without an
-            output dir). An existing ledger is resumed: what it records counts as spent.
-
-    IncA (``mode="inca"``): iterations, neighbors, schedule, topology, dropout (within a round),
-        dissemination, collusion / observed_fraction (threat certified against), threat_draws,
-        sigma_star / sigma_delta (else calibrated with ``calibration_runs`` simulated runs),
-        certification (``"exact"`` or ``"local-bound"``) and certify_every (see ``IncaMixer``).
-    Central DP: noise_multiplier (std of the noise on the sum over the value sensitivity).
-    mixer_options: extra keyword arguments for the mixer's ``from_config`` (registered mechanisms).
+    Other mechanisms: ``noise_multiplier`` (central DP: std of the noise on the sum over the value
+    sensitivity; None: from the budget); ``mixer_options``: keyword arguments for a mixer's ``from_config``.
 
     Execution:
         backend: ``"ray"`` (actors, default) or ``"inline"`` (this process, no Ray).
         num_actors: Ray actors (each trains a cohort of clients; default: the CPUs Ray has).
-        ray_address: None starts (or reuses) a local Ray; ``"auto"`` or ``"host:port"`` joins a cluster.
-        precision: of the updates while mixing (``"float32"`` default, ``"float64"``).
+        ray_address: None: ``RAY_ADDRESS`` if set, else a local Ray; ``"auto"`` or ``"host:port"`` joins a
+            cluster.
         seed: everything random derives from it (results are identical for any number of actors).
         eval_every: evaluate the global model every this many rounds (and after the last).
         output_dir: where history.json/csv, the ledger, traces and the plot go (None: nowhere).
-        save_traces: also write each round's IncA execution trace there.
     """
 
     rounds: int = 40
@@ -102,48 +74,43 @@ class SimulationConfig:
     availability: Availability | None = None
     privacy_unit: str = "record"
     lr: float | None = None
-    clip_norm: float = 1.0
     batch_size: int = 50
     local_steps: int | None = None
     local_epochs: int | None = None
-    epsilon: float | None = 1.0
-    delta: float = 1e-5
-    budget_rounds: int | None = None
-    accountant: str | None = None
-    mu_resolution: float = 0.005
-    reserve_stopped_round: bool = True
-    max_consecutive_refusals: int = 3
-    budget_check_runs: int = 10
-    ledger_path: str | None = None
-    iterations: int = 10
-    neighbors: int = 1
-    schedule: str = "incremental"
-    topology: str = "random"
-    dropout: DropoutModel | None = None
-    dissemination: str = "exact"
-    collusion: float = 0.1
-    observed_fraction: float | None = None
-    threat_draws: int = 1
-    sigma_star: float | None = None
-    sigma_delta: float | None = None
-    calibration_runs: int = 10
-    certification: str = "exact"
-    certify_every: int = 1
     noise_multiplier: float | None = None
     mixer_options: dict[str, Any] = field(default_factory=dict)
     backend: str = "ray"
     num_actors: int | None = None
     ray_address: str | None = None
-    precision: str = "float32"
     seed: int = 0
     eval_every: int = 1
     output_dir: str | None = None
-    save_traces: bool = False
+    privacy: PrivacyTarget = field(default_factory=PrivacyTarget)
+    mixing: MixingConfig = field(default_factory=MixingConfig)
+    persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
 
-    def __post_init__(self) -> None:
+    def __init__(self, *, privacy: PrivacyTarget | None = None, mixing: MixingConfig | None = None,
+                 persistence: PersistenceConfig | None = None, **settings: Any) -> None:
+        groups, own = build_groups(GROUPS, {"privacy": privacy, "mixing": mixing, "persistence": persistence},
+                                   settings, "SimulationConfig")
+        names = {f.name for f in dataclasses.fields(self)}
+        for key in own:
+            if key not in names:
+                raise TypeError(f"SimulationConfig() got an unexpected keyword argument {key!r}")
+        for f in dataclasses.fields(self):
+            if f.name in GROUPS:
+                value = groups[f.name]
+            elif f.name in own:
+                value = own[f.name]
+            else:
+                value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, value)
+        self._validate()
+
+    def _validate(self) -> None:
         from .mixers import MIXERS
 
-        check_int("rounds", self.rounds)
+        check_int("rounds", self.rounds, 1, MAX_ROUNDS)
         if not isinstance(self.mode, str) or self.mode not in MIXERS:
             raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {self.mode!r}")
         check_probability("fraction (of available clients per round)", self.fraction, zero=False)
@@ -153,78 +120,87 @@ class SimulationConfig:
         if self.privacy_unit not in PRIVACY_UNITS:
             raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}")
         if self.lr is not None:
-            check_real("lr", self.lr, 0.0, low_open=True)
-        check_real("clip_norm", self.clip_norm, 0.0, low_open=True)
-        check_int("batch_size", self.batch_size)
+            check_real("lr", self.lr, 0.0, 1e6, low_open=True)
+        check_int("batch_size", self.batch_size, 1, 10**7)
         if self.local_steps is not None:
-            check_int("local_steps", self.local_steps)
+            check_int("local_steps", self.local_steps, 1, 10**6)
         if self.local_epochs is not None:
-            check_int("local_epochs", self.local_epochs)
+            check_int("local_epochs", self.local_epochs, 1, 10**4)
         if self.local_steps is not None and self.local_epochs is not None:
             raise ValueError("give local_steps or local_epochs, not both")
-        if self.privacy_unit == "record" and (
-            self.local_epochs is not None or self.local_steps not in (None, 1)
-        ):
+        if self.privacy_unit == "record" and (self.local_epochs is not None or self.local_steps not in (None, 1)):
             raise ValueError(
-                "privacy_unit='record' takes exactly one local step per round (local_steps=1): after "
-                "several noiseless local steps one example's influence on the update has no bound; use "
-                "more rounds, or privacy_unit='party'"
-            )
-        if self.epsilon is not None:
-            check_real("epsilon (or None)", self.epsilon, 0.0, low_open=True)
-        check_real("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
-        if self.budget_rounds is not None:
-            check_int("budget_rounds", self.budget_rounds)
-        if self.accountant is not None:
-            if not isinstance(self.accountant, str):
-                raise ValueError(
-                    f"accountant must be one of {list(ACCOUNTANTS)} or None, got {self.accountant!r}"
-                )
-            object.__setattr__(self, "accountant", resolve_accountant_name(self.accountant))
-        check_real("mu_resolution", self.mu_resolution, 0.0, 1.0, high_open=True)
-        check_bool("reserve_stopped_round", self.reserve_stopped_round)
-        check_int("max_consecutive_refusals (rounds refused by the budget in a row before training stops)",
-                  self.max_consecutive_refusals, 1)
-        check_int("budget_check_runs (simulated executions that predict a round's cost)", self.budget_check_runs, 1)
+                "privacy_unit='record' takes exactly one local step per round (local_steps=1): after several "
+                "noiseless local steps one example's influence on the update has no bound; use more rounds, "
+                "or privacy_unit='party'")
         if self.noise_multiplier is not None:
-            check_real("noise_multiplier", self.noise_multiplier, 0.0, low_open=True)
+            check_real("noise_multiplier", self.noise_multiplier, 0.0, 1e12, low_open=True)
         if not isinstance(self.mixer_options, dict):
             raise ValueError("mixer_options must be a dict of keyword arguments")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_actors is not None:
-            check_int("num_actors", self.num_actors)
+            check_int("num_actors", self.num_actors, 1, 10**5)
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
             raise ValueError(f"ray_address must be None, 'auto' or 'host:port', got {self.ray_address!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         check_int("seed", self.seed, 0)
-        check_int("eval_every", self.eval_every)
-        check_bool("save_traces", self.save_traces)
-        mixer_private = MIXERS[self.mode].private
-        if not mixer_private and self.epsilon is not None:
-            raise ValueError(
-                f"mode {self.mode!r} adds no noise (its epsilon is infinite): run it with epsilon=None"
-            )
+        check_int("eval_every", self.eval_every, 1)
         if self.backend != "ray" and (self.num_actors is not None or self.ray_address is not None):
-            raise ValueError(
-                "num_actors and ray_address need backend='ray' (the inline backend has no actors)"
-            )
+            raise ValueError("num_actors and ray_address need backend='ray' (the inline backend has no actors)")
+        self._validate_privacy(MIXERS[self.mode].private)
         if self.mode == "inca" or self.mixer_options:  # the mixer validates its own parameters
             from .mixers import create_mixer
 
             create_mixer(self)
+
+    def _validate_privacy(self, private: bool) -> None:
+        priv = self.privacy
+        if not private and priv.max_epsilon is not None:
+            raise ValueError(f"mode {self.mode!r} adds no noise (its epsilon is infinite): run it without a "
+                             "budget (max_epsilon=None)")
+        if priv.value_sensitivity is not None or priv.sample_rate != 1.0:
+            raise ValueError("value_sensitivity and sample_rate are derived from the training settings in the "
+                             "simulator (privacy_unit, clip_norm, lr, batch_size): leave them unset")
+        if priv.round_epsilon is not None and priv.max_epsilon is None:
+            raise ValueError("round_epsilon needs a budget (max_epsilon) in the simulator; without one, give "
+                             "the noise (sigma_star and sigma_delta, or noise_multiplier)")
 
     @property
     def learning_rate(self) -> float:
         return float(self.lr) if self.lr is not None else DEFAULT_LR[self.privacy_unit]
 
     def replace(self, **changes: Any) -> SimulationConfig:
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
+        """A copy with some settings changed (validated again); a group's fields may be given directly."""
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        groups = {name: current.pop(name) for name in GROUPS}
+        for name, cls in GROUPS.items():
+            if name in changes:
+                groups[name] = changes.pop(name)
+            sub = {f.name: changes.pop(f.name) for f in dataclasses.fields(cls) if f.name in changes}
+            if sub:
+                groups[name] = dataclasses.replace(groups[name], **sub)
+        current.update(changes)
+        return SimulationConfig(**groups, **current)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for key in ("availability", "dropout"):
-            out[key] = None if getattr(self, key) is None else repr(getattr(self, key))
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in GROUPS:
+                out[f.name] = {g.name: _plain(getattr(value, g.name)) for g in dataclasses.fields(value)}
+            else:
+                out[f.name] = _plain(value)
         return out
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-friendly form of a setting: models (dropout, availability) by their repr, paths as strings."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    import os
+
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return repr(value)

@@ -1,14 +1,16 @@
 """How the round's client updates become the model update: the ``Mixer`` interface and its references.
 
-A mixer works in two steps, in this order (the product's first promise: charge first, then do
-anything that can fail):
+A mixer works in three steps, in this order (the product's first promise: charge first, then release):
 
 1. :meth:`Mixer.plan` decides, *before any value exists*, what the round will do and what it costs:
    for IncA the execution trace (topology, dropouts) is sampled and certified against the threat; a
-   trusted server knows its noise. Nothing in a plan depends on the clients' data, so the runner
-   checks and charges the privacy ledger with ``plan.mu`` before any client trains.
-2. :meth:`Mixer.mix` turns the clipped updates of the participants (rows, in the plan's order) into
-   the released update, following the plan.
+   trusted server knows its noise. Nothing in a plan depends on the clients' data.
+2. :meth:`Mixer.charge` runs the round's privacy through the run's
+   :class:`~flwr_inca.privacy.session.RoundSession`, as a deployment of the mechanism would: reserved
+   before anything is revealed, each step guarded, the release allowed only if it fits, then charged
+   (the default: a mechanism that reveals nothing before its release).
+3. :meth:`Mixer.mix` turns the clipped updates of the participants (rows, in the plan's order) into
+   the released update, following the plan; it is applied only if the charge released the round.
 
 Adding a mechanism (local DP, DP gossip, Muffliato, GOPA, ...) is one small class::
 
@@ -38,23 +40,21 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .._checks import check_int, check_probability, check_real
-from ..privacy.budget_check import predicted_round_mu, prediction_seeds
-from ..privacy.calibration import Calibration, calibrate
-from ..privacy.conversions import epsilon_for_delta
-from ..privacy.prefix import RoundPrefix
-from ..privacy.rounds import RoundCertificate, certification_seeds
+from .._checks import check_int, check_real
+from ..privacy.calibration import Calibration
+from ..privacy.rounds import RoundCertificate
+from ..privacy.session import RoundCharge, RoundSession
 from ..protocol.config import IncaConfig
-from ..protocol.dropout import DropoutModel
 from ..protocol.engine import replay, sample_trace
 from ..protocol.noise import NoiseSource
 from ..protocol.trace import ExecutionTrace
+from ..rounds import IncaRounds
+from ..settings import MixingConfig, PrivacyTarget
 from . import seeding
 from .noise import NoiseAhead
 
@@ -153,20 +153,22 @@ class Mixer(ABC):
     def abandon(self, plan: RoundPlan) -> None:
         """The planned round will not be mixed (its charge was refused): release what it holds."""
 
-    def stopped_cost(self, plan: RoundPlan, fits: Callable[[float], bool] | None = None) -> float:
-        """What a round whose charge was refused has spent anyway (GDP mu): 0 for a mechanism that reveals
-        nothing before its release. A deployment learns a round's exact cost only as it runs (IncA: before
-        its final messages), so such a mechanism has spent what it revealed until then. ``fits`` (the
-        budget guard): a deployment that checks ``fits`` before each step it reveals stops at the last
-        step that fits; the cost is then that step's (``plan.info["delivered_iterations"]`` for IncA)."""
-        return 0.0
+    def charge(self, session: RoundSession, plan: RoundPlan) -> RoundCharge:
+        """Run the round's privacy through ``session`` as a deployment of the mechanism would, and return
+        its charge. The default: a mechanism that reveals nothing before its release (a trusted server,
+        local noise published at once): the release is reserved if it fits and charged ``plan.mu``;
+        otherwise nothing was revealed, nothing is charged, and training stops (``charge.stop``)."""
+        opened = session.open(plan.round, ceilings=[], note=f"round {plan.round}")
+        cost = RoundCertificate(plan.mu, (str(plan.info.get("method", "certified")),))
+        if opened.may_release(cost):
+            return opened.settle(cost)
+        return opened.refuse()
 
     def predicted_cost(self, participants: int, runs: int) -> float | None:
         """What a deployment predicts, before a round of ``participants`` starts, that the round will cost
-        (GDP mu), from ``runs`` simulated executions (no value): the runner's pre-round budget check
-        (:func:`flwr_inca.privacy.budget_check.check_round_budget`, as ``IncaStrategy`` runs it). None
-        (default): no prediction, for a mechanism that reveals nothing before its release (a round it
-        cannot afford spends nothing, and training stops at once)."""
+        (GDP mu), from ``runs`` simulated executions (no value): the round session's admission
+        (:meth:`~flwr_inca.privacy.session.RoundSession.admit`, as ``IncaStrategy`` asks it). None
+        (default): the round's own cost is known before it starts (a mechanism whose noise is fixed)."""
         return None
 
     def describe(self) -> str:
@@ -269,272 +271,115 @@ def calibration_point(name: str, context: MixContext, margin: float) -> tuple[in
 
 @register_mixer
 class IncaMixer(Mixer):
-    """IncA among the round's participants: fresh execution per round, certified before it runs.
+    """IncA among the round's participants: a fresh execution per round, certified before anything of it
+    is released, through the same :class:`~flwr_inca.rounds.IncaRounds` as ``IncaStrategy``: the same
+    calibration rule, predictions, ceilings and adversaries (for the same seed and settings).
 
-    Noise: ``sigma_star``/``sigma_delta`` given (value units), or calibrated once for the round target
-    at the expected number of participants (``calibration_runs`` simulated executions). The target
-    is lowered by ``calibration_margin`` (1%): calibration picks noise just above the floor, where a
-    fresh execution's certified mu varies by a fraction of a percent around the target, and a round
-    certified above it would end training before the planned rounds. With ``n`` participants
-    sigma_star is scaled by
-    ``sqrt(n_cal / n)`` (it protects through the sum of n values), sigma_delta is kept.
+    Noise: ``mixing.sigma_star``/``sigma_delta`` given (value units), or calibrated for the round target
+    (less ``privacy.calibration_margin``) at the expected participants, then reused for nearby counts
+    (:class:`~flwr_inca.privacy.calibration.NoiseCalibrator`).
 
-    Cost: every ``certify_every``-th round (1 = every round) the sampled trace is certified exactly
-    against ``collusion`` (random corrupted sets, worst of ``threat_draws``) or ``observed_fraction``
-    (Eavesdrop DP). Other rounds are charged a *prediction*, the largest certified mu so far, and
-    marked ``certified=False``. ``certification="local-bound"`` certifies nothing and charges every round
-    ``S / sigma_star``, a bound valid for any execution (all an adversary can learn about x_i passes
-    through x_i + eta*_i): sound, but at the local-DP level; for runs where exact certificates are too
-    costly (about 10,000 parties here).
+    Cost: the sampled trace is certified exactly against the threat (worst of ``threat_draws``
+    adversaries) every ``certify_every``-th round; other rounds are charged the largest certified mu so
+    far (a prediction, marked ``certified=False``). ``certification="local-bound"`` certifies nothing and
+    charges every round ``S / sigma_star``, sound for any execution, at the local-DP level.
 
-    Every party online at the last iteration delivers its final message in a simulated trace, so the
-    certificate of the sampled trace is also the pre-final bound of issue 15 (more finals can only
-    raise mu): what is charged before the round is never below what the round reveals.
+    :meth:`charge` runs the round as a deployment does (:class:`~flwr_inca.rounds.IncaRound`): reserved
+    before its first message, each iteration guarded when the no-finals ceiling does not fit, the
+    finals collected only if the certificate with all of them fits; a refused round is charged what its
+    delivered iterations revealed. The whole trace is known, so one factorization serves every step.
     """
 
     name = "inca"
 
-    def __init__(
-        self,
-        *,
-        iterations: int = 10,
-        neighbors: int = 1,
-        schedule: str = "incremental",
-        topology: str = "random",
-        dropout: DropoutModel | None = None,
-        dissemination: str = "exact",
-        collusion: float = 0.1,
-        observed_fraction: float | None = None,
-        threat_draws: int = 1,
-        sigma_star: float | None = None,
-        sigma_delta: float | None = None,
-        calibration_runs: int = 10,
-        calibration_margin: float = 0.01,
-        certification: str = "exact",
-        certify_every: int = 1,
-        noise_ahead_bytes: int = 512 * 2**20,
-    ) -> None:
+    def __init__(self, *, privacy: PrivacyTarget | None = None, mixing: MixingConfig | None = None,
+                 noise_ahead_bytes: int = 512 * 2**20) -> None:
         super().__init__()
-        if (sigma_star is None) != (sigma_delta is None):
-            raise ValueError("give both sigma_star and sigma_delta, or neither (then they are calibrated)")
-        # validates iterations, neighbors, sigmas, schedule, topology, dropout, dissemination
-        IncaConfig(
-            sigma_star=sigma_star or 0.0,
-            sigma_delta=sigma_delta or 0.0,
-            iterations=iterations,
-            neighbors=neighbors,
-            schedule=schedule,
-            topology=topology,
-            dropout=dropout,
-            dissemination=dissemination,
-        )
-        collusion = check_probability("collusion (a fraction of the participants)", collusion, one=False)
-        if observed_fraction is not None:
-            observed_fraction = check_probability("observed_fraction", observed_fraction)
-        threat_draws = check_int("threat_draws", threat_draws)
-        calibration_runs = check_int("calibration_runs", calibration_runs)
-        certify_every = check_int("certify_every", certify_every)
-        calibration_margin = check_real("calibration_margin", calibration_margin, 0.0, 1.0, high_open=True)
-        noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
-        if certification not in ("exact", "local-bound"):
-            raise ValueError(f"certification must be 'exact' or 'local-bound', got {certification!r}")
-        if certification == "local-bound" and sigma_star == 0:
-            raise ValueError("certification='local-bound' needs sigma_star > 0 (mu = S / sigma_star)")
-        self.iterations, self.neighbors = int(iterations), int(neighbors)
-        self.schedule, self.topology, self.dropout = schedule, topology, dropout
-        self.dissemination = dissemination
-        self.collusion, self.observed_fraction, self.threat_draws = (
-            float(collusion),
-            observed_fraction,
-            threat_draws,
-        )
-        self.sigma_star, self.sigma_delta = sigma_star, sigma_delta
-        self.calibration_runs, self.calibration_margin = calibration_runs, float(calibration_margin)
-        self.certification, self.certify_every = certification, certify_every
-        self.noise_ahead_bytes = int(noise_ahead_bytes)
-        self.calibration: Calibration | None = None
-        self._calibrated_n = 0
+        self.privacy = privacy if privacy is not None else PrivacyTarget()
+        self.mixing = mixing if mixing is not None else MixingConfig()
+        self.noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
+        self.rounds: IncaRounds | None = None
         self._worst_certified = 0.0
-        self._predicted: dict[tuple[int, int], float] = {}  # predicted_cost by (participants, runs)
 
     @classmethod
     def from_config(cls, config: SimulationConfig) -> Mixer:
-        return cls(
-            iterations=config.iterations,
-            neighbors=config.neighbors,
-            schedule=config.schedule,
-            topology=config.topology,
-            dropout=config.dropout,
-            dissemination=config.dissemination,
-            collusion=config.collusion,
-            observed_fraction=config.observed_fraction,
-            threat_draws=config.threat_draws,
-            sigma_star=config.sigma_star,
-            sigma_delta=config.sigma_delta,
-            calibration_runs=config.calibration_runs,
-            certification=config.certification,
-            certify_every=config.certify_every,
-            **dict(config.mixer_options),
-        )
+        return cls(privacy=config.privacy, mixing=config.mixing, **dict(config.mixer_options))
 
     @property
     def threat(self) -> str:
-        if self.observed_fraction is not None:
-            return f"eavesdropping on {self.observed_fraction:.0%} of the messages"
-        return f"collusion of {self.collusion:.0%} of the participants"
+        return self.privacy.describe_threat()
 
     def describe(self) -> str:
-        cert = (
-            "exact certificate every round"
-            if self.certify_every == 1
-            else f"exact certificate every {self.certify_every} rounds, a prediction in between"
-        )
-        if self.certification == "local-bound":
+        mix = self.mixing
+        cert = ("exact certificate every round" if mix.certify_every == 1
+                else f"exact certificate every {mix.certify_every} rounds, a prediction in between")
+        if mix.certification == "local-bound":
             cert = "no certificate: every round charged the local bound S / sigma_star"
-        return (
-            f"inca (T = {self.iterations}, k = {self.neighbors}, {self.schedule}, {self.topology}, "
-            f"dropout {self.dropout!r}; threat: {self.threat}; {cert})"
-        )
+        return (f"inca (T = {mix.iterations}, k = {mix.neighbors}, {mix.schedule}, {mix.topology}, "
+                f"dropout {mix.dropout!r}; threat: {self.threat}; {cert})")
 
     # ------------------------------------------------------------------------ noise
+    @staticmethod
+    def threat_seed(seed: int) -> int:
+        """The root of the certification adversaries and predictions of a simulation with ``seed`` (an
+        ``IncaStrategy(seed=threat_seed(seed))`` with the same settings draws the same)."""
+        return seeding.seed_of(seed, seeding.THREAT)
+
     def prepare(self, context: MixContext) -> None:
         super().prepare(context)
-        if self.sigma_star is not None:
-            return
-        n, target = calibration_point("inca", context, self.calibration_margin)
-        self.calibration = calibrate(
-            epsilon_for_delta(target, context.delta),
-            context.delta,
-            n,
-            iterations=self.iterations,
-            neighbors=min(self.neighbors, n - 1),
-            collusion=self.collusion,
-            observed_fraction=self.observed_fraction,
-            dropout=self.dropout,
-            topology=self.topology,
-            schedule=self.schedule,
-            runs=self.calibration_runs,
-            seed=seeding.seed_of(context.seed, seeding.CALIBRATION),
-            value_sensitivity=context.value_sensitivity,
-        )
-        self._calibrated_n = n
+        if self.mixing.calibrated and context.mu_round is None:
+            raise ValueError("inca needs sigma_star and sigma_delta, or a budget (max_epsilon) to calibrate them")
+        self.rounds = IncaRounds(self.privacy, self.mixing, seed=self.threat_seed(context.seed),
+                                 value_sensitivity=context.value_sensitivity, mu_target=context.mu_round,
+                                 calibration_seed=seeding.seed_of(context.seed, seeding.CALIBRATION))
+        self.rounds.sigmas(max(2, int(context.participants)))  # calibrated once, before round 1
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The calibration the noise comes from (None: sigmas given)."""
+        cal = self.rounds.calibrator if self.rounds is not None else None
+        if cal is None or not cal.calibrations:
+            return None
+        return next(iter(cal.calibrations.values()))
 
     def sigmas(self, participants: int) -> tuple[float, float]:
         """(sigma_star, sigma_delta) in value units for a round of ``participants`` parties."""
-        if self.sigma_star is not None:
-            return float(self.sigma_star), float(self.sigma_delta)
-        cal = self.calibration
-        return cal.sigma_star * math.sqrt(self._calibrated_n / participants), cal.sigma_delta
+        return self.rounds.sigmas(participants)
 
     def inca_config(self, participants: int) -> IncaConfig:
-        s_star, s_delta = self.sigmas(participants)
-        return IncaConfig(
-            sigma_star=s_star,
-            sigma_delta=s_delta,
-            iterations=self.iterations,
-            neighbors=min(self.neighbors, participants - 1),
-            schedule=self.schedule,
-            topology=self.topology,
-            dropout=self.dropout,
-            dissemination=self.dissemination,
-        )
+        return self.rounds.config(participants)
 
     # ------------------------------------------------------------------------ round
-    @staticmethod
-    def threat_seed(seed: int) -> int:
-        """The root of the threat draws of a simulation with ``seed``."""
-        return seeding.seed_of(seed, seeding.THREAT)
-
-    def certify(self, trace: ExecutionTrace, round: int, seed: int, finals: list[int] | None = None) -> float:
-        """Worst certified mu over ``threat_draws`` random corrupted sets (or eavesdropped message
-        sets), drawn by :func:`flwr_inca.privacy.rounds.certification_views`: the same draws as ``IncaStrategy``
-        for its seed (tests/test_simulation_flower.py checks it). ``finals``: the parties whose final
-        messages are observed (None: every party online at T; ``[]``: a round stopped before them)."""
-        return self.certificate(trace, round, seed, finals).mu
-
-    def certificate(self, trace: ExecutionTrace, round: int, seed: int,
-                    finals: list[int] | None = None) -> RoundCertificate:
-        """:meth:`certify`'s worst mu with the certificate methods that gave it (for the ledger)."""
-        return self.round_prefix(trace, round, seed).with_finals(finals)
-
-    def round_prefix(self, trace: ExecutionTrace, round: int, seed: int) -> RoundPrefix:
-        """The round's adversaries factorized once (:class:`flwr_inca.privacy.prefix.RoundPrefix`, as
-        ``IncaStrategy`` computes them): the cost with any finals and of any prefix of the round."""
-        return RoundPrefix(trace, certification_seeds(int(seed), round), self.threat_draws,
-                           collusion=self.collusion, observed_fraction=self.observed_fraction,
-                           value_sensitivity=self.context.value_sensitivity)
-
-    def stopped_cost(self, plan: RoundPlan, fits: Callable[[float], bool] | None = None) -> float:
-        """IncaStrategy's pre-final rule: a round whose cost with its final messages does not fit is
-        stopped before them, having spent what its mixing revealed without them, certified exactly on
-        the same adversaries (and never above a certified plan's cost, which bounds it). With ``fits``,
-        its budget guard too: the round stops before the first iteration whose messages would reveal
-        more than fits, and costs what the iterations before it revealed (the whole trace is known, so
-        the largest affordable prefix is found directly: :meth:`RoundPrefix.largest_affordable`).
-        ``plan.info["delivered_iterations"]``: the iterations whose messages were delivered."""
-        if plan.trace is None:
-            return 0.0
-        prefix = self.round_prefix(plan.trace, plan.round, self.threat_seed(self.context.seed))
-        T = plan.trace.iterations
-        if fits is None:
-            delivered, cert = T, prefix.through(T)
-        else:
-            delivered, cert = prefix.largest_affordable(fits)
-        plan.info["delivered_iterations"] = delivered
-        return min(cert.mu, plan.mu) if plan.certified else cert.mu
-
-    def _local_bound(self, config: IncaConfig) -> float:
-        """``certification="local-bound"``'s cost of any round at ``config``'s sigmas: mu = S / sigma_star."""
-        return self.context.value_sensitivity / config.sigma_star
+    def certificate(self, trace: ExecutionTrace, round: int, finals: list[int] | None = None) -> RoundCertificate:
+        """The round's worst certified mu over its adversaries (as ``IncaStrategy`` certifies it), with
+        the finals of ``finals`` observed (None: every party online at T; ``[]``: none)."""
+        return self.rounds.prefix(trace, round).with_finals(finals)
 
     def predicted_cost(self, participants: int, runs: int) -> float:
-        """``IncaStrategy``'s prediction (:func:`flwr_inca.privacy.budget_check.predicted_round_mu`): the
-        worst certified mu over ``runs`` executions of ``participants`` parties sampled with this mixer's
-        settings (sigmas at that n, topology, within-round dropout), against its threat, drawn from
-        ``prediction_seeds`` of its threat seed (an ``IncaStrategy`` with that seed and the same settings
-        predicts the same mu). ``certification="local-bound"``: the bound every round is charged.
-        Cached per (participants, runs)."""
-        key = (int(participants), int(runs))
-        if key not in self._predicted:
-            config = self.inca_config(participants)
-            if self.certification == "local-bound":
-                mu = self._local_bound(config)
-            else:
-                mu = predicted_round_mu(
-                    participants, config, prediction_seeds(self.threat_seed(self.context.seed), participants), runs,
-                    threat_draws=self.threat_draws, collusion=self.collusion,
-                    observed_fraction=self.observed_fraction, value_sensitivity=self.context.value_sensitivity)
-            self._predicted[key] = mu
-        return self._predicted[key]
+        """``IncaStrategy``'s prediction (:meth:`IncaRounds.predicted_mu`), cached."""
+        return self.rounds.predicted_mu(participants, runs)
 
     def plan(self, round: int, participants: int) -> RoundPlan:
-        config = self.inca_config(participants)
+        config = self.rounds.config(participants)
         start = time.perf_counter()
         trace = sample_trace(participants, config, seeding.seed_of(self.context.seed, seeding.TRACE, round))
-        info: dict[str, Any] = {
-            "sigma_star": config.sigma_star,
-            "sigma_delta": config.sigma_delta,
-            "finalists": int(trace.steps[-1].online.size),
-        }
+        info: dict[str, Any] = {"sigma_star": config.sigma_star, "sigma_delta": config.sigma_delta,
+                                "finalists": int(trace.steps[-1].online.size)}
         if self.noise_ahead_bytes > 0:  # the round's noise is drawn while it is certified and trained
-            info["noise_ahead"] = NoiseAhead(
-                self._noise_seed(round),
-                trace,
-                self.context.dimension,
-                np.dtype(self.context.precision),
-                self.noise_ahead_bytes,
-            )
+            info["noise_ahead"] = NoiseAhead(self._noise_seed(round), trace, self.context.dimension,
+                                             np.dtype(self.context.precision), self.noise_ahead_bytes)
         sampled = time.perf_counter()
-        if self.certification == "local-bound":
-            mu, certified = self._local_bound(config), False
+        mix = self.mixing
+        if mix.certification == "local-bound":
+            mu, certified = self.rounds.local_bound(participants), False
             info["cost"] = "local bound S / sigma_star (valid for any execution; not a certificate)"
             info["method"] = "local-bound"
-        elif (round - 1) % self.certify_every == 0 or self._worst_certified == 0.0:
-            cert = self.certificate(trace, round, self.threat_seed(self.context.seed))
+        elif (round - 1) % mix.certify_every == 0 or self._worst_certified == 0.0:
+            info["prefix"] = prefix = self.rounds.prefix(trace, round)
+            cert = prefix.with_finals()
             mu, certified = cert.mu, True
             self._worst_certified = max(self._worst_certified, mu)
-            info["cost"] = "certified"
-            info["method"] = cert.method
+            info["cost"], info["method"] = "certified", cert.method
         else:
             mu, certified = self._worst_certified, False
             info["cost"] = "predicted: largest certified mu so far (not certified)"
@@ -542,6 +387,22 @@ class IncaMixer(Mixer):
         info["seconds_trace"] = sampled - start
         info["seconds_certify"] = time.perf_counter() - sampled
         return RoundPlan(round, participants, mu, certified, trace, info)
+
+    def charge(self, session: RoundSession, plan: RoundPlan) -> RoundCharge:
+        """The round through the session as a deployment runs it (see the class doc). A round charged a
+        prediction or the local bound (not certified) is charged that, as one release."""
+        prefix = plan.info.get("prefix")
+        if prefix is None:
+            return super().charge(session, plan)
+        rnd = self.rounds.start(session, plan.round, plan.participants, prefix=prefix)
+        for t in range(1, plan.trace.iterations + 1):
+            if not rnd.may_deliver(t):
+                plan.info["delivered_iterations"] = t - 1
+                return rnd.refuse()
+        plan.info["delivered_iterations"] = plan.trace.iterations
+        if not rnd.may_collect_finals():
+            return rnd.refuse()
+        return rnd.settle()
 
     def _noise_seed(self, round: int) -> int:
         return seeding.seed_of(self.context.seed, seeding.NOISE, round)
@@ -551,13 +412,8 @@ class IncaMixer(Mixer):
         noise (e.g. ``PartyNoise.explicit(...)`` to reproduce a Flower round)."""
         ahead = plan.info.pop("noise_ahead", None)
         try:
-            result = replay(
-                plan.trace,
-                updates,
-                self._noise_seed(plan.round),
-                dissemination=self.dissemination,
-                noise=noise if noise is not None else ahead,
-            )
+            result = replay(plan.trace, updates, self._noise_seed(plan.round), dissemination=self.mixing.dissemination,
+                            noise=noise if noise is not None else ahead)
         finally:
             if ahead is not None:
                 ahead.close()

@@ -39,6 +39,7 @@ def simulate_mnist(
     data_dir: str = "",
     split_seed: int = 12345,
     progress: bool = True,
+    resume: bool = False,
 ) -> History:
     """Simulate ``config`` on MNIST split over ``clients`` clients.
 
@@ -48,6 +49,7 @@ def simulate_mnist(
         data_dir: MNIST IDX directory (else ``$FLWR_INCA_MNIST_DIR``, Hugging Face, or the
             scikit-learn digits, announced on stderr).
         split_seed: seed of the split (12345 is the Flower example's IID split).
+        resume: continue the run recorded in ``config.output_dir`` (see :func:`simulate`).
     """
     data = load_mnist(data_dir, who="flwr-inca simulate")
     kind, _, arg = partition.partition(":")
@@ -62,4 +64,5 @@ def simulate_mnist(
     else:
         raise ValueError(f"partition must be 'iid' or 'dirichlet:<alpha>', got {partition!r}")
     factory = ModelFactory(model, data.features, data.classes)
-    return simulate(factory, parts, (data.x_test, data.y_test), config, progress=progress, dataset=data.name)
+    return simulate(factory, parts, (data.x_test, data.y_test), config, progress=progress, dataset=data.name,
+                    resume=resume)

@@ -1,0 +1,234 @@
+"""IncA's training rounds, for any driver: the noise for n parties, what a round may cost before it
+starts, and the certificates its :class:`~flwr_inca.privacy.session.RoundSession` needs as it runs.
+
+``IncaStrategy`` (Flower) and the simulator both hold one :class:`IncaRounds` and run every IncA round
+through :meth:`IncaRounds.start`, which opens the round in the session and returns an :class:`IncaRound`:
+
+* :meth:`IncaRound.may_deliver` (t): before the messages of iteration t are delivered (the guard: the
+  prefix ceilings over every execution, else the exact certificate of iterations 1..t);
+* :meth:`IncaRound.may_collect_finals`: the *pre-final rule*: iterations 1..T are certified as if every
+  final message were revealed (an upper bound whatever then arrives) and reserved before any is asked for;
+* :meth:`IncaRound.settle` (the finals that arrived), :meth:`IncaRound.refuse` (stopped before the
+  finals or by the guard: charged what was delivered) or :meth:`IncaRound.fail` (an error).
+
+A deployment learns its round's trace as the round runs (``trace_through(t)``: iterations 1..t as
+committed); a simulator samples it first and passes the whole trace: the prefix certificates are the
+same (a message of iteration t depends only on what happened up to t), from one factorization.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from .privacy.budget_check import predicted_round_mu, prediction_seeds
+from .privacy.calibration import NoiseCalibrator
+from .privacy.conversions import mu_for_epsilon
+from .privacy.plan import round_mu
+from .privacy.prefix import RoundPrefix, prefix_ceilings
+from .privacy.rounds import RoundCertificate, certification_seeds
+from .privacy.session import RoundCharge, RoundSession
+from .protocol.config import IncaConfig
+from .protocol.schedules import InjectionSchedule
+from .protocol.trace import ExecutionTrace
+from .settings import MixingConfig, PrivacyTarget
+
+__all__ = ["IncaRound", "IncaRounds", "round_target"]
+
+
+def round_target(privacy: PrivacyTarget, rounds: int, sample_rate: float | None = None,
+                 accountant: str | None = None) -> float | None:
+    """The per-round GDP target (per unit of value sensitivity) the noise is calibrated for:
+    ``round_epsilon`` at ``delta``, or the budget ``max_epsilon``'s share of ``budget_rounds`` (default
+    ``rounds``) rounds under the accountant; None without either."""
+    if privacy.round_epsilon is not None:
+        return mu_for_epsilon(privacy.round_epsilon, privacy.delta)
+    if privacy.max_epsilon is None:
+        return None
+    q = privacy.sample_rate if sample_rate is None else sample_rate
+    return round_mu(privacy.max_epsilon, privacy.delta, privacy.budget_rounds or rounds, q,
+                    accountant or privacy.accountant_name)
+
+
+class IncaRounds:
+    """How a training's IncA rounds are calibrated, predicted and certified.
+
+    Args:
+        privacy, mixing: the settings (:mod:`flwr_inca.settings`).
+        seed: the root of the certification adversaries and the budget predictions (an ``IncaStrategy``
+            and a simulation with the same seed and settings certify and predict alike).
+        value_sensitivity: what one protected unit changes in a party's value (value units).
+        mu_target: the per-round GDP target (per unit of sensitivity) to calibrate for (None: the
+            sigmas must be given in ``mixing``).
+        calibration_seed: the calibration's seed (default ``seed``).
+        calibrator: share one :class:`~flwr_inca.privacy.calibration.NoiseCalibrator` between trainings
+            (e.g. a study's runs); None: a new one.
+        log: receives one line when the noise is calibrated.
+    """
+
+    def __init__(self, privacy: PrivacyTarget, mixing: MixingConfig, *, seed: int, value_sensitivity: float,
+                 mu_target: float | None, calibration_seed: int | None = None,
+                 calibrator: NoiseCalibrator | None = None, log: Callable[[str], None] | None = None) -> None:
+        if mixing.calibrated and mu_target is None:
+            raise ValueError("give sigma_star and sigma_delta, or a budget (max_epsilon or round_epsilon) to "
+                             "calibrate them for")
+        self.privacy, self.mixing, self.seed = privacy, mixing, int(seed)
+        self.value_sensitivity, self.mu_target = float(value_sensitivity), mu_target
+        self.log = log
+        self.calibrator = calibrator
+        if mixing.calibrated and calibrator is None:
+            self.calibrator = NoiseCalibrator(
+                iterations=mixing.iterations, neighbors=mixing.neighbors, collusion=privacy.collusion,
+                observed_fraction=privacy.observed_fraction, dropout=mixing.dropout, topology=mixing.topology,
+                schedule=mixing.schedule, runs=privacy.calibration_runs,
+                seed=self.seed if calibration_seed is None else int(calibration_seed), progress=log)
+        self.schedule = InjectionSchedule.resolve(mixing.schedule, mixing.iterations)
+        self._ceilings: dict[int, np.ndarray] = {}
+        self._predicted: dict[tuple[int, int], float] = {}
+
+    # ------------------------------------------------------------------------------ noise
+    def sigmas(self, n: int) -> tuple[float, float]:
+        """(sigma_star, sigma_delta) in value units for a round of ``n`` parties."""
+        mix = self.mixing
+        if not mix.calibrated:
+            return float(mix.sigma_star), float(mix.sigma_delta)
+        target = self.mu_target * (1.0 - self.privacy.calibration_margin)
+        return self.calibrator.sigmas(n, target, self.privacy.delta, self.value_sensitivity)
+
+    def config(self, n: int) -> IncaConfig:
+        """The protocol a round of ``n`` parties runs (its sigmas, topology, dropout model)."""
+        s_star, s_delta = self.sigmas(n)
+        mix = self.mixing
+        return IncaConfig(sigma_star=s_star, sigma_delta=s_delta, iterations=mix.iterations,
+                          neighbors=min(mix.neighbors, n - 1), schedule=mix.schedule, topology=mix.topology,
+                          dropout=mix.dropout, dissemination=mix.dissemination)
+
+    def local_bound(self, n: int) -> float:
+        """``S / sigma_star``: what any round of ``n`` parties can cost, whatever its execution (everything
+        an adversary learns about x_i passes through x_i + eta*_i)."""
+        s_star = self.sigmas(n)[0]
+        return self.value_sensitivity / s_star if s_star > 0 else math.inf
+
+    # ------------------------------------------------------------------------------ before a round
+    def ceilings(self, n: int) -> np.ndarray:
+        """(T+1,) the most the messages of iterations 1..t can reveal on any execution of ``n`` parties,
+        t = 0..T (:func:`~flwr_inca.privacy.prefix.prefix_ceilings`; cached per n)."""
+        if n not in self._ceilings:
+            s_star, s_delta = self.sigmas(n)
+            ceilings = prefix_ceilings(self.schedule, s_star, s_delta, self.value_sensitivity)
+            if self.mixing.certification == "local-bound":
+                ceilings = np.minimum(ceilings, self.local_bound(n))
+            self._ceilings[n] = ceilings
+        return self._ceilings[n]
+
+    def predicted_mu(self, n: int, runs: int | None = None) -> float:
+        """A round of ``n`` parties' predicted cost: the worst certified mu over ``runs`` (default
+        ``budget_check_runs``) simulated executions at its sigmas and dropout model, against the threat
+        (:func:`~flwr_inca.privacy.budget_check.predicted_round_mu`); the local bound with
+        ``certification="local-bound"``. Cached per (n, runs)."""
+        runs = self.privacy.budget_check_runs if runs is None else int(runs)
+        key = (int(n), runs)
+        if key not in self._predicted:
+            if self.mixing.certification == "local-bound":
+                self._predicted[key] = self.local_bound(n)
+            else:
+                priv = self.privacy
+                self._predicted[key] = predicted_round_mu(
+                    n, self.config(n), prediction_seeds(self.seed, n), runs, threat_draws=priv.threat_draws,
+                    collusion=priv.collusion, observed_fraction=priv.observed_fraction,
+                    value_sensitivity=self.value_sensitivity)
+        return self._predicted[key]
+
+    # ------------------------------------------------------------------------------ certificates
+    def prefix(self, trace: ExecutionTrace, round: int) -> RoundPrefix:
+        """Round ``round``'s adversaries on ``trace``, factorized once (:class:`RoundPrefix`): its cost with
+        any finals and of any prefix. Drawn from ``certification_seeds(seed, round)``."""
+        priv = self.privacy
+        return RoundPrefix(trace, certification_seeds(self.seed, round), priv.threat_draws,
+                           collusion=priv.collusion, observed_fraction=priv.observed_fraction,
+                           value_sensitivity=self.value_sensitivity)
+
+    def start(self, session: RoundSession, round: int, n: int, *,
+              trace_through: Callable[[int], ExecutionTrace] | None = None,
+              prefix: RoundPrefix | None = None) -> IncaRound:
+        """Open round ``round`` of ``n`` parties in ``session`` (reserving before its first message, see
+        :meth:`RoundSession.open`). ``trace_through(t)``: the trace of iterations 1..t as committed, the
+        later ones exchanging nothing (a deployment); or ``prefix``: the whole round's, factorized (a
+        simulator). Raises ``OSError`` when the ledger cannot be written (the round must not start)."""
+        if (trace_through is None) == (prefix is None):
+            raise ValueError("give trace_through (a deployment) or prefix (a sampled trace), not both")
+        return IncaRound(self, session, int(round), int(n), trace_through, prefix)
+
+
+class IncaRound:
+    """One IncA round's privacy as it runs: see the module doc for the order of the calls."""
+
+    def __init__(self, rounds: IncaRounds, session: RoundSession, round: int, n: int,
+                 trace_through: Callable[[int], ExecutionTrace] | None, prefix: RoundPrefix | None) -> None:
+        self.rounds, self.round, self.n = rounds, round, n
+        self.iterations = rounds.mixing.iterations
+        self._trace_through = trace_through
+        self._prefix = prefix  # the factorization the latest certificates came from
+        self._prefix_covers = self.iterations if prefix is not None else 0
+        self.prefinal: RoundCertificate | None = None  # the certificate with every final revealed
+        self.charge: RoundCharge | None = None
+        self.open = session.open(round, ceilings=rounds.ceilings(n)[1:], certify_through=self._through,
+                                 note=f"round {round}")
+
+    @property
+    def guarded(self) -> bool:
+        """The no-finals ceiling did not fit the budget left: each iteration is reserved before delivery."""
+        return self.open.guarded
+
+    @property
+    def delivered(self) -> int:
+        return self.open.delivered
+
+    def _through(self, t: int) -> RoundCertificate:
+        if self._prefix is None or self._prefix_covers < t:
+            self._prefix = self.rounds.prefix(self._trace_through(t), self.round)
+            self._prefix_covers = t
+        return self._prefix.through(t)
+
+    def may_deliver(self, t: int) -> bool:
+        """Whether the messages of iteration ``t`` may be delivered (reserved first when they may)."""
+        return self.open.may_deliver(t)
+
+    def may_collect_finals(self, trace: ExecutionTrace | None = None) -> bool:
+        """The pre-final rule: certify iterations 1..T (``trace``, as committed; a simulator's is known) as
+        if every final were revealed, and reserve that before any final is asked for. False: they must
+        not be asked for (call :meth:`refuse`)."""
+        if trace is not None:
+            self._prefix, self._prefix_covers = self.rounds.prefix(trace, self.round), self.iterations
+        cert = self.prefinal = self._prefix.with_finals()
+        if self.rounds.mixing.certification == "local-bound":
+            cert = self.prefinal = RoundCertificate(self.rounds.local_bound(self.n), ("local-bound",))
+        return self.open.may_release(cert)
+
+    def cost_with(self, finals: list[int] | None) -> RoundCertificate:
+        """What the round revealed with the final messages of ``finals`` (None: every party online at T):
+        never above the pre-final certificate, which bounds it too."""
+        if self.rounds.mixing.certification == "local-bound":
+            return self.prefinal
+        cert = self._prefix.with_finals(finals)
+        return cert if cert.mu <= self.prefinal.mu else self.prefinal
+
+    def settle(self, finals: list[int] | None = None, cost: RoundCertificate | None = None) -> RoundCharge:
+        """Charge the round the cost of the finals that arrived (or ``cost``, e.g. a prediction)."""
+        self.charge = self.open.settle(cost if cost is not None else self.cost_with(finals))
+        return self.charge
+
+    def refuse(self) -> RoundCharge:
+        """Charge a round stopped before its finals (or by the guard) what it delivered, and skip it."""
+        revealed = None
+        if self.open.delivered == self.iterations and self._prefix is not None and self._prefix_covers == self.iterations:
+            revealed = self._prefix.through(self.iterations)
+        self.charge = self.open.refuse(revealed)
+        return self.charge
+
+    def fail(self, why: str) -> RoundCharge:
+        """Charge a round that ended in an error its reservation (a bound on what it revealed)."""
+        self.charge = self.open.fail(why)
+        return self.charge

@@ -1,0 +1,192 @@
+"""The round session (admission, write-ahead reservation, guard, release, charge, refusals), through its
+public API, on synthetic costs and on real IncA executions."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from flwr_inca import IncaConfig, PermanentDropout
+from flwr_inca.protocol import sample_trace
+from flwr_inca.privacy import PrivacyLedger, epsilon_for_delta
+from flwr_inca.privacy.prefix import RoundPrefix, prefix_ceilings
+from flwr_inca.privacy.rounds import RoundCertificate, certification_seeds
+from flwr_inca.privacy.session import BudgetExhausted, RoundSession, charge_resolution
+from flwr_inca.protocol.schedules import InjectionSchedule
+
+DELTA = 1e-5
+
+
+def _budget(*mus):
+    """A max_epsilon that exactly the rounds ``mus`` fit (and a hair more)."""
+    return epsilon_for_delta(math.sqrt(sum(m * m for m in mus)), DELTA) * (1 + 1e-9)
+
+
+def _cert(mu, method="exact"):
+    return RoundCertificate(mu, (method,))
+
+
+def test_a_round_that_fits_is_reserved_before_its_first_step_and_settled_to_its_cost(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA, max_epsilon=10.0)
+    session = RoundSession(ledger)
+    session.admit(1, predicted_mu=lambda: 0.5)
+    rnd = session.open(1, ceilings=[0.2, 0.4, 0.6])
+    assert not rnd.guarded and ledger.entries[0].reserved and ledger.entries[0].mu == 0.6
+    assert all(rnd.may_deliver(s) for s in (1, 2, 3))
+    assert ledger.rounds == 1  # no write per step: the whole ceiling was reserved
+    assert rnd.may_release(_cert(0.7))
+    assert ledger.entries[0].mu == 0.7  # raised, durably, before the release
+    charge = rnd.settle(_cert(0.55))
+    assert charge.outcome == "released" and charge.mu == 0.55 and not charge.stop
+    assert ledger.entries[0].status == "charged" and ledger.entries[0].mu == 0.55
+
+
+def test_a_round_whose_ceiling_does_not_fit_is_guarded_step_by_step(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA, max_epsilon=_budget(0.45))
+    calls = []
+
+    def exact(step):
+        calls.append(step)
+        return _cert([0.1, 0.3, 0.5][step - 1])
+
+    session = RoundSession(ledger)
+    rnd = session.open(1, ceilings=[0.2, 0.4, 0.6], certify_through=exact)
+    assert rnd.guarded and ledger.rounds == 0  # nothing reserved yet: nothing left the process
+    assert rnd.may_deliver(1) and ledger.entries[0].mu == 0.2 and calls == []  # the ceiling fit
+    assert rnd.may_deliver(2) and ledger.entries[0].mu == 0.4
+    assert not rnd.may_deliver(3)  # ceiling 0.6 and exact 0.5 both above 0.45
+    assert calls == [3, 2]  # the blocked step certified, then what was delivered, exactly
+    assert ledger.entries[0].mu == 0.4 and ledger.entries[0].reserved  # unchanged by the refusal
+    charge = rnd.refuse()
+    assert charge.outcome == "refused" and charge.delivered == 2 and charge.mu == 0.3  # exact, below ceiling
+    assert ledger.entries[0].mu == 0.3 and not ledger.entries[0].reserved and not charge.stop
+
+
+def test_a_release_that_does_not_fit_is_withheld_and_the_round_charged_without_it(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA, max_epsilon=_budget(0.65))
+    session = RoundSession(ledger, max_consecutive_refusals=2)
+    for rnd_no in (1, 2):
+        rnd = session.open(rnd_no, ceilings=[0.2, 0.3])
+        assert all(rnd.may_deliver(s) for s in (1, 2))
+        assert not rnd.may_release(_cert(0.9))
+        charge = rnd.refuse(_cert(0.25))  # the driver's exact no-release cost, below the reserved ceiling
+        assert charge.mu == 0.25 and charge.delivered == 2 and not charge.released
+    assert charge.stop and "2 round(s) in a row" in charge.stop
+    err = session.stop(charge)
+    assert isinstance(err, BudgetExhausted) and err.round == 2 and err.started and err.delivered == 2
+    with pytest.raises(BudgetExhausted, match="training stopped at round 2"):
+        session.admit(3, predicted_mu=lambda: 0.0)
+
+
+def test_a_released_round_resets_the_refusal_count(tmp_path):
+    ledger = PrivacyLedger(None, delta=DELTA, max_epsilon=_budget(0.3, 0.3, 0.3, 0.3))
+    session = RoundSession(ledger, max_consecutive_refusals=2)
+    for _ in range(3):
+        rnd = session.open(1, ceilings=[0.1])
+        rnd.may_deliver(1)
+        assert not rnd.may_release(_cert(5.0))
+        assert not rnd.refuse().stop
+        rnd = session.open(2, ceilings=[0.1])
+        rnd.may_deliver(1)
+        rnd.may_release(_cert(0.1))
+        rnd.settle(_cert(0.1))
+        assert session.refusals == 0
+
+
+def test_nothing_delivered_stops_training_and_a_mechanism_without_steps_records_nothing(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA, max_epsilon=_budget(0.1))
+    session = RoundSession(ledger)
+    rnd = session.open(1, ceilings=[])  # e.g. central DP: nothing revealed before the release
+    assert ledger.rounds == 0
+    assert not rnd.may_release(_cert(0.5))
+    charge = rnd.refuse()
+    assert charge.mu == 0 and charge.entry is None and ledger.rounds == 0 and "nothing of it" in charge.stop
+
+
+def test_admission_uses_the_prediction_only_when_needed(tmp_path):
+    ledger = PrivacyLedger(None, delta=DELTA, max_epsilon=_budget(0.5))
+    session = RoundSession(ledger)
+    called = []
+
+    def predicted():
+        called.append(1)
+        return 0.9
+
+    session.admit(1, predicted_mu=predicted, known_mu=0.4)  # its own cost fits: no prediction
+    assert not called
+    with pytest.raises(BudgetExhausted, match="stopping before round 1.*predicted cost is mu = 0.9") as err:
+        session.admit(1, predicted_mu=predicted, known_mu=0.6, hint=lambda: "Raise epsilon.")
+    assert called and str(err.value).endswith("Raise epsilon.") and ledger.rounds == 0
+    assert err.value.predicted_epsilon > err.value.max_epsilon
+    RoundSession(PrivacyLedger(None, delta=DELTA)).admit(1, predicted_mu=lambda: math.inf)  # no budget
+
+
+def test_a_failed_round_is_charged_its_reservation(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA)
+    session = RoundSession(ledger)
+    rnd = session.open(4, ceilings=[0.2, 0.4])
+    rnd.may_deliver(1)
+    charge = rnd.fail("mixing failed")
+    assert charge.outcome == "failed" and charge.mu == 0.4 and ledger.entries[0].status == "charged"
+    assert "round 4: mixing failed" in ledger.entries[0].note
+
+
+def test_charges_are_rounded_up_to_the_resolution_and_keep_the_certified_cost(tmp_path):
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA)
+    session = RoundSession(ledger, resolution=0.005)
+    rnd = session.open(1, ceilings=[0.3])
+    rnd.may_deliver(1)
+    rnd.may_release(_cert(0.41))
+    charge = rnd.settle(_cert(0.4))
+    assert charge.mu == charge_resolution(0.4, 0.005) >= 0.4 and charge.certified_mu == 0.4
+    assert ledger.entries[0].certified_mu == 0.4 and ledger.entries[0].mu == charge.mu
+
+
+def test_bad_settings_are_named():
+    ledger = PrivacyLedger(None, delta=DELTA)
+    with pytest.raises(ValueError, match="max_consecutive_refusals"):
+        RoundSession(ledger, max_consecutive_refusals=0)
+    with pytest.raises(ValueError, match="sample_rate"):
+        RoundSession(ledger, sample_rate=0)
+    with pytest.raises(ValueError, match="ledger must be a PrivacyLedger"):
+        RoundSession("ledger.json")
+
+
+# ---------------------------------------------------------------------------- real IncA executions
+N, T = 12, 4
+
+
+def _inca_round(seed, budget):
+    """Drive one IncA round through the session as a deployment does: ceilings over any execution,
+    the guard's exact certificates, the pre-final rule, the charge; returns (charge, prefix)."""
+    config = IncaConfig(iterations=T, neighbors=1, sigma_star=1.0, sigma_delta=4.0, dropout=PermanentDropout(0.2))
+    trace = sample_trace(N, config, seed=seed)
+    prefix = RoundPrefix(trace, certification_seeds(7, seed), 2, collusion=0.2)
+    ceilings = prefix_ceilings(InjectionSchedule.resolve("incremental", T), 1.0, 4.0, 1.0)[1:]
+    session = RoundSession(PrivacyLedger(None, delta=DELTA, max_epsilon=budget))
+    rnd = session.open(seed, ceilings=ceilings, certify_through=prefix.through)
+    for t in range(1, T + 1):
+        if not rnd.may_deliver(t):
+            return rnd.refuse(), prefix, ceilings
+    if not rnd.may_release(prefix.with_finals()):
+        return rnd.refuse(prefix.through(T)), prefix, ceilings
+    return rnd.settle(prefix.with_finals()), prefix, ceilings
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_on_real_executions_the_charge_is_never_below_what_was_delivered(seed):
+    _, prefix, ceilings = _inca_round(seed, None)
+    full = prefix.with_finals().mu
+    for budget_mu in np.linspace(0.05, 1.2, 7) * max(full, ceilings[-1]):
+        charge, _, _ = _inca_round(seed, _budget(budget_mu))
+        exact_delivered = prefix.through(charge.delivered).mu if charge.delivered else 0.0
+        assert charge.certified_mu >= exact_delivered * (1 - 1e-9)
+        if charge.released:
+            assert charge.certified_mu == pytest.approx(full, rel=1e-12)
+        else:  # refused: what it charged fits the budget, and it stopped at the first step that did not
+            assert charge.epsilon <= _budget(budget_mu)
+            if charge.delivered < T:
+                nxt = charge.delivered + 1
+                assert min(ceilings[nxt - 1], prefix.through(nxt).mu) > budget_mu * (1 - 1e-9)
