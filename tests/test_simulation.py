@@ -40,14 +40,14 @@ from flwr_inca.simulation import (  # noqa: E402
 )
 from flwr_inca.simulation.backend import WorkPlanner  # noqa: E402
 from flwr_inca.simulation.history import RoundRecord  # noqa: E402
-from flwr_inca.simulation.runner import charge_resolution  # noqa: E402
+from flwr_inca.privacy.session import charge_resolution  # noqa: E402
 from flwr_inca.simulation.training import CohortTrainer  # noqa: E402
 
 X, Y = (a[:960] for a in linear_task(1260))
 XT, YT = (a[960:] for a in linear_task(1260))
 MODEL = functools.partial(torch.nn.Linear, FEATURES, CLASSES)  # picklable by reference for Ray
 PARTS = iid(X, Y, 24)
-FAST = dict(rounds=3, backend="inline", calibration_runs=2, iterations=5, lr=2.0, progress=None)
+FAST = dict(rounds=3, backend="inline", calibration_runs=2, iterations=5, lr=2.0, max_epsilon=1.0, progress=None)
 FAST_CONFIG = {k: v for k, v in FAST.items() if k != "progress"}
 
 
@@ -70,7 +70,7 @@ def local_ray():
 
 # ------------------------------------------------------------------------------------------ learning
 def test_inca_learns_and_spends_within_the_budget(tmp_path):
-    hist = run(rounds=6, epsilon=4.0, output_dir=str(tmp_path))
+    hist = run(rounds=6, max_epsilon=4.0, output_dir=str(tmp_path))
     accs = [r.accuracy for r in hist.records]
     assert accs[-1] > 0.6 and accs[-1] > accs[0] + 0.2
     eps = [r.epsilon for r in hist.rounds]
@@ -80,7 +80,7 @@ def test_inca_learns_and_spends_within_the_budget(tmp_path):
     # the files: history (json, csv), the ledger (what was charged), the plot
     data = json.loads((tmp_path / "history.json").read_text())
     assert data["format"] == "inca-simulation/1" and len(data["rounds"]) == 7
-    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    ledger = json.loads((tmp_path / "inca_ledger.json").read_text())
     assert [r["mu"] for r in ledger["rounds"]] == pytest.approx([r.charged_mu for r in hist.rounds])
     assert (tmp_path / "history.csv").read_text().count("\n") == 8
     assert (tmp_path / "accuracy_epsilon.png").stat().st_size > 1000
@@ -93,14 +93,14 @@ def test_a_budget_too_small_to_learn_gets_a_hint_that_says_so(tmp_path):
     """A reachable but tiny budget trains at chance accuracy: the history's notes say so and what helps."""
     from flwr_inca.simulation.runner import _chance_hint
 
-    hist = run(rounds=6, epsilon=0.01, output_dir=str(tmp_path))
+    hist = run(rounds=6, max_epsilon=0.01, output_dir=str(tmp_path))
     chance = np.bincount(YT).max() / YT.size
     assert hist.rounds_trained == 6 and hist.accuracy <= chance + 0.05  # the noise drowned the updates
     hint = [n for n in hist.notes if "no better than chance" in n]
-    assert len(hint) == 1 and f"({chance:.4f}" in hint[0] and "a larger epsilon, fewer rounds" in hint[0]
+    assert len(hint) == 1 and f"({chance:.4f}" in hint[0] and "a larger max_epsilon, fewer rounds" in hint[0]
     assert hint == [n for n in History.load(tmp_path / "history.json").notes if "no better than chance" in n]
     # the rule itself, on a history whose last accuracy is set by hand
-    cfg = SimulationConfig(**FAST_CONFIG)
+
     for acc, eps, labels, expected in [
         (chance + 0.049, 0.5, YT, True), (chance + 0.051, 0.5, YT, False),
         (chance, math.inf, YT, False),  # not private (FedAvg): no budget to blame
@@ -108,14 +108,14 @@ def test_a_budget_too_small_to_learn_gets_a_hint_that_says_so(tmp_path):
     ]:
         h = History({}, {}, "inca", "inline")
         h.records = [RoundRecord(0, accuracy=0.1), RoundRecord(1, epsilon=eps, accuracy=acc)]
-        assert bool(_chance_hint(h, (XT, labels), cfg)) is expected, (acc, eps, labels.dtype)
+        assert bool(_chance_hint(h, (XT, labels))) is expected, (acc, eps, labels.dtype)
     h.records = [RoundRecord(0, accuracy=chance)]  # nothing trained (e.g. stopped before round 1)
-    assert _chance_hint(h, (XT, YT), cfg) == ""
+    assert _chance_hint(h, (XT, YT)) == ""
 
 
 def test_noiseless_inca_is_fedavg_exactly():
     common = dict(
-        rounds=3, epsilon=None, privacy_unit="party", precision="float64", local_steps=2, batch_size=8
+        rounds=3, max_epsilon=None, privacy_unit="party", precision="float64", local_steps=2, batch_size=8
     )
 
     def released(**kw):
@@ -191,7 +191,7 @@ def test_record_level_accounting_is_opacus_accountant():
     for accountant, ref in (("opacus-prv", PRVAccountant), ("opacus-rdp", RDPAccountant)):
         hist = run(
             mode="central-dp",
-            epsilon=None,
+            max_epsilon=None,
             noise_multiplier=z,
             rounds=4,
             mu_resolution=0.0,
@@ -214,7 +214,7 @@ def test_record_level_accounting_with_subsampling_is_opacus_accountant():
     hist = run(
         mode="central-dp",
         parts=parts,
-        epsilon=None,
+        max_epsilon=None,
         noise_multiplier=0.9,
         rounds=5,
         batch_size=20,
@@ -255,16 +255,8 @@ def test_privacy_plan_is_shared_and_composes_to_the_budget():
         )
 
 
-def test_old_accountant_names_still_work_and_warn():
-    # the names before 0.2 map to the new ones with main's DeprecationWarning, in the plan and the config
-    for old, new in (("prv", "opacus-prv"), ("rdp", "opacus-rdp"), ("gdp", "exact")):
-        with pytest.warns(DeprecationWarning, match=f"'{old}' is now called '{new}'"):
-            config = SimulationConfig(accountant=old, privacy_unit="party", backend="inline")
-        assert config.accountant == new
-        with pytest.warns(DeprecationWarning, match=f"'{old}' is now called '{new}'"):
-            plan = privacy_plan("party", epsilon=1.0, delta=1e-5, rounds=4, clip_norm=1.0, accountant=old)
-        assert plan.accountant == new
-    for bad in ("gdpp", 3):
+def test_accountant_names_are_checked_in_the_plan_and_the_config():
+    for bad in ("gdp", "prv", "gdpp", 3):
         with pytest.raises(ValueError, match="accountant must be one of"):
             SimulationConfig(accountant=bad)
         with pytest.raises(ValueError, match="accountant must be one of"):
@@ -297,8 +289,8 @@ def test_charge_is_never_below_the_cost():
 
 
 def test_the_ledger_records_each_rounds_method_and_cost_beside_its_rounded_charge(tmp_path):
-    hist = run(rounds=3, epsilon=4.0, certify_every=2, output_dir=str(tmp_path))
-    entries = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant=hist.plan["accountant"]).entries
+    hist = run(rounds=3, max_epsilon=4.0, certify_every=2, output_dir=str(tmp_path))
+    entries = PrivacyLedger(tmp_path / "inca_ledger.json", delta=1e-5, accountant=hist.plan["accountant"]).entries
     assert [e.method for e in entries] == ["exact", "predicted", "exact"]
     for entry, record in zip(entries, hist.rounds):
         assert entry.mu == record.charged_mu >= record.mu  # charged: the cost rounded up, never less
@@ -307,22 +299,22 @@ def test_the_ledger_records_each_rounds_method_and_cost_beside_its_rounded_charg
 
 
 def test_a_charge_below_the_cost_stops_the_run_before_anything_is_released(monkeypatch):
-    from flwr_inca.simulation import runner
+    from flwr_inca.privacy import session
 
-    monkeypatch.setattr(runner, "charge_resolution", lambda mu, resolution: mu * (1 - resolution))
+    monkeypatch.setattr(session, "charge_resolution", lambda mu, resolution: mu * (1 - resolution))
     released = []
     with pytest.raises(ValueError, match="must be charged at least its cost"):
-        simulate(MODEL, PARTS, (XT, YT), SimulationConfig(**{**FAST_CONFIG, "epsilon": 4.0}), progress=False,
+        simulate(MODEL, PARTS, (XT, YT), SimulationConfig(**{**FAST_CONFIG, "max_epsilon": 4.0}), progress=False,
                  on_round=released.append)
     assert released == []
 
 
 def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
-    ledger = tmp_path / "ledger.json"
+    ledger = tmp_path / "inca_ledger.json"
     trained = {}
     config = SimulationConfig(
         rounds=30,
-        epsilon=1.5,
+        max_epsilon=1.5,
         sigma_star=3.0,
         sigma_delta=20.0,
         backend="inline",
@@ -357,14 +349,14 @@ def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
 
 
 def test_certify_every_r_rounds_and_local_bound_are_said_plainly():
-    hist = run(rounds=4, epsilon=None, sigma_star=0.3, sigma_delta=2.0, certify_every=2)
+    hist = run(rounds=4, max_epsilon=None, sigma_star=0.3, sigma_delta=2.0, certify_every=2)
     assert [r.certified for r in hist.rounds] == [True, False, True, False]
     assert "predicted" in hist.rounds[1].cost and hist.rounds[1].mu == hist.rounds[0].mu
     assert hist.rounds[3].mu == max(hist.rounds[0].mu, hist.rounds[2].mu)
     assert "every 2 rounds" in hist.mixer
     bound = run(
         rounds=2,
-        epsilon=None,
+        max_epsilon=None,
         sigma_star=0.3,
         sigma_delta=2.0,
         certification="local-bound",
@@ -384,7 +376,7 @@ def test_certificate_bounds_what_the_round_reveals():
         SimulationConfig(
             **{
                 **{k: v for k, v in FAST.items() if k != "progress"},
-                "epsilon": None,
+                "max_epsilon": None,
                 "sigma_star": 0.2,
                 "sigma_delta": 3.0,
                 "privacy_unit": "party",
@@ -417,7 +409,7 @@ def test_partitions():
     assert np.mean([np.bincount(Y[i], minlength=CLASSES).max() / i.size for i in mild.indices]) < 0.5
     user = from_indices(X, Y, [[0, 1, 2], [3, 4]])
     assert user.clients == 2 and user.sizes().tolist() == [3, 2]
-    hist = run(parts=dirichlet(X, Y, 10, alpha=0.5), rounds=2, epsilon=None, mode="fedavg")
+    hist = run(parts=dirichlet(X, Y, 10, alpha=0.5), rounds=2, max_epsilon=None, mode="fedavg")
     assert len(hist.rounds) == 2
 
 
@@ -453,7 +445,7 @@ def test_dropouts_across_rounds_and_rejoin_with_the_current_model():
             rounds=4,
             backend="inline",
             mode="fedavg",
-            epsilon=None,
+            max_epsilon=None,
             privacy_unit="party",
             local_steps=2,
             batch_size=8,
@@ -502,7 +494,7 @@ def test_fraction_samples_the_available_clients():
         MODEL,
         PARTS,
         (XT, YT),
-        SimulationConfig(rounds=3, backend="inline", mode="fedavg", epsilon=None, fraction=0.25),
+        SimulationConfig(rounds=3, backend="inline", mode="fedavg", max_epsilon=None, fraction=0.25),
         progress=False,
         on_round=lambda c: seen.__setitem__(c.round, c.participants),
     )
@@ -523,9 +515,9 @@ def test_a_new_mechanism_is_one_small_class():
         def mix(self, updates, plan):
             return 0.5 * updates.mean(axis=0)
 
-    half = run(mode="test-half-mean", epsilon=None, rounds=1, privacy_unit="party")
-    full = run(mode="fedavg", epsilon=None, rounds=1, privacy_unit="party")
-    start = run(mode="fedavg", epsilon=None, rounds=1, privacy_unit="party", lr=1e-30).parameters
+    half = run(mode="test-half-mean", max_epsilon=None, rounds=1, privacy_unit="party")
+    full = run(mode="fedavg", max_epsilon=None, rounds=1, privacy_unit="party")
+    start = run(mode="fedavg", max_epsilon=None, rounds=1, privacy_unit="party", lr=1e-30).parameters
     assert np.allclose(half.parameters - start, 0.5 * (full.parameters - start), atol=1e-6)
 
 
@@ -533,7 +525,7 @@ def test_a_new_mechanism_is_one_small_class():
 @pytest.mark.usefixtures("local_ray")
 def test_results_are_identical_for_any_number_of_actors():
     common = dict(
-        rounds=2, epsilon=2.0, calibration_runs=2, iterations=5, dropout=PermanentDropout(0.1), fraction=0.75
+        rounds=2, max_epsilon=2.0, calibration_runs=2, iterations=5, dropout=PermanentDropout(0.1), fraction=0.75
     )
     inline = run(backend="inline", **common)
     one = run(backend="ray", num_actors=1, **common)
@@ -543,7 +535,7 @@ def test_results_are_identical_for_any_number_of_actors():
         assert np.array_equal(other.parameters, inline.parameters)
         assert other.column("accuracy") == inline.column("accuracy")
         assert other.column("mu") == inline.column("mu")
-    party = dict(rounds=2, epsilon=None, mode="fedavg", privacy_unit="party", local_epochs=2, batch_size=7)
+    party = dict(rounds=2, max_epsilon=None, mode="fedavg", privacy_unit="party", local_epochs=2, batch_size=7)
     assert np.array_equal(
         run(backend="ray", num_actors=2, **party).parameters, run(backend="inline", **party).parameters
     )
@@ -556,22 +548,22 @@ def test_results_are_identical_for_any_number_of_actors():
         ({"mode": "gossip-magic"}, "mode must be one of"),
         ({"fraction": 0.0}, r"fraction .* must be in \(0, 1\]"),
         ({"fraction": 1.5}, r"fraction .* must be in \(0, 1\]"),
-        ({"rounds": 0}, "rounds must be an integer >= 1"),
+        ({"rounds": 0}, r"rounds must be an integer in \[1, "),
         ({"min_clients": 1}, "min_clients must be an integer >= 2"),
         ({"privacy_unit": "household"}, "privacy_unit must be one of"),
         ({"local_steps": 3}, "exactly one local step"),
-        ({"mode": "fedavg", "epsilon": 1.0}, "epsilon=None"),
+        ({"mode": "fedavg", "max_epsilon": 1.0}, "max_epsilon=None"),
         ({"delta": 1.0}, r"delta must be in \(0, 1\)"),
-        ({"num_actors": 0}, "num_actors must be an integer >= 1"),
+        ({"num_actors": 0}, r"num_actors must be an integer in \[1, "),
         ({"backend": "dask"}, "backend must be one of"),
-        ({"collusion": 1.0}, r"collusion \(a fraction of the participants\) must be in \[0, 1\)"),
+        ({"collusion": 1.0}, r"collusion \(a fraction of the parties\) must be in \[0, 1\)"),
         ({"sigma_star": 1.0}, "give both sigma_star and sigma_delta"),
         ({"iterations": 0}, "iterations must be an integer >= 1"),
         ({"certify_every": 0}, "certify_every must be an integer >= 1"),
         ({"backend": "inline", "num_actors": 2}, "num_actors and ray_address need backend='ray'"),
         ({"mixer_options": {"sigma": 1}}, "mixer_options for mode 'inca': .* keyword argument 'sigma'"),
         ({"accountant": "moments"}, "accountant must be one of"),
-        ({"epsilon": math.inf}, r"epsilon \(or None\) must be a finite number > 0"),
+        ({"max_epsilon": math.inf}, r"max_epsilon \(total budget, or None\) must be in"),
     ],
 )
 def test_bad_configuration_names_the_parameter(kwargs, match):
@@ -600,13 +592,13 @@ def test_bad_inputs_name_what_was_wrong():
             lambda: torch.nn.Sequential(torch.nn.Linear(FEATURES, 4), torch.nn.BatchNorm1d(4)),
             PARTS,
             None,
-            SimulationConfig(backend="inline", mode="fedavg", epsilon=None),
+            SimulationConfig(backend="inline", mode="fedavg", max_epsilon=None),
             progress=False,
         )
     with pytest.raises(ValueError, match="inca needs sigma_star and sigma_delta, or a budget"):
-        run(epsilon=None)
+        run(max_epsilon=None)
     with pytest.raises(ValueError, match="central-dp needs noise_multiplier"):
-        run(mode="central-dp", epsilon=None)
+        run(mode="central-dp", max_epsilon=None)
     # a model that does not fit the data fails before anything is spent, naming which data
     with pytest.raises(ValueError, match=r"partitions \(the training data\) does not fit the model"):
         simulate(
@@ -646,7 +638,7 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
             "3",
             "--backend",
             "inline",
-            "--epsilon",
+            "--max-epsilon",
             "4",
             "--calibration-runs",
             "2",
@@ -668,7 +660,7 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     rounds = [line for line in captured.err.splitlines() if "round    " in line and "/3" in line]
     assert len(rounds) == 3 and "33%" in rounds[0] and "100%" in rounds[2]
     assert re.search(r"\d+s, ~\d+(s|m\d\ds) left$", rounds[0]) and re.search(r"\d+s$", rounds[2])
-    for name in ("history.json", "history.csv", "ledger.json", "accuracy_epsilon.png"):
+    for name in ("history.json", "history.csv", "inca_ledger.json", "accuracy_epsilon.png"):
         assert (out / name).exists()
     assert len(list((out / "traces").iterdir())) == 3
     hist = json.loads((out / "history.json").read_text())
@@ -676,7 +668,7 @@ def test_cli_simulate_offline_on_digits(tmp_path, monkeypatch, capsys):
     # --json: one JSON summary on stdout, an unbounded epsilon written "inf"
     common = ["simulate", "--clients", "6", "--rounds", "1", "--backend", "inline", "--batch-size", "20"]
     json_out = ["--json", "--out", str(tmp_path / "j")]
-    assert main([*common, "--mode", "fedavg", "--epsilon", "none", *json_out]) == 0
+    assert main([*common, "--mode", "fedavg", "--max-epsilon", "none", *json_out]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["epsilon"] == "inf" and summary["rounds"] == 1 and summary["accuracy"] > 0
     # the notes the text output prints, e.g. one round of 6 clients on digits: chance-level accuracy or none
@@ -700,12 +692,12 @@ def test_cli_simulate_exits_1_when_the_budget_stops_training_and_lists_only_file
     load_mnist.cache_clear()
     out = tmp_path / "stopped"
     args = ["simulate", "--clients", "6", "--rounds", "2", "--backend", "inline", "--batch-size", "20",
-            "--iterations", "5", "--sigma-star", "0.5", "--sigma-delta", "2", "--epsilon", "0.01"]
+            "--iterations", "5", "--sigma-star", "0.5", "--sigma-delta", "2", "--max-epsilon", "0.01"]
     assert main([*args, "--out", str(out)]) == 1
     printed = capsys.readouterr().out
-    assert "stopping before round 1" in printed and "nothing of round 1 was released or charged" in printed
-    assert not (out / "ledger.json").exists()
-    assert f"results in {out}/ (history.json, history.csv, accuracy_epsilon.png)" in printed
+    assert "stopping before round 1" in printed and "nothing of it was released or charged" in printed
+    assert not (out / "inca_ledger.json").exists()
+    assert f"results in {out}/ (history.json, history.csv, model.npy, accuracy_epsilon.png)" in printed
     assert main([*args, "--json", "--out", str(tmp_path / "j")]) == 1
     summary = json.loads(capsys.readouterr().out)
     assert summary["rounds"] == 0 and summary["stopped"].startswith("stopping before round 1")
@@ -752,7 +744,7 @@ def test_a_killed_ray_actor_is_replaced_and_training_goes_on(monkeypatch):
     made = []
     create = runner.create_backend
     monkeypatch.setattr(runner, "create_backend", lambda *a, **k: made.append(create(*a, **k)) or made[-1])
-    common = {"rounds": 3, "epsilon": 3.0, "backend": "ray", "num_actors": 2, "privacy_unit": "party"}
+    common = {"rounds": 3, "max_epsilon": 3.0, "backend": "ray", "num_actors": 2, "privacy_unit": "party"}
     calm = run(**common)
 
     def kill(ctx, retries=2):
@@ -784,7 +776,7 @@ def test_a_diverging_client_counts_as_a_zero_update():
 
     def simulate_on(x, **kw):
         seen.clear()
-        config = SimulationConfig(**{**opts, "epsilon": None, "mode": "fedavg", **kw})
+        config = SimulationConfig(**{**opts, "max_epsilon": None, "mode": "fedavg", **kw})
         return simulate(MODEL, Partitions(x, Y, PARTS.indices), (XT, YT), config, progress=False,
                         on_round=lambda c: seen.setdefault(c.round, c))
 
@@ -809,4 +801,4 @@ def test_a_diverging_client_counts_as_a_zero_update():
 def test_an_availability_table_too_short_is_refused_before_training():
     table = np.ones((2, PARTS.clients), dtype=bool)
     with pytest.raises(ValueError, match=r"the table covers 2 round\(s\), fewer than rounds = 3"):
-        run(availability=AvailabilityTable(table), epsilon=None, mode="fedavg")
+        run(availability=AvailabilityTable(table), max_epsilon=None, mode="fedavg")

@@ -63,8 +63,10 @@ class RoundCertificate:
 
     @property
     def method(self) -> str:
-        """``"exact"``, ``"bound"``, or ``"exact+bound"`` when the adversaries needed both."""
-        return "+".join(m for m in ("exact", "bound", "cascade") if m in self.methods) or "none"
+        """``"exact"``, ``"bound"``, or ``"exact+bound"`` when the adversaries needed both (another method,
+        e.g. ``"ceiling"`` or ``"predicted"``, as given)."""
+        known = [m for m in ("exact", "bound", "cascade") if m in self.methods]
+        return "+".join(known or dict.fromkeys(self.methods)) or "none"
 
 
 def certify_round(

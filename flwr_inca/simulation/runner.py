@@ -152,6 +152,9 @@ class _Run:
         self._prepare_backend(model_fn)
         self.history = History(config.to_dict(), self.plan.to_dict(), self.mixer.describe(),
                                self.backend.describe(), dataset or partitions.name)
+        if self.ledger is not None and self.ledger.rounds and previous is None:
+            self.history.notes.append(f"resumed ledger {self.ledger.path}: {self.ledger.rounds} round(s) already "
+                                      f"spent, epsilon = {self.ledger.epsilon():.4g}")
         self.report = _StderrProgress() if progress is True else (progress or None)
         self.first_round = 1
         if previous is not None:
