@@ -82,7 +82,7 @@ class IncaRounds:
             self.calibrator = NoiseCalibrator(
                 iterations=mixing.iterations, neighbors=mixing.neighbors, collusion=privacy.collusion,
                 observed_fraction=privacy.observed_fraction, dropout=mixing.dropout, topology=mixing.topology,
-                schedule=mixing.schedule, runs=privacy.calibration_runs,
+                schedule=mixing.schedule, runs=privacy.calibration_runs, target_success=privacy.calibration_success,
                 seed=self.seed if calibration_seed is None else int(calibration_seed), progress=log)
         self.schedule = InjectionSchedule.resolve(mixing.schedule, mixing.iterations)
         self._ceilings: dict[int, np.ndarray] = {}

@@ -55,6 +55,7 @@ class PrivacyTarget:
             (Eavesdrop DP) instead of colluders.
         threat_draws: random corrupted sets (or intercepted message sets) per round; the worst is charged.
         calibration_runs: simulated executions the noise is calibrated over.
+        calibration_success: share of those executions the noise must make meet the target (1: all).
         calibration_margin: the noise is calibrated for the per-round target lowered by this relative
             margin (a fresh execution certifies within a fraction of a percent of the target).
         budget_check_runs: simulated executions whose worst certified cost predicts a round's cost before
@@ -77,6 +78,7 @@ class PrivacyTarget:
     observed_fraction: float | None = None
     threat_draws: int = 1
     calibration_runs: int = 20
+    calibration_success: float = 1.0
     calibration_margin: float = 0.01
     budget_check_runs: int = 10
     max_consecutive_refusals: int = 3
@@ -99,6 +101,8 @@ class PrivacyTarget:
             check_probability("observed_fraction", self.observed_fraction)
         check_int("threat_draws", self.threat_draws, 1, 1000)
         check_int("calibration_runs", self.calibration_runs, 1, 100_000)
+        check_probability("calibration_success (a share of the calibration runs)", self.calibration_success,
+                          zero=False)
         check_real("calibration_margin", self.calibration_margin, 0.0, 1.0, high_open=True)
         check_int("budget_check_runs (simulated executions that predict a round's cost)",
                   self.budget_check_runs, 1, 100_000)

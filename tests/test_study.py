@@ -129,8 +129,8 @@ def _blobs(n, features=784, classes=10, seed=0):
 def test_baseline_mixers_train_in_the_simulator_within_the_budget(mode):
     x, y = _blobs(1200, features=20, classes=3)
     parts = iid(x[:1000], y[:1000], 10)
-    config = SimulationConfig(rounds=4, mode=mode, epsilon=4.0, backend="inline", lr=1.0, batch_size=20,
-                              accountant="rdp")
+    config = SimulationConfig(rounds=4, mode=mode, max_epsilon=4.0, backend="inline", lr=1.0, batch_size=20,
+                              accountant="opacus-rdp")
     history = simulate(lambda: torch.nn.Linear(20, 3), parts, (x[1000:], y[1000:]), config, progress=False)
     assert len(history.records) == 5 and not history.stopped
     assert history.records[-1].epsilon <= 4.0
@@ -290,55 +290,29 @@ def test_cli_study_mnist_tiny(tmp_path, capsys):
     assert (tmp_path / "accuracy_vs_epsilon.png").exists()
 
 
-def test_study_calibration_cache_scales_like_a_direct_calibration():
-    """The improved calibration is scale-free (a certificate is proportional to S / sigma when both
-    sigmas scale), so the study calibrates once per (n, gamma) and scales; the paper's is per target."""
-    from flwr_inca.privacy.calibration import calibrate
-    from flwr_inca.privacy.conversions import epsilon_for_delta
-    from flwr_inca.protocol.dropout import PermanentDropout
-    from flwr_inca.study.mnist import _CalibrationCache
-
-    grid = StudyGrid(iterations=4, calibration_runs=2)
-    cache = _CalibrationCache(grid)
-    n, gamma, mu, S = 20, 0.1, 0.3, 2.0
-    direct = calibrate(epsilon_for_delta(mu, 1e-5), 1e-5, n, iterations=4, neighbors=1, collusion=0.1,
-                       dropout=PermanentDropout(gamma), runs=2, seed=1414 + 7919 * n + 100, procedure="exact",
-                       value_sensitivity=S)
-    cached = cache.get("exact", n, gamma, mu, 1e-5, S, clients=1000)  # a large study: calibration_runs
-    assert cached.sigma_star == pytest.approx(direct.sigma_star, rel=1e-3)
-    assert cached.sigma_delta == pytest.approx(direct.sigma_delta, rel=1e-2)
-    assert cache.get("exact", n, gamma, mu / 2, 1e-5, S, clients=1000).sigma_star == pytest.approx(
-        2 * cached.sigma_star)
-
-
-def test_study_small_n_calibrates_on_more_executions_at_a_quantile_and_certifies_every_round():
-    """At n <= small_clients (n = 100 in docs/results.md: a fresh round certified up to 17% above a target
-    calibrated on 3 executions, and the steep per-round budget ran out after 8 of 25 rounds) IncA is
-    calibrated on small_calibration_runs executions at the small_calibration_success share, exactly as
-    a direct calibration with those settings, and every round is certified."""
-    from flwr_inca.privacy.calibration import calibrate
-    from flwr_inca.privacy.conversions import epsilon_for_delta
+def test_study_runs_share_a_calibrator_per_protocol_with_the_settings_of_their_n():
+    """Every run of one protocol (procedure, gamma) shares one NoiseCalibrator, so the calibrations are
+    made once; at n <= small_clients it calibrates on small_calibration_runs executions at the
+    small_calibration_success share (n = 100 in docs/results.md: a fresh round certified up to 17% above a
+    target calibrated on 3 executions), and the calibration equals a direct one with those settings."""
+    from flwr_inca.privacy.calibration import NoiseCalibrator
     from flwr_inca.protocol.dropout import PermanentDropout
     from flwr_inca.study.mnist import _CalibrationCache
 
     grid = StudyGrid(iterations=4, calibration_runs=2, calibration_success=1.0, certify_every=10, small_clients=30,
                      small_calibration_runs=8, small_calibration_success=0.5, small_certify_every=1)
     assert grid.inca_settings(30) == (8, 0.5, 1) and grid.inca_settings(31) == (2, 1.0, 10)
-    n, gamma, mu, S = 20, 0.1, 0.3, 2.0
-
-    def direct(runs, success):
-        return calibrate(epsilon_for_delta(mu, 1e-5), 1e-5, n, iterations=4, neighbors=1, collusion=0.1,
-                         dropout=PermanentDropout(gamma), runs=runs, seed=1414 + 7919 * n + 100, procedure="exact",
-                         value_sensitivity=S, target_success=success)
-
     cache = _CalibrationCache(grid)
-    small, large = cache.get("exact", n, gamma, mu, 1e-5, S, clients=25), cache.get("exact", n, gamma, mu, 1e-5, S,
-                                                                                   clients=1000)
-    assert small.runs == 8 and large.runs == 2
-    assert small.success_fraction >= 0.5
-    want = direct(8, 0.5)
-    assert small.sigma_delta == pytest.approx(want.sigma_delta, rel=1e-2)
-    assert small.sigma_star == pytest.approx(want.sigma_star, rel=1e-3)
+    small, large = cache.calibrator("exact", 0.1, clients=25), cache.calibrator("exact", 0.1, clients=1000)
+    assert cache.calibrator("exact", 0.1, clients=20) is small and small is not large
+    assert small.settings["runs"] == 8 and small.settings["target_success"] == 0.5
+    assert large.settings["runs"] == 2 and cache.calibrator("paper", 0.1, 25).settings["procedure"] == "paper"
+    n, mu, S = 20, 0.3, 2.0
+    cal = small.calibration(n, mu, 1e-5, S)
+    direct = NoiseCalibrator(iterations=4, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1), runs=8,
+                             target_success=0.5, seed=small.seed).calibration(n, mu, 1e-5, S)
+    assert cal.runs == 8 and cal.success_fraction >= 0.5
+    assert (cal.sigma_star, cal.sigma_delta) == (direct.sigma_star, direct.sigma_delta)
     with pytest.raises(ValueError, match="small_calibration_success"):
         StudyGrid(small_calibration_success=0)
     with pytest.raises(ValueError, match="small_certify_every"):
@@ -371,7 +345,7 @@ def test_study_inca_run_uses_the_settings_of_its_n(monkeypatch, clients, every, 
     cache = _CalibrationCache(grid)
     with pytest.raises(Stop):
         run_one(data, grid, "inca", clients, "iid", 1.0, 0.1, 0, 1.0, 1.0, 3, "tune", cache)
-    assert seen["config"].certify_every == every
+    assert seen["config"].mixing.certify_every == every
     assert seen["calibration"].runs == runs
 
 
@@ -498,13 +472,22 @@ def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch
     from dataclasses import replace
 
     from flwr_inca.privacy.rounds import RoundCertificate
-    from flwr_inca.simulation.mixers import IncaMixer
+    from flwr_inca.rounds import IncaRounds
     from flwr_inca.study.mnist import _CalibrationCache, _skipped, run_one, split_data
 
-    def scripted(self, trace, round, seed, finals=None):
-        return RoundCertificate(self.context.mu_round * (3.0 if round == 3 else 0.85), ("exact",))
+    class Scripted:
+        """A round's certificates, scripted: round 3 at 3x the per-round target, the others at 0.85x."""
 
-    monkeypatch.setattr(IncaMixer, "certificate", scripted)
+        def __init__(self, rounds, trace, round):
+            self.cost = rounds.mu_target * (3.0 if round == 3 else 0.85)
+
+        def with_finals(self, finals=None):
+            return RoundCertificate(self.cost, ("exact",))
+
+        def through(self, t):
+            return RoundCertificate(self.cost * 0.5, ("exact",))
+
+    monkeypatch.setattr(IncaRounds, "prefix", lambda self, trace, round: Scripted(self, trace, round))
     grid = replace(TINY_GRID, clients=(12,), iterations=3, validation=100, small_calibration_runs=6)
     res = run_one(split_data(_dataset_784(), grid), grid, "inca", 12, "iid", 1.0, 0.25, 0, 1.0, 1.0, 6, "test",
                   _CalibrationCache(grid))

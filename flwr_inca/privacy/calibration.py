@@ -543,7 +543,7 @@ def _dropout_fraction(dropout: DropoutModel | None, sims: list[_Run], n: int, rh
     return float(1.0 - np.mean([s.honest_finalists for s in sims]) / honest) if honest > 0 else 0.0
 
 
-REUSE_WITHIN = 0.1  # a calibration serves every party count within 10% of the one it was made for
+REUSE_WITHIN = 0.25  # a calibration serves every party count within 25% of the one it was made for
 
 
 class NoiseCalibrator:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .._checks import check_int, check_real
-from ..privacy.calibration import Calibration
+from ..privacy.calibration import Calibration, NoiseCalibrator
 from ..privacy.rounds import RoundCertificate
 from ..privacy.session import RoundCharge, RoundSession
 from ..protocol.config import IncaConfig
@@ -293,10 +293,13 @@ class IncaMixer(Mixer):
     name = "inca"
 
     def __init__(self, *, privacy: PrivacyTarget | None = None, mixing: MixingConfig | None = None,
-                 noise_ahead_bytes: int = 512 * 2**20) -> None:
+                 calibrator: NoiseCalibrator | None = None, noise_ahead_bytes: int = 512 * 2**20) -> None:
         super().__init__()
         self.privacy = privacy if privacy is not None else PrivacyTarget()
         self.mixing = mixing if mixing is not None else MixingConfig()
+        if calibrator is not None and not isinstance(calibrator, NoiseCalibrator):
+            raise ValueError(f"calibrator must be a NoiseCalibrator or None, got {type(calibrator).__name__}")
+        self.calibrator = calibrator  # shared between runs (e.g. a study's); None: the run's own
         self.noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
         self.rounds: IncaRounds | None = None
         self._worst_certified = 0.0
@@ -331,16 +334,19 @@ class IncaMixer(Mixer):
             raise ValueError("inca needs sigma_star and sigma_delta, or a budget (max_epsilon) to calibrate them")
         self.rounds = IncaRounds(self.privacy, self.mixing, seed=self.threat_seed(context.seed),
                                  value_sensitivity=context.value_sensitivity, mu_target=context.mu_round,
-                                 calibration_seed=seeding.seed_of(context.seed, seeding.CALIBRATION))
+                                 calibration_seed=seeding.seed_of(context.seed, seeding.CALIBRATION),
+                                 calibrator=self.calibrator)
         self.rounds.sigmas(max(2, int(context.participants)))  # calibrated once, before round 1
 
     @property
     def calibration(self) -> Calibration | None:
-        """The calibration the noise comes from (None: sigmas given)."""
-        cal = self.rounds.calibrator if self.rounds is not None else None
-        if cal is None or not cal.calibrations:
+        """The calibration of the expected participants' noise (None: sigmas given)."""
+        if self.rounds is None or self.rounds.calibrator is None:
             return None
-        return next(iter(cal.calibrations.values()))
+        ctx = self.context
+        target = ctx.mu_round * (1.0 - self.privacy.calibration_margin)
+        return self.rounds.calibrator.calibration(max(2, int(ctx.participants)), target, ctx.delta,
+                                                  ctx.value_sensitivity)
 
     def sigmas(self, participants: int) -> tuple[float, float]:
         """(sigma_star, sigma_delta) in value units for a round of ``participants`` parties."""

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from ..privacy.calibration import NoiseCalibrator
+
 __all__ = ["DEFAULT_GRID", "FULL_GRID", "METHODS", "TINY_GRID", "StudyGrid", "add_study_parser", "run_study"]
 
 METHODS: dict[str, str] = {
@@ -250,60 +252,32 @@ def worst_node(models: np.ndarray, x: np.ndarray, y: np.ndarray, screen: int = 2
 
 # ------------------------------------------------------------------------------------------ IncA noise
 class _CalibrationCache:
-    """IncA's (sigma_star, sigma_delta) per (procedure, expected participants, gamma, round target).
-
-    The improved (exact) calibration is scale-free: the certificate of a linear-Gaussian view is
-    proportional to S / sigma when both sigmas scale together, so one calibration per (n, gamma) at unit
-    sensitivity serves every target by scaling (``mu_ref / mu``). The paper's procedure uses the classic
-    bound on the per-round epsilon, which is not scale-free: it is calibrated per target.
-    """
+    """IncA's noise calibrations, shared by the study's runs: one
+    :class:`~flwr_inca.privacy.calibration.NoiseCalibrator` per (procedure, gamma, runs, success share), so
+    that every run with the same protocol reuses the calibrations of the others (the calibrator's rule:
+    one calibration per party count, scaled to every target and sensitivity)."""
 
     def __init__(self, grid: StudyGrid) -> None:
         self.grid = grid
-        self.cache: dict[tuple, Any] = {}
-        self.seconds = 0.0
+        self.calibrators: dict[tuple, NoiseCalibrator] = {}
 
-    def get(self, procedure: str, n: int, gamma: float, mu_target: float, delta: float, sensitivity: float, *,
-            clients: int | None = None):
-        """The calibration for ``n`` expected participants of a study with ``clients`` clients (default
-        ``n``), whose size picks the runs and success share (:meth:`StudyGrid.inca_settings`)."""
-        from ..privacy.calibration import calibrate
-        from ..privacy.conversions import epsilon_for_delta
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.calibrators.values())
+
+    def calibrator(self, procedure: str, gamma: float, clients: int) -> NoiseCalibrator:
+        """The calibrator of ``procedure`` at dropout rate ``gamma`` for a study of ``clients`` clients (whose
+        size picks the runs and success share, :meth:`StudyGrid.inca_settings`)."""
         from ..protocol.dropout import PermanentDropout
 
-        runs, success, _ = self.grid.inca_settings(n if clients is None else clients)
-        ref = 0.05 if procedure == "exact" else mu_target
-        key = (procedure, n, gamma, round(ref, 12), runs, success)
-        if key not in self.cache:
-            start = time.perf_counter()
-            self.cache[key] = calibrate(
-                epsilon_for_delta(ref, delta), delta, n, iterations=self.grid.iterations,
-                neighbors=min(self.grid.neighbors, n - 1), collusion=self.grid.collusion,
-                dropout=PermanentDropout(gamma) if gamma > 0 else None, runs=runs,
-                seed=1414 + 7919 * n + round(gamma * 1000), procedure=procedure, value_sensitivity=1.0,
-                target_success=success)
-            self.seconds += time.perf_counter() - start
-        cal = self.cache[key]
-        scale = sensitivity * ref / mu_target
-        return replace(cal, sigma_star=cal.sigma_star * scale, sigma_delta=cal.sigma_delta * scale,
-                       mu_target=mu_target, value_sensitivity=sensitivity)
-
-
-def _inca_mixer(config: Any, procedure: str, gamma: float, cache: _CalibrationCache, clients: int):
-    from ..simulation.mixers import IncaMixer, Mixer
-
-    class StudyInca(IncaMixer):
-        """IncaMixer whose calibration comes from the study's cache (same target and scaling rule)."""
-
-        def prepare(self, context):
-            Mixer.prepare(self, context)
-            n = max(2, int(context.participants))
-            target = context.mu_round * (1.0 - self.calibration_margin)
-            self.calibration = cache.get(procedure, n, gamma, target, context.delta, context.value_sensitivity,
-                                         clients=clients)
-            self._calibrated_n = n
-
-    return StudyInca.from_config(config)
+        runs, success, _ = self.grid.inca_settings(clients)
+        key = (procedure, gamma, runs, success)
+        if key not in self.calibrators:
+            self.calibrators[key] = NoiseCalibrator(
+                iterations=self.grid.iterations, neighbors=self.grid.neighbors, collusion=self.grid.collusion,
+                dropout=PermanentDropout(gamma) if gamma > 0 else None, runs=runs, procedure=procedure,
+                target_success=success, seed=1414 + round(gamma * 1000))
+        return self.calibrators[key]
 
 
 # ------------------------------------------------------------------------------------------ one run
@@ -338,7 +312,7 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
     from ..protocol.dropout import PermanentDropout
     from ..simulation import MarkovAvailability, SimulationConfig, dirichlet, iid, simulate
     from ..simulation.baseline_mixers import WithinRoundDropout
-    from ..simulation.mixers import create_mixer
+    from ..simulation.mixers import IncaMixer, create_mixer
 
     res = RunResult(phase, method, clients, partition, epsilon, gamma, seed, lr, clip, rounds)
     start = time.perf_counter()
@@ -349,18 +323,19 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
     mode = "inca" if method.startswith("inca") else method
     calibration_runs, calibration_success, certify_every = grid.inca_settings(clients)
     config = SimulationConfig(
-        rounds=rounds, mode=mode, epsilon=None if method == "fedavg" else epsilon, delta=grid.delta,
+        rounds=rounds, mode=mode, max_epsilon=None if method == "fedavg" else epsilon, delta=grid.delta,
         privacy_unit="record", lr=lr, clip_norm=clip, batch_size=grid.batch_size,
         availability=MarkovAvailability(p_off=0.5 * gamma / (1 - gamma), p_on=0.5) if gamma > 0 else None,
         dropout=PermanentDropout(gamma) if (mode == "inca" and gamma > 0) else None,
         iterations=grid.iterations, neighbors=grid.neighbors, collusion=grid.collusion,
-        certify_every=certify_every, calibration_runs=calibration_runs,
-        # the default budget guard (reserve_stopped_round=True): epsilon is a hard limit for IncA too
+        certify_every=certify_every, calibration_runs=calibration_runs, calibration_success=calibration_success,
         backend="inline", seed=seed, eval_every=rounds + 1)
     if mode == "inca":
-        mixer = _inca_mixer(config, "paper" if method == "inca-paper" else "exact", gamma, cache, clients)
+        procedure = "paper" if method == "inca-paper" else "exact"
+        mixer = IncaMixer(privacy=config.privacy, mixing=config.mixing,
+                          calibrator=cache.calibrator(procedure, gamma, clients))
     elif method == "gopa":  # its own in-round dropouts; calibrated on IncA's runs and success share
-        mixer = create_mixer(replace(config, mixer_options={"gamma": gamma,
+        mixer = create_mixer(config.replace(mixer_options={"gamma": gamma,
                                                             "calibration_success": calibration_success}))
     else:
         mixer = create_mixer(config)
