@@ -26,3 +26,11 @@ def _node_state_under_the_sessions_tmp(tmp_path_factory):
         yield
     finally:
         os.environ.pop("FLWR_INCA_STATE_DIR", None)
+
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    """Flower sets these in a running app; messages cannot be created without them."""
+    flwr = pytest.importorskip("flwr.supercore.task_identity")
+    for name, value in (("_run_id", 1), ("_node_id", 5), ("_task_id", 1)):
+        monkeypatch.setattr(flwr.TaskIdentity, name, value)

@@ -197,3 +197,20 @@ def test_two_runs_reserving_on_one_ledger_never_exceed_the_budget_together(tmp_p
     assert sum(done) == ledger.rounds and ledger.epsilon() <= budget
     assert not ledger.reservations()
     assert len({e.run["token"] for e in ledger.entries}) == 2  # each entry says which run wrote it
+
+
+def test_the_budget_is_kept_exactly_not_approximately(tmp_path):
+    """A round 0.3% over the budget is refused: no tolerance (a checker that allowed 0.5% would pass it)."""
+    budget = _eps(0.5, 0.5)
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA, max_epsilon=budget)
+    ledger.spend(0.5)
+    over = 0.5 * 1.003
+    assert _eps(0.5, over) < budget * 1.005
+    with pytest.raises(BudgetExceededError):
+        ledger.reserve(over)
+    with pytest.raises(BudgetExceededError):
+        ledger.spend(over)
+    entry = ledger.reserve(0.5)
+    with pytest.raises(BudgetExceededError):
+        ledger.raise_reservation(entry, over)
+    assert ledger.epsilon() <= budget

@@ -55,7 +55,7 @@ from .relay import RoundRelay, collect_finals, run_iterations
 from .shared import INCA_KEY, RoundParams, flatten_arrays, unflatten_arrays
 from .transport import Joined, MixingExchange, end_run, join_round
 
-__all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord"]
+__all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord", "lost_finals_check"]
 
 class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExhausted):
     """Training stops: the next round is predicted not to fit ``max_epsilon`` (raised by
@@ -120,6 +120,7 @@ class _Mixed:
     exchange: MixingExchange
     privacy: IncaRound
     stopped: str = ""  # why the round was refused ("" if its finals were collected)
+    error: str = ""  # the error that failed the round ("" if none)
 
 
 class IncaStrategy(FedAvg):
@@ -367,17 +368,17 @@ class IncaStrategy(FedAvg):
         new_arrays = None
         if mixed is not None:
             self._record_charge(record, mixed)
-            if not mixed.stopped and not record.failed:
+            if not (mixed.stopped or mixed.error or record.failed):
                 new_arrays = self._after_charge(record, "applying the update", None, self._apply, record, mixed,
                                                 vector, spec, pending.arrays)
             self._after_charge(record, "saving the trace", None, self._save_trace, record)
+        forwarded = self._after_charge(record, "aggregating the nodes' train metrics", None, self._train_metrics,
+                                       joined)
         record.seconds = time.time() - pending.started
         metrics = self._after_charge(record, "computing IncA's metrics", MetricRecord(), self._round_metrics,
                                      record, mixed)
         self.train_metrics_serverapp[server_round] = metrics
         self._log_round(record)
-        forwarded = self._after_charge(record, "aggregating the nodes' train metrics", None, self._train_metrics,
-                                       joined)
         if record.charge is not None and record.charge.stop:
             raise IncaBudgetExhausted(self.session.stop(record.charge), pending.arrays)
         return new_arrays, forwarded
@@ -423,9 +424,13 @@ class IncaStrategy(FedAvg):
                                  "before them), more than the budget left: they were not collected")
             else:
                 collect_finals(relay, exchange, final_retries=self.relay.final_retries, progress=progress)
-        except BaseException as exc:
-            if privacy.charge is None:  # charge the reservation (a bound on what left) before the error surfaces
-                privacy.fail(f"mixing failed ({type(exc).__name__})")
+        except Exception as exc:  # noqa: BLE001 - the round fails, charged its reservation; training goes on
+            mixed.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if privacy.charge is None:
+                privacy.fail(f"mixing failed ({mixed.error})")
+        except BaseException as exc:  # interrupted: charge the reservation (a bound on what left), then stop
+            if privacy.charge is None:
+                privacy.fail(f"mixing interrupted ({type(exc).__name__})")
             raise
         return mixed
 
@@ -433,6 +438,10 @@ class IncaStrategy(FedAvg):
         """Charge the round (exactly what it revealed) and record its trace. Nothing after the charge may
         lose it: an error while certifying charges the round's reservation, a bound on what was revealed."""
         relay, privacy, server_round = mixed.relay, mixed.privacy, record.round
+        if mixed.error:
+            record.charge = privacy.charge
+            record.failed = f"the round failed ({mixed.error}); charged its reservation"
+            return
         try:
             if mixed.stopped:
                 record.charge = privacy.refuse()
@@ -464,29 +473,14 @@ class IncaStrategy(FedAvg):
         elif lost_finals:
             record.failed = lost_finals
         else:
-            record.failed = self._update_check(estimate, record.noise_std)
+            record.failed = self.update_check(estimate, record.noise_std)
         if record.failed:
             return None
         record.update = estimate
         return unflatten_arrays(vector + estimate, spec, keep=arrays)
 
     def _noise_check(self, trace: ExecutionTrace, finalists: list[int], roster: list[int]) -> tuple[float, str]:
-        """The update's noise std per coordinate, and why the round must fail ("" if it need not): lost
-        final messages that leave more than ``max_noise_inflation`` times the noise."""
-        if not finalists:
-            return math.inf, ""
-        noise = noise_std(trace, finalists)
-        missing = sorted(set(trace.steps[-1].online.tolist()) - set(finalists))
-        if not missing:
-            return noise, ""
-        full = noise_std(trace)
-        tiny = 1e-12 * max(trace.sigma_star, trace.sigma_delta, 1e-300)  # round-off of exact cancellation
-        limit = self.mixing.max_noise_inflation
-        if noise + tiny <= limit * (full + tiny):
-            return noise, ""
-        return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the update's "
-                       f"noise std is {noise:.3g} per coordinate instead of {full:.3g} "
-                       f"(max_noise_inflation = {limit})")
+        return lost_finals_check(trace, finalists, roster, self.mixing.max_noise_inflation)
 
     def update_norm_bound(self, noise_std: float, d: int) -> float:
         """The largest L2 norm an averaged update may have (``max_update_norm``, or its default: 10 times
@@ -495,8 +489,9 @@ class IncaStrategy(FedAvg):
             return float(self.mixing.max_update_norm)
         return 10.0 * (self.privacy.clip_norm + math.sqrt(d) * noise_std)
 
-    def _update_check(self, update: np.ndarray, noise_std: float) -> str:
-        """Why the averaged update must not be applied ("" if it may be)."""
+    def update_check(self, update: np.ndarray, noise_std: float) -> str:
+        """Why the averaged update ``update`` (whose noise std per coordinate is ``noise_std``) must not be
+        applied ("" if it may be): not finite, or its L2 norm above :meth:`update_norm_bound`."""
         if not np.all(np.isfinite(update)):
             return "the averaged update is not finite"
         with np.errstate(over="ignore"):
@@ -591,6 +586,27 @@ class IncaStrategy(FedAvg):
         """Hook on every peer payload the relay forwards, just before it leaves (identity; subclasses may
         observe it)."""
         return payload
+
+
+def lost_finals_check(trace: ExecutionTrace, finalists: list[int], roster: list[int],
+                      max_noise_inflation: float) -> tuple[float, str]:
+    """The update's noise std per coordinate when only ``finalists``' final messages arrived, and why the
+    round must fail ("" if it need not): lost final messages whose share of the cancelling noise leaves
+    the update's noise more than ``max_noise_inflation`` times the noise with every final. ``roster``:
+    the node id of each party (for the message)."""
+    if not finalists:
+        return math.inf, ""
+    noise = noise_std(trace, finalists)
+    missing = sorted(set(trace.steps[-1].online.tolist()) - set(finalists))
+    if not missing:
+        return noise, ""
+    full = noise_std(trace)
+    tiny = 1e-12 * max(trace.sigma_star, trace.sigma_delta, 1e-300)  # round-off of exact cancellation
+    if noise + tiny <= max_noise_inflation * (full + tiny):
+        return noise, ""
+    return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the update's noise "
+                   f"std is {noise:.3g} per coordinate instead of {full:.3g} "
+                   f"(max_noise_inflation = {max_noise_inflation})")
 
 
 def _check_flower_mixing(mixing: MixingConfig) -> None:
