@@ -23,6 +23,7 @@ from flwr_inca.protocol import sample_trace
 from flwr_inca.baselines import GOPA, CorDPDME, LocalDP
 from flwr_inca.cli import main
 from flwr_inca.privacy import (
+    AdversaryView,
     attack_audit,
     attack_baseline,
     certification_seeds,
@@ -129,6 +130,22 @@ def test_the_distinguisher_alone_catches_a_wrong_mu_when_the_view_leaks_a_lot():
     assert any("distinguisher shows mu" in r for r in t.reasons)
 
 
+def test_a_view_that_forgets_what_the_colluders_received_is_caught():
+    """The attacker gets the colluders' own messages too: a (buggy) view that drops the messages delivered
+    to them under-certifies, and the colluders' messages, which aggregate what they received, beat it."""
+    trace = _trace(n=20, iterations=8, dropout=None, seed=2)
+    view = collusion_view(trace, [0, 1])
+    observed = view.observed.copy()
+    for t, step in enumerate(trace.steps):
+        m = step.messages
+        observed[t, m.senders[np.isin(m.receivers, [0, 1]) & ~np.isin(m.senders, [0, 1])]] = False
+    forgetful = AdversaryView("collusion", view.corrupted, observed)
+    cert = certify(trace, forgetful)
+    target = certify(trace, view).weakest[0]
+    t = attack_audit(trace, forgetful, [target], runs=4000, certificate=cert, seed=1).targets[0]
+    assert t.beaten and t.ratio_interval[1] < 0.5
+
+
 def test_noise_free_leak_is_exploited():
     """sigma_star = 0: the sum of the finals reveals every value exactly (the accountant says mu = inf).
     A certificate claiming a finite mu there is beaten by an attacker with (numerically) no error."""
@@ -179,10 +196,10 @@ def test_clopper_pearson_matches_scipy_exact_interval():
 
 def test_std_interval_covers_at_its_level():
     rng = np.random.default_rng(0)
-    errors = rng.normal(0.0, 2.0, (4000, 30))
+    errors = rng.normal(0.0, 2.0, (2000, 30))
     intervals = [std_interval(float(e @ e), e.size, 0.1) for e in errors]
     coverage = np.mean([lo <= 2.0 <= hi for lo, hi in intervals])
-    assert 0.88 < coverage < 0.92
+    assert 0.87 < coverage < 0.93
 
 
 def test_privacy_lower_bounds_from_rates():

@@ -73,8 +73,8 @@ def noise_covariance(mechanism: LinearMechanism, batch: int,
             sigma = dsyrk(1.0, block, beta=1.0, c=sigma, lower=1, overwrite_c=1)
         if step is not None:
             step()
-    lower = np.tril(sigma)
-    return lower + np.tril(lower, -1).T
+    sigma += np.tril(sigma, -1).T  # dsyrk wrote the lower triangle (the upper one was 0)
+    return sigma
 
 
 def build_attacker(mechanism: LinearMechanism, targets: np.ndarray, batch: int,

@@ -44,6 +44,11 @@ __all__ = ["AttackAudit", "TargetAudit", "attack_audit", "attack_baseline", "def
 DEFAULT_RUNS = 40_000
 _CHECKS = 3  # reconstruction ratio, empirical mu, empirical epsilon: the intervals of one target
 _ROC_POINTS = 400
+# the attacker's covariance is a dense (m, m) matrix over the observed messages, held a few times while it is
+# factorized: about 4 * 8 m^2 bytes (4.6 GB at this limit; an n = 1000 execution observes about 3000)
+MAX_MESSAGES = 12_000
+# the runs' statistics are kept for the ROC and the tests: (targets x runs) float64 and a label each
+MAX_STATISTICS = 50_000_000
 # one engine call handles this many (party x run) entries at most: bounds the engine's memory (a few
 # (n, batch) arrays of float64) whatever n is
 _BATCH_ENTRIES = 2**21
@@ -113,6 +118,7 @@ class AttackAudit:
     kept_messages: int  # of which linearly independent (the attacker's covariance rank)
     certificate_method: str
     seconds: float
+    structure_seconds: float  # of which building the attacker (the engine's unit responses, the factorization)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -125,7 +131,8 @@ class AttackAudit:
             "mechanism": self.mechanism, "adversary": self.adversary, "runs": self.runs,
             "confidence": self.confidence, "delta": self.delta, "value_sensitivity": self.value_sensitivity,
             "seed": self.seed, "messages": self.messages, "kept_messages": self.kept_messages,
-            "certificate_method": self.certificate_method, "seconds": self.seconds, "beaten": self.beaten,
+            "certificate_method": self.certificate_method, "seconds": self.seconds,
+            "structure_seconds": self.structure_seconds, "beaten": self.beaten,
             "targets": [t.to_dict() for t in self.targets], "notes": self.notes,
         })
 
@@ -178,10 +185,14 @@ def attack_audit(
         certificate = certify(trace, view, value_sensitivity=sensitivity, delta=delta)
     if certificate.view.parties != trace.parties:
         raise ValueError("the certificate is for another execution (its view has another number of parties)")
+    notes = list(certificate.notes)
+    if certificate.method != "exact":
+        notes.append("the certificate is a sound upper bound on mu: the optimal attacker's error std x mu / "
+                     "sensitivity is then above 1 by the bound's slack")
     return _audit(IncaMechanism(trace, view), certificate.mu, certificate.method,
                   _sensitivity(certificate.value_sensitivity, value_sensitivity), view.describe(),
                   targets, runs=runs, delta=delta, confidence=confidence, seed=seed, batch=batch,
-                  progress=progress, notes=list(certificate.notes))
+                  progress=progress, notes=notes)
 
 
 def attack_baseline(
@@ -240,6 +251,18 @@ def _check_targets(targets: Sequence[int] | None, mu: dict[int, float], parties:
     return np.asarray(chosen, dtype=np.int64)
 
 
+def _check_size(mechanism: LinearMechanism, runs: int, targets: int) -> None:
+    """Refuse, before allocating anything, an audit whose memory would not be bounded (see the limits)."""
+    m = mechanism.rows
+    if m > MAX_MESSAGES:
+        raise ValueError(f"the adversary observes {m} messages per run: the attacker's {m} x {m} covariance "
+                         f"needs about {32 * m * m / 2**30:.0f} GiB (limit {MAX_MESSAGES} messages); audit a "
+                         "smaller execution or a smaller coalition")
+    if runs * targets > MAX_STATISTICS:
+        raise ValueError(f"runs x targets must be at most {MAX_STATISTICS} (the statistics kept in memory), got "
+                         f"{runs} x {targets}")
+
+
 def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensitivity: float, adversary: str,
            targets: Sequence[int] | None, *, runs: int, delta: float, confidence: float, seed: int | None,
            batch: int | None, progress: Callable[[int, int], None] | None, notes: list[str]) -> AttackAudit:
@@ -249,6 +272,7 @@ def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensit
     delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     confidence = check_real("confidence", confidence, 0.0, 1.0, low_open=True, high_open=True)
     chosen = _check_targets(targets, mu, mechanism.parties)
+    _check_size(mechanism, runs, chosen.size)
     batch = check_int("batch", batch, 1) if batch is not None else max(64, min(4096, _BATCH_ENTRIES // mechanism.parties))
     seed = int(np.random.SeedSequence().entropy) if seed is None else check_int("seed", seed, 0)
     structure_calls = -(-mechanism.noise_variables // batch) + 1
@@ -262,12 +286,14 @@ def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensit
             progress(done, total)
 
     attacker = build_attacker(mechanism, chosen, batch, step)
+    structure_seconds = time.perf_counter() - start
     statistic, labels = _run(mechanism, attacker, runs, batch, sensitivity, seed, step)
     alpha = (1.0 - confidence) / (_CHECKS * chosen.size)  # Bonferroni: simultaneous intervals
     results = [_judge(int(p), mu[int(p)], sensitivity, float(attacker.predicted_std[k]), statistic[k], labels[k],
                       delta, alpha) for k, p in enumerate(chosen)]
     return AttackAudit(results, mechanism.label, adversary, runs, confidence, delta, sensitivity, seed,
-                       mechanism.rows, attacker.kept_messages, method, time.perf_counter() - start, notes)
+                       mechanism.rows, attacker.kept_messages, method, time.perf_counter() - start, structure_seconds,
+                       notes)
 
 
 def _run(mechanism: LinearMechanism, attacker: LinearAttacker, runs: int, batch: int, sensitivity: float,
