@@ -47,7 +47,8 @@ def _one(n: int, runs: int, trace_path: str | None, queue) -> None:
         "certify_s": certify_s, "attack_s": audit.seconds, "structure_s": audit.structure_seconds,
         "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "targets": [{"party": t.party, "mu": t.mu, "ratio": t.ratio, "interval": t.ratio_interval,
-                     "mu_interval": t.mu_interval, "epsilon": t.epsilon, "epsilon_interval": t.epsilon_interval}
+                     "mu_interval": t.mu_interval, "epsilon": t.epsilon,
+                     "epsilon_interval": t.epsilon_interval}
                     for t in audit.targets],
     })
 
@@ -88,8 +89,8 @@ def main() -> None:
         r = queue.get()
         proc.join()
         print(f"n = {r['parties']}: {r['messages']} observed messages per run ({r['kept']} independent); "
-              f"certificate {r['certify_s']:.1f} s; attack {r['attack_s']:.1f} s for {args.runs} runs (attacker's "
-              f"structure {r['structure_s']:.1f} s); "
+              f"certificate {r['certify_s']:.1f} s; attack {r['attack_s']:.1f} s for {args.runs} runs "
+              f"(attacker's structure {r['structure_s']:.1f} s); "
               f"peak memory {r['max_rss_gb']:.2f} GB", flush=True)
         for t in r["targets"]:
             print(f"  party {t['party']}: mu {t['mu']:.4g}, error std x mu / sensitivity {t['ratio']:.4f} "

@@ -19,7 +19,6 @@ from scipy.stats import binomtest
 from threadpoolctl import threadpool_limits
 
 from flwr_inca import IncaConfig, PermanentDropout, TemporaryDropout
-from flwr_inca.protocol import sample_trace
 from flwr_inca.baselines import GOPA, CorDPDME, LocalDP
 from flwr_inca.cli import main
 from flwr_inca.privacy import (
@@ -35,6 +34,7 @@ from flwr_inca.privacy import (
 from flwr_inca.privacy.attack import IncaMechanism, default_targets
 from flwr_inca.privacy.attack.attacker import build_attacker
 from flwr_inca.privacy.attack.stats import clopper_pearson, epsilon_from_rates, mu_from_rates, std_interval
+from flwr_inca.protocol import sample_trace
 
 # With 20,000 runs the ratio's simultaneous 99% interval (2 targets x 3 checks) is about +-1.1% wide: the
 # interval in which the tests require the measured ratio of an exact certificate to fall
@@ -48,8 +48,10 @@ def _one_blas_thread():
         yield
 
 
-def _trace(n=40, iterations=8, sigma_star=0.05, sigma_delta=2.0, dropout=PermanentDropout(0.1), seed=1):
-    config = IncaConfig(sigma_star=sigma_star, sigma_delta=sigma_delta, iterations=iterations, dropout=dropout)
+def _trace(n=40, iterations=8, sigma_star=0.05, sigma_delta=2.0, dropout="permanent", seed=1):
+    dropout = PermanentDropout(0.1) if dropout == "permanent" else dropout
+    config = IncaConfig(sigma_star=sigma_star, sigma_delta=sigma_delta, iterations=iterations,
+                        dropout=dropout)
     return sample_trace(n, config, seed=seed)
 
 
@@ -251,14 +253,16 @@ def test_cli_json_and_plots(trace_file, capsys):
     for t in out["targets"]:
         assert t["ratio_interval"][0] <= 1 <= t["ratio_interval"][1]
     assert out["plots"] == [str(prefix) + ".png", str(prefix) + ".svg"]
-    assert (prefix.with_suffix(".png")).stat().st_size > 1000 and prefix.with_suffix(".svg").read_text().startswith("<?xml")
+    assert prefix.with_suffix(".png").stat().st_size > 1000
+    assert prefix.with_suffix(".svg").read_text().startswith("<?xml")
 
 
 def test_cli_table_defaults_to_weakest_and_median(trace_file, capsys):
     assert main(["attack", str(trace_file), "--corrupted", "0,1,2,3", "--runs", "1000", "--no-plot",
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
-    cert = certify(*(lambda t: (t, collusion_view(t, [0, 1, 2, 3])))(_trace()))
+    trace = _trace()
+    cert = certify(trace, collusion_view(trace, [0, 1, 2, 3]))
     weakest, median = default_targets(cert.mu)
     assert "error std x mu / sens." in out and "holds" in out and "BEATEN" not in out
     rows = [line.split()[0] for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
@@ -266,7 +270,7 @@ def test_cli_table_defaults_to_weakest_and_median(trace_file, capsys):
 
 
 def test_cli_reports_a_beaten_certificate_loudly(trace_file, capsys, monkeypatch):
-    import flwr_inca.privacy as privacy
+    from flwr_inca import privacy
 
     real = privacy.certify
 
@@ -283,8 +287,8 @@ def test_cli_reports_a_beaten_certificate_loudly(trace_file, capsys, monkeypatch
 
 def test_cli_uses_the_traces_privacy_record(tmp_path, small, capsys):
     trace = dataclasses.replace(small[0], meta={"round": 3, "privacy": {
-        "value_sensitivity": 2.0, "delta": 1e-6, "collusion": 0.1, "observed_fraction": None, "threat_draws": 3,
-        "certification_seed": 5, "round": 3, "sample_rate": 1.0, "accountant": "exact"}})
+        "value_sensitivity": 2.0, "delta": 1e-6, "collusion": 0.1, "observed_fraction": None,
+        "threat_draws": 3, "certification_seed": 5, "round": 3, "sample_rate": 1.0, "accountant": "exact"}})
     path = tmp_path / "t.json"
     trace.save(path)
     assert main(["attack", str(path), "--runs", "500", "--no-plot", "--json"]) == 0

@@ -39,7 +39,7 @@ from .attacker import LinearAttacker, build_attacker
 from .mechanisms import IncaMechanism, LinearMechanism, baseline_mechanism
 from .stats import Rates, choose_threshold, std_interval
 
-__all__ = ["AttackAudit", "TargetAudit", "attack_audit", "attack_baseline", "default_targets", "DEFAULT_RUNS"]
+__all__ = ["DEFAULT_RUNS", "AttackAudit", "TargetAudit", "attack_audit", "attack_baseline", "default_targets"]
 
 DEFAULT_RUNS = 40_000
 _CHECKS = 3  # reconstruction ratio, empirical mu, empirical epsilon: the intervals of one target
@@ -118,7 +118,7 @@ class AttackAudit:
     kept_messages: int  # of which linearly independent (the attacker's covariance rank)
     certificate_method: str
     seconds: float
-    structure_seconds: float  # of which building the attacker (the engine's unit responses, the factorization)
+    structure_seconds: float  # of which building the attacker (unit responses, factorization)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -259,8 +259,8 @@ def _check_size(mechanism: LinearMechanism, runs: int, targets: int) -> None:
                          f"needs about {32 * m * m / 2**30:.0f} GiB (limit {MAX_MESSAGES} messages); audit a "
                          "smaller execution or a smaller coalition")
     if runs * targets > MAX_STATISTICS:
-        raise ValueError(f"runs x targets must be at most {MAX_STATISTICS} (the statistics kept in memory), got "
-                         f"{runs} x {targets}")
+        raise ValueError(f"runs x targets must be at most {MAX_STATISTICS} (the statistics kept in memory), "
+                         f"got {runs} x {targets}")
 
 
 def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensitivity: float, adversary: str,
@@ -273,11 +273,12 @@ def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensit
     confidence = check_real("confidence", confidence, 0.0, 1.0, low_open=True, high_open=True)
     chosen = _check_targets(targets, mu, mechanism.parties)
     _check_size(mechanism, runs, chosen.size)
-    batch = check_int("batch", batch, 1) if batch is not None else max(64, min(4096, _BATCH_ENTRIES // mechanism.parties))
+    batch = _default_batch(mechanism.parties) if batch is None else check_int("batch", batch, 1)
     seed = int(np.random.SeedSequence().entropy) if seed is None else check_int("seed", seed, 0)
-    structure_calls = -(-mechanism.noise_variables // batch) + 1
-    run_calls = -(-runs // batch) * 2
-    done, total = 0, structure_calls + run_calls
+    # engine calls: the unit responses of the noise (one per batch of variables) and of the targets' values,
+    # then two per batch of runs (the observed messages, what the adversary computes)
+    total = -(-mechanism.noise_variables // batch) + 1 + 2 * -(-runs // batch)
+    done = 0
 
     def step() -> None:
         nonlocal done
@@ -289,11 +290,17 @@ def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensit
     structure_seconds = time.perf_counter() - start
     statistic, labels = _run(mechanism, attacker, runs, batch, sensitivity, seed, step)
     alpha = (1.0 - confidence) / (_CHECKS * chosen.size)  # Bonferroni: simultaneous intervals
-    results = [_judge(int(p), mu[int(p)], sensitivity, float(attacker.predicted_std[k]), statistic[k], labels[k],
-                      delta, alpha) for k, p in enumerate(chosen)]
-    return AttackAudit(results, mechanism.label, adversary, runs, confidence, delta, sensitivity, seed,
-                       mechanism.rows, attacker.kept_messages, method, time.perf_counter() - start, structure_seconds,
-                       notes)
+    results = [_judge(int(p), mu[int(p)], sensitivity, float(attacker.predicted_std[k]), statistic[k],
+                      labels[k], delta, alpha) for k, p in enumerate(chosen)]
+    return AttackAudit(results, mechanism=mechanism.label, adversary=adversary, runs=runs,
+                       confidence=confidence, delta=delta, value_sensitivity=sensitivity, seed=seed, messages=mechanism.rows,
+                       kept_messages=attacker.kept_messages, certificate_method=method,
+                       seconds=time.perf_counter() - start, structure_seconds=structure_seconds, notes=notes)
+
+
+def _default_batch(parties: int) -> int:
+    """Runs per engine call: at most :data:`_BATCH_ENTRIES` (party x run) entries, 64 to 4096 runs."""
+    return max(64, min(4096, _BATCH_ENTRIES // parties))
 
 
 def _run(mechanism: LinearMechanism, attacker: LinearAttacker, runs: int, batch: int, sensitivity: float,
@@ -363,7 +370,8 @@ def _judge(party: int, mu: float, sensitivity: float, predicted_std: float, stat
         reasons.append(f"the distinguisher shows epsilon >= {eps_iv[0]:.4g} at delta = {delta:g}, above the "
                        f"certified {eps:.4g}")
     return TargetAudit(party, mu, eps, promised, predicted_std, error_std, (std_lo, std_hi), ratio, ratio_iv,
-                       mu_hat, mu_iv, eps_hat, eps_iv, mu_test, eps_test, _roc(statistic, labels), tuple(reasons))
+                       mu_hat, mu_iv, eps_hat, eps_iv, mu_test, eps_test, _roc(statistic, labels),
+                       tuple(reasons))
 
 
 def _roc(statistic: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

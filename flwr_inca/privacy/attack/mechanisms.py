@@ -27,7 +27,7 @@ from ...protocol.noise import NoiseSource, SeededNoise
 from ...protocol.trace import ExecutionTrace
 from ..views import AdversaryView
 
-__all__ = ["LinearMechanism", "IncaMechanism", "PairwiseMechanism", "LocalDPMechanism", "baseline_mechanism"]
+__all__ = ["IncaMechanism", "LinearMechanism", "LocalDPMechanism", "PairwiseMechanism", "baseline_mechanism"]
 
 
 class LinearMechanism(ABC):
@@ -284,7 +284,7 @@ def baseline_mechanism(baseline: Any, execution: Any, corrupted: Any) -> LinearM
     executions) or local DP. Other baselines (the gossip protocols, IncA through
     :class:`~flwr_inca.baselines.IncaBaseline`) are not covered: audit IncA on its trace instead."""
     from ...baselines.gaussian import LocalDP
-    from ...baselines.pairwise import CorDPDME, GOPA
+    from ...baselines.pairwise import GOPA, CorDPDME
 
     if isinstance(baseline, (GOPA, CorDPDME)):
         return PairwiseMechanism(baseline, execution, corrupted)

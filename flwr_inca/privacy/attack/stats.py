@@ -25,12 +25,12 @@ from scipy.stats import beta, chi2
 
 __all__ = [
     "Rates",
+    "choose_threshold",
     "clopper_pearson",
     "epsilon_from_rates",
     "gdp_tradeoff_tpr",
     "mu_from_rates",
     "std_interval",
-    "choose_threshold",
 ]
 
 
