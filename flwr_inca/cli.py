@@ -386,7 +386,7 @@ def _attack_defaults(args: argparse.Namespace, meta: dict) -> None:
 
 def cmd_attack(args: argparse.Namespace) -> int:
     from .privacy import certify, recorded_finals
-    from .privacy.attack import attack_audit, plot_attack
+    from .privacy.attack import attack_audit, check_attack_size, plot_attack
 
     trace = _read_trace(args.trace)
     if trace is None:
@@ -404,6 +404,7 @@ def cmd_attack(args: argparse.Namespace) -> int:
         raise ValueError(f"--plot: directory {Path(prefix).parent} does not exist")
     view, cert, source = _attack_adversary(args, trace, finals, meta)
     show = not (args.json or args.no_progress)
+    check_attack_size(int(view.observed.sum()), args.runs, 2 if targets is None else len(targets))
     if cert is None:
         cert = certify(trace, view, value_sensitivity=args.value_sensitivity, delta=args.delta,
                        progress=_status("attack") if show else None)
@@ -452,6 +453,8 @@ def _attack_report(trace, audit, source: str, plots: list) -> None:
                         "certificate"]))
     print("error std x mu / sens. >= 1 for every unbiased attacker if the certificate holds (1: the attack is "
           "optimal); attack mu and epsilon are lower bounds, at most the certified values if it holds")
+    for note in audit.notes:
+        print(f"note: {note}")
     for p in plots:
         print(f"plot: {p}")
 

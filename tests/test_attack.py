@@ -316,6 +316,22 @@ def test_cli_bad_input_exits_2_with_one_line(trace_file, capsys, flags, needle):
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_cli_eavesdropper(trace_file, capsys):
+    assert main(["attack", str(trace_file), "--observed-fraction", "0.5", "--runs", "500", "--no-plot",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["adversary"].startswith("eavesdropping") and out["adversary_source"] == "random"
+
+
+def test_cli_refuses_an_attack_too_large_for_memory_before_starting(trace_file, capsys, monkeypatch):
+    from flwr_inca.privacy.attack import audit
+
+    monkeypatch.setattr(audit, "MAX_MESSAGES", 10)
+    assert main(["attack", str(trace_file), "--corrupted", "0,1", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "messages per run" in err and "limit 10 messages" in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_unreadable_trace(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "inca-trace/1", "parties": 3}')

@@ -16,12 +16,22 @@ what the certificate allows::
 attack"). GOPA, CorDP-DME and local DP are audited the same way with :func:`attack_baseline`.
 """
 
-from .audit import DEFAULT_RUNS, AttackAudit, TargetAudit, attack_audit, attack_baseline, default_targets
+from .audit import (
+    DEFAULT_RUNS,
+    MAX_MESSAGES,
+    AttackAudit,
+    TargetAudit,
+    attack_audit,
+    attack_baseline,
+    check_attack_size,
+    default_targets,
+)
 from .mechanisms import IncaMechanism, LinearMechanism, baseline_mechanism
 from .plot import plot_attack
 
 __all__ = [
     "DEFAULT_RUNS",
+    "MAX_MESSAGES",
     "AttackAudit",
     "IncaMechanism",
     "LinearMechanism",
@@ -29,6 +39,7 @@ __all__ = [
     "attack_audit",
     "attack_baseline",
     "baseline_mechanism",
+    "check_attack_size",
     "default_targets",
     "plot_attack",
 ]

@@ -39,7 +39,17 @@ from .attacker import LinearAttacker, build_attacker
 from .mechanisms import IncaMechanism, LinearMechanism, baseline_mechanism
 from .stats import Rates, choose_threshold, std_interval
 
-__all__ = ["DEFAULT_RUNS", "AttackAudit", "TargetAudit", "attack_audit", "attack_baseline", "default_targets"]
+__all__ = [
+    "DEFAULT_RUNS",
+    "MAX_MESSAGES",
+    "MAX_STATISTICS",
+    "AttackAudit",
+    "TargetAudit",
+    "attack_audit",
+    "attack_baseline",
+    "check_attack_size",
+    "default_targets",
+]
 
 DEFAULT_RUNS = 40_000
 _CHECKS = 3  # reconstruction ratio, empirical mu, empirical epsilon: the intervals of one target
@@ -251,9 +261,10 @@ def _check_targets(targets: Sequence[int] | None, mu: dict[int, float], parties:
     return np.asarray(chosen, dtype=np.int64)
 
 
-def _check_size(mechanism: LinearMechanism, runs: int, targets: int) -> None:
-    """Refuse, before allocating anything, an audit whose memory would not be bounded (see the limits)."""
-    m = mechanism.rows
+def check_attack_size(messages: int, runs: int, targets: int) -> None:
+    """Refuse, before allocating anything, an audit whose memory would not be bounded: ``messages`` observed
+    per run (at most :data:`MAX_MESSAGES`), ``runs x targets`` statistics (at most :data:`MAX_STATISTICS`)."""
+    m = int(messages)
     if m > MAX_MESSAGES:
         raise ValueError(f"the adversary observes {m} messages per run: the attacker's {m} x {m} covariance "
                          f"needs about {32 * m * m / 2**30:.0f} GiB (limit {MAX_MESSAGES} messages); audit a "
@@ -272,7 +283,7 @@ def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensit
     delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     confidence = check_real("confidence", confidence, 0.0, 1.0, low_open=True, high_open=True)
     chosen = _check_targets(targets, mu, mechanism.parties)
-    _check_size(mechanism, runs, chosen.size)
+    check_attack_size(mechanism.rows, runs, chosen.size)
     batch = _default_batch(mechanism.parties) if batch is None else check_int("batch", batch, 1)
     seed = int(np.random.SeedSequence().entropy) if seed is None else check_int("seed", seed, 0)
     # engine calls: the unit responses of the noise (one per batch of variables) and of the targets' values,
@@ -289,6 +300,11 @@ def _audit(mechanism: LinearMechanism, mu: dict[int, float], method: str, sensit
     attacker = build_attacker(mechanism, chosen, batch, step)
     structure_seconds = time.perf_counter() - start
     statistic, labels = _run(mechanism, attacker, runs, batch, sensitivity, seed, step)
+    for p in chosen:
+        if not 0 < mu[int(p)] < math.inf:
+            notes.append(f"party {int(p)}: the certificate claims " + (
+                "no protection (mu = inf): nothing to check" if mu[int(p)] else
+                "that nothing of its value is observed (mu = 0): nothing to attack"))
     alpha = (1.0 - confidence) / (_CHECKS * chosen.size)  # Bonferroni: simultaneous intervals
     results = [_judge(int(p), mu[int(p)], sensitivity, float(attacker.predicted_std[k]), statistic[k],
                       labels[k], delta, alpha) for k, p in enumerate(chosen)]
