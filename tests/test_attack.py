@@ -63,6 +63,20 @@ def small():
     return trace, view, certify(trace, view, delta=1e-5)
 
 
+# ------------------------------------------------------------------------------ the engine's hook
+def test_replay_observer_sees_every_message_of_the_run(small):
+    from flwr_inca.protocol import replay
+
+    trace = small[0]
+    x = np.random.default_rng(0).random((trace.parties, 3))
+    seen = {}
+    result = replay(trace, x, 5, observer=lambda t, y: seen.__setitem__(t, y.copy()))
+    assert sorted(seen) == list(range(trace.iterations + 1))
+    np.testing.assert_array_equal(seen[trace.iterations], result.final_messages)
+    again = replay(trace, x, 5)  # observing changes nothing
+    np.testing.assert_array_equal(again.final_messages, result.final_messages)
+
+
 # ------------------------------------------------------------------------- exact: engine vs accountant
 @pytest.mark.parametrize("case", ["collusion", "eavesdrop", "temporary-dropouts", "early-schedule"])
 def test_optimal_attacker_meets_every_partys_certificate_exactly(case):
@@ -330,6 +344,18 @@ def test_cli_refuses_an_attack_too_large_for_memory_before_starting(trace_file, 
     assert main(["attack", str(trace_file), "--corrupted", "0,1", "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert "messages per run" in err and "limit 10 messages" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_on_a_trace_saved_by_incastrategy_in_a_flower_run(capsys):
+    """The MNIST example's round 1, saved by IncaStrategy(trace_dir=...) in a Flower run (docs/privacy.md)."""
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "docs" / "results" / "attack" / "mnist-flower-round-1.json"
+    assert main(["attack", str(path), "--value-sensitivity", "0.12", "--runs", "2000", "--attack-seed", "1",
+                 "--no-plot", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["messages"] == 56 and out["kept_messages"] == 34 and not out["beaten"]
+    assert [round(t["mu"], 3) for t in out["targets"]] == [1.255, 1.252]
 
 
 def test_cli_unreadable_trace(tmp_path, capsys):
