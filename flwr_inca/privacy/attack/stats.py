@@ -20,8 +20,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.special import ndtr, ndtri
-from scipy.stats import beta, chi2
+from scipy.special import betaincinv, gammaincinv, ndtr, ndtri
 
 __all__ = [
     "Rates",
@@ -37,9 +36,18 @@ __all__ = [
 def std_interval(sum_squares: float, count: int, alpha: float) -> tuple[float, float]:
     """Two-sided ``1 - alpha`` interval for sigma from ``count`` i.i.d. N(0, sigma^2) errors whose squares
     sum to ``sum_squares`` (``sum_squares / sigma^2 ~ chi^2_count``)."""
-    low = math.sqrt(sum_squares / chi2.ppf(1 - alpha / 2, count))
-    high = math.sqrt(sum_squares / chi2.ppf(alpha / 2, count))
+    low = math.sqrt(sum_squares / _chi2_quantile(1 - alpha / 2, count))
+    high = math.sqrt(sum_squares / _chi2_quantile(alpha / 2, count))
     return low, high
+
+
+# quantiles through scipy.special: scipy.stats would add half a second to importing flwr_inca.privacy
+def _chi2_quantile(q: float, dof: int) -> float:
+    return 2.0 * float(gammaincinv(dof / 2.0, q))
+
+
+def _beta_quantile(q, a, b):
+    return betaincinv(a, b, q)
 
 
 def clopper_pearson(successes: float, trials: int, alpha: float) -> tuple[float, float]:
@@ -47,8 +55,8 @@ def clopper_pearson(successes: float, trials: int, alpha: float) -> tuple[float,
 
     ``successes`` may be fractional (an expected count, when planning a test)."""
     k, n = float(successes), int(trials)
-    low = 0.0 if k <= 0 else float(beta.ppf(alpha / 2, k, n - k + 1))
-    high = 1.0 if k >= n else float(beta.ppf(1 - alpha / 2, k + 1, n - k))
+    low = 0.0 if k <= 0 else float(_beta_quantile(alpha / 2, k, n - k + 1))
+    high = 1.0 if k >= n else float(_beta_quantile(1 - alpha / 2, k + 1, n - k))
     return low, high
 
 
@@ -134,8 +142,9 @@ def choose_threshold(scale: float, shift: float, positives: int, negatives: int,
     u = np.linspace(-6.0, separation + 6.0, 1201)  # thresholds in units of the predicted std
     k_true, k_false = ndtr(separation - u) * positives, ndtr(-u) * negatives  # expected counts
     with np.errstate(divide="ignore", invalid="ignore"):
-        t_low = np.where(k_true > 0, beta.ppf(alpha / 2, k_true, positives - k_true + 1), 0.0)
-        f_high = np.where(k_false < negatives, beta.ppf(1 - alpha / 2, k_false + 1, negatives - k_false), 1.0)
+        t_low = np.where(k_true > 0, _beta_quantile(alpha / 2, k_true, positives - k_true + 1), 0.0)
+        f_high = np.where(k_false < negatives, _beta_quantile(1 - alpha / 2, k_false + 1, negatives - k_false),
+                          1.0)
         if objective == "mu":
             value = np.where(t_low > f_high, ndtri(t_low) - ndtri(f_high), 0.0)
         else:
