@@ -304,6 +304,209 @@ def _finals_line(counted: list[int], online: list[int], recorded: bool, meta: di
     return f"{len(counted)} of {len(online)} recorded as arrived: parties {shown}"
 
 
+# ---------------------------------------------------------------------------------------- attack
+def _read_trace(path: str):
+    """The trace at ``path``, or None after printing one line saying why it cannot be read."""
+    from .protocol import ExecutionTrace
+
+    try:
+        return ExecutionTrace.load(path)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    except (ValueError, MemoryError) as exc:
+        why = str(exc).splitlines()[0] if str(exc) else "too large for this machine's memory"
+    print(f"error: cannot read trace {path}: {why}", file=sys.stderr)
+    return None
+
+
+def _party_list(option: str, text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{option} must be comma-separated party indices, e.g. 3,7,9, got {text!r}") from None
+
+
+def _attack_privacy_meta(trace) -> dict:
+    """``trace.meta["privacy"]`` (what training certified the round with), or {} when absent or not a dict."""
+    meta = trace.meta.get("privacy")
+    return meta if isinstance(meta, dict) else {}
+
+
+def _attack_adversary(args: argparse.Namespace, trace, finals, meta: dict):
+    """``(view, certificate or None, description)``: the flags' adversary, else the round's (the worst of the
+    threat draws it was certified against, from ``trace.meta["privacy"]``), else a random 10% coalition."""
+    from .privacy import (
+        certification_seeds,
+        certification_views,
+        certify,
+        collusion_view,
+        random_collusion,
+        random_eavesdrop,
+        with_finals,
+    )
+
+    if args.corrupted is not None:
+        corrupted = _party_list("--corrupted", args.corrupted)
+        try:
+            return with_finals(collusion_view(trace, corrupted), trace, finals), None, "given"
+        except ValueError as exc:
+            raise ValueError(f"--corrupted: {exc}") from None
+    if args.observed_fraction is not None:
+        return random_eavesdrop(trace, args.observed_fraction, args.seed, finals=finals), None, "random"
+    if args.collusion is None and isinstance(meta.get("certification_seed"), int) and (
+            meta.get("collusion") is not None or meta.get("observed_fraction") is not None):
+        draws = check_int("trace meta privacy 'threat_draws'", meta.get("threat_draws", 1))
+        seeds = certification_seeds(meta["certification_seed"], int(meta.get("round", trace.meta.get("round", 0))))
+        observed = meta.get("observed_fraction")
+        views = list(certification_views(trace, seeds, draws, collusion=float(meta.get("collusion") or 0.0),
+                                         observed_fraction=None if observed is None else float(observed),
+                                         finals=finals))
+        certs = [certify(trace, v, value_sensitivity=args.value_sensitivity, delta=args.delta) for v in views]
+        worst = max(range(len(certs)), key=lambda i: certs[i].max_mu)
+        return views[worst], certs[worst], f"the round's (worst of its {draws} certification draw(s))"
+    rho = 0.1 if args.collusion is None else args.collusion
+    return random_collusion(trace, rho, args.seed, finals=finals), None, "random"
+
+
+def _attack_defaults(args: argparse.Namespace, meta: dict) -> None:
+    """Flags override ``trace.meta["privacy"]``, which overrides the built-in defaults (delta 1e-5,
+    value sensitivity 1)."""
+    for name, key, default in (("delta", "delta", 1e-5), ("value_sensitivity", "value_sensitivity", 1.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, check_real(f"the trace's privacy record {key!r}", meta.get(key, default)))
+    check_real("--delta", args.delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_real("--value-sensitivity", args.value_sensitivity, 0.0, low_open=True)
+    check_real("--confidence", args.confidence, 0.0, 1.0, low_open=True, high_open=True)
+    check_int("--runs", args.runs, 100)
+    if args.collusion is not None:
+        check_real("--collusion", args.collusion, 0.0, 1.0, high_open=True)
+    if args.observed_fraction is not None:
+        check_real("--observed-fraction", args.observed_fraction, 0.0, 1.0)
+
+
+def cmd_attack(args: argparse.Namespace) -> int:
+    from .privacy import certify, recorded_finals
+    from .privacy.attack import attack_audit, check_attack_size, plot_attack
+
+    trace = _read_trace(args.trace)
+    if trace is None:
+        return 2
+    try:
+        finals = recorded_finals(trace)
+    except ValueError as exc:
+        print(f"error: cannot read trace {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    meta = _attack_privacy_meta(trace)
+    _attack_defaults(args, meta)
+    targets = None if args.targets is None else _party_list("--targets", args.targets)
+    prefix = None if args.no_plot else args.plot or str(Path(args.trace).with_suffix("")) + "-attack"
+    if prefix is not None and not Path(prefix).parent.is_dir():
+        raise ValueError(f"--plot: directory {Path(prefix).parent} does not exist")
+    view, cert, source = _attack_adversary(args, trace, finals, meta)
+    show = not (args.json or args.no_progress)
+    check_attack_size(int(view.observed.sum()), args.runs, 2 if targets is None else len(targets))
+    if cert is None:
+        cert = certify(trace, view, value_sensitivity=args.value_sensitivity, delta=args.delta,
+                       progress=_status("attack") if show else None)
+    for t in targets or []:
+        if t not in cert.mu:
+            raise ValueError(f"--targets: party {t} is not an honest party of this execution (parties are "
+                             f"0..{trace.parties - 1}; the colluders cannot be targets)")
+    audit = attack_audit(trace, view, targets, runs=args.runs, delta=args.delta, confidence=args.confidence,
+                         certificate=cert, seed=args.attack_seed, progress=_progress("attack") if show else None)
+    plots = []
+    if prefix is not None:
+        try:
+            plots = plot_attack(audit, prefix)
+        except ImportError:
+            print("note: matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+        except OSError as exc:
+            print(f"note: cannot write the plot {prefix}.png: {exc.strerror or exc}", file=sys.stderr)
+    if args.json:
+        print(dumps({**audit.to_dict(), "trace": args.trace, "adversary_source": source,
+                     "plots": [str(p) for p in plots]}))
+    else:
+        _attack_report(trace, audit, source, plots)
+    for t in audit.targets:
+        for reason in t.reasons:
+            print(f"CERTIFICATE BEATEN for party {t.party}: {reason}. The accountant's claim does not hold for "
+                  "this execution: please report it with the trace and this command line.", file=sys.stderr)
+    return 1 if audit.beaten else 0
+
+
+def _attack_report(trace, audit, source: str, plots: list) -> None:
+    """The audit as a table (``flwr-inca attack`` without ``--json``)."""
+    print(f"trace: {trace.parties} parties, {trace.iterations} iterations, schedule {trace.schedule.name}, "
+          f"sigma_star = {trace.sigma_star:.4g}, sigma_delta = {trace.sigma_delta:.4g}")
+    print(f"adversary ({source}): {audit.adversary}; it observes {audit.messages} messages per run "
+          f"({audit.kept_messages} linearly independent)")
+    print(f"attack: {audit.runs} fresh-noise runs (--attack-seed {audit.seed}), {audit.seconds:.1f} s; "
+          f"certificate: {audit.certificate_method}, value sensitivity {audit.value_sensitivity:g}, "
+          f"delta = {audit.delta:g}; intervals simultaneous at {100 * audit.confidence:g}%")
+    rows = []
+    for t in audit.targets:
+        rows.append([t.party, t.mu, t.epsilon, f"{t.ratio:.4f} [{t.ratio_interval[0]:.4f}, {t.ratio_interval[1]:.4f}]",
+                     f"{t.mu_empirical:.3g} [{t.mu_interval[0]:.3g}, {t.mu_interval[1]:.3g}]",
+                     f"{t.epsilon_empirical:.3g} [{t.epsilon_interval[0]:.3g}, {t.epsilon_interval[1]:.3g}]",
+                     "BEATEN" if t.beaten else "holds"])
+    print(_table(rows, ["party", "mu", "epsilon", "error std x mu / sens.", "attack mu", "attack epsilon",
+                        "certificate"]))
+    print("error std x mu / sens. >= 1 for every unbiased attacker if the certificate holds (1: the attack is "
+          "optimal); attack mu and epsilon are lower bounds, at most the certified values if it holds")
+    for note in audit.notes:
+        print(f"note: {note}")
+    for p in plots:
+        print(f"plot: {p}")
+
+
+def add_attack_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``attack`` subcommand: an empirical audit of a trace's certificate by the optimal attacker."""
+    from .privacy.attack import DEFAULT_RUNS
+
+    k = sub.add_parser(
+        "attack", help="audit a recorded execution's certificate by attacking it",
+        description="Replay a recorded execution (an inca-trace/1 file, e.g. from IncaStrategy(trace_dir=...) "
+                    "or 'flwr-inca simulate --save-traces') with fresh noise --runs times, hand the adversary "
+                    "exactly the messages it observes, and run the optimal attacks on target parties: the "
+                    "best linear unbiased reconstruction of a target's value, and the likelihood-ratio test "
+                    "between two neighbouring values of it. Compares the attacker's error and its empirical "
+                    "mu and epsilon (with confidence intervals) with the certificate, and plots them."
+                    "\n\nDefaults for --delta, --value-sensitivity and the adversary come from the trace's "
+                    "privacy record when training wrote one (the round's own certification draws).",
+        epilog="examples:\n  flwr-inca attack trace.json --corrupted 3,7,9 --targets 12,40\n"
+               "  flwr-inca attack round-1.json --runs 100000 --json --no-plot\n\n"
+               "exit status: 0 when every certificate holds against the attack; 1 when the attack beats one "
+               "(printed on stderr: a bug to report); 2 on bad arguments or an unreadable trace",
+        formatter_class=_HelpFormatter)
+    k.add_argument("trace", help="inca-trace/1 JSON file")
+    g = k.add_mutually_exclusive_group()
+    g.add_argument("--corrupted", help="comma-separated colluding parties, e.g. 3,7,9 (default: the trace's "
+                                       "certification adversary, else a random set, --collusion)")
+    g.add_argument("--collusion", type=float, default=None,
+                   help="random colluding fraction, in [0, 1) (default: 0.1 when the trace has no privacy record)")
+    g.add_argument("--observed-fraction", type=float, default=None,
+                   help="Eavesdrop DP: fraction of intercepted messages, in [0, 1] (instead of --collusion)")
+    k.add_argument("--seed", type=_seed, default=0, help="seed of the random colluding set or intercepted messages")
+    k.add_argument("--targets", help="comma-separated honest parties to attack (default: the weakest and a "
+                                     "median one)")
+    k.add_argument("--runs", type=_positive_int, default=DEFAULT_RUNS,
+                   help="fresh-noise runs, >= 100 (at 40,000 the ratio's interval is about +-1.1%%, two targets at 99%%)")
+    k.add_argument("--delta", type=float, default=None, help="delta of the epsilons, in (0, 1) (default: the "
+                                                              "trace's, else 1e-5)")
+    k.add_argument("--value-sensitivity", type=float, default=None,
+                   help="change of one value the certificate covers, > 0 (default: the trace's, else 1)")
+    k.add_argument("--confidence", type=float, default=0.99,
+                   help="simultaneous confidence of the intervals over targets and checks, in (0, 1)")
+    k.add_argument("--attack-seed", type=_seed, default=None,
+                   help="seed of the runs' values and noise (default: fresh; the report prints it)")
+    k.add_argument("--plot", default=None, metavar="PREFIX",
+                   help="write PREFIX.png and PREFIX.svg (default: the trace's path without .json, plus -attack)")
+    k.add_argument("--no-plot", action="store_true", help="no plot")
+    k.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    k.add_argument("--json", action="store_true", help="print the audit as JSON (targets, intervals, verdict)")
+    k.set_defaults(func=cmd_attack)
+
+
 # ---------------------------------------------------------------------------------------- simulate
 def _availability(spec: str):
     """``none`` or ``markov:<p_off>,<p_on>`` (clients available per round)."""
@@ -614,6 +817,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
     s.set_defaults(func=cmd_simulate)
     add_reproduce_parser(sub)
+    add_attack_parser(sub)
     add_study_parser(sub, formatter_class=_HelpFormatter)
     return p
 

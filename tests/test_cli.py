@@ -256,7 +256,7 @@ def _commands():
 
 def test_every_command_explains_every_option():
     parser, commands = _commands()
-    assert set(commands) == {"mean", "calibrate", "audit", "simulate", "reproduce", "study"}
+    assert set(commands) == {"mean", "calibrate", "audit", "attack", "simulate", "reproduce", "study"}
     assert "``" not in parser.format_help() and "Thin" not in parser.format_help()  # no RST, no internal note
     for name, command in commands.items():
         assert command.description, name

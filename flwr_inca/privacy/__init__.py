@@ -18,6 +18,7 @@ from .accountants import (
     create_accountant,
 )
 from .adversary import AdversarialResult, adversarial_collusion
+from .attack import AttackAudit, attack_audit, attack_baseline
 from .bound import BoundSettings, SensitivityBound, bound_profile
 from .calibration import Calibration, calibrate
 from .certificate import Certificate, SensitivityProfile, certify, choose_solver, profile
@@ -45,6 +46,7 @@ __all__ = [
     "ACCOUNTANTS",
     "AdversarialResult",
     "AdversaryView",
+    "AttackAudit",
     "BoundSettings",
     "BudgetExceededError",
     "Calibration",
@@ -61,6 +63,8 @@ __all__ = [
     "StructureReport",
     "adversarial_collusion",
     "analyze_structure",
+    "attack_audit",
+    "attack_baseline",
     "bound_profile",
     "calibrate",
     "certification_seeds",

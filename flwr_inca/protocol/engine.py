@@ -53,6 +53,9 @@ _csr_matvecs = _private_csr_matvecs()
 __all__ = ["IncaResult", "run_inca", "replay", "sample_trace"]
 
 Progress = Callable[[int, int], None]
+# called with (t, y^(t)) after initialization (t = 0) and after each mixing iteration; y is the engine's
+# (n, d) buffer, reused at the next iteration: copy what you keep
+Observer = Callable[[int, np.ndarray], None]
 
 
 @dataclass
@@ -148,13 +151,16 @@ def replay(
     noise: NoiseSource | None = None,
     progress: Progress | None = None,
     finalists: Sequence[int] | None = None,
+    observer: Observer | None = None,
 ) -> IncaResult:
     """Re-run the recorded execution ``trace`` on values ``x``.
 
     With the same values, seed (or noise) and dissemination as the original run, the result is
     bit-for-bit identical: the engine itself mixes from the trace's steps. ``finalists`` restricts the
     output to the final messages that were actually disseminated (default: every party online at T;
-    a deployment records the others as lost in ``trace.meta["finalists"]``).
+    a deployment records the others as lost in ``trace.meta["finalists"]``). ``observer(t, y)`` sees every
+    message ``y^(t)`` (an (n, d) array the engine reuses: copy what you keep), t = 0..T, e.g. to hand an
+    auditing adversary the messages it observes (:mod:`flwr_inca.privacy.attack`).
     """
     trace.validate()
     values, scalar = _as_values(x)
@@ -167,7 +173,7 @@ def replay(
         if not np.isin(chosen, trace.steps[-1].online).all():
             raise ValueError("finalists must be parties online at the last iteration")
     return _execute(values, scalar, trace, noise or SeededNoise(seed), seed,
-                    resolve_dissemination(dissemination), progress, finalists=chosen)
+                    resolve_dissemination(dissemination), progress, finalists=chosen, observer=observer)
 
 
 # ---------------------------------------------------------------------------------------- core
@@ -180,14 +186,19 @@ def _execute(
     dissemination: Dissemination,
     progress: Progress | None,
     finalists: np.ndarray | None = None,
+    observer: Observer | None = None,
 ) -> IncaResult:
     """Mix ``values`` along ``trace`` (Algorithm 2), then disseminate the finals."""
     T = trace.iterations
     if isinstance(noise, ExplicitNoise) and noise.eta.shape[1] != T:
         raise ValueError(f"ExplicitNoise: eta must have T = {T} terms per party, got {noise.eta.shape[1]}")
     mixing = _Mixing(values, trace, noise)
+    if observer is not None:
+        observer(0, mixing.y)
     for t in range(1, T + 1):
         mixing.step(t)
+        if observer is not None:
+            observer(t, mixing.y)
         if progress is not None:
             progress(t, T)
     if finalists is None:
