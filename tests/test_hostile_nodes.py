@@ -449,3 +449,151 @@ def test_refusals_and_their_reasons_survive_the_wire():
     assert back.rejected == rep.rejected and keeps and back.retransmissions == rep.retransmissions
     with pytest.raises(ValueError, match="truncated"):
         decode_reply(encode_reply(rep)[:-45], 3)
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+HOSTILE_ENV = "INCA_TEST_HOSTILE_NODE"  # "<partition>:<attack of round 1>,<attack of round 2>,..."
+E2E_NODES, E2E_T = 10, 3
+
+
+def _e2e_plan() -> tuple[int, list[str]]:
+    partition, _, attacks = os.environ.get(HOSTILE_ENV, "-1:").partition(":")
+    return int(partition), attacks.split(",")
+
+
+def hostile_mod(msg, context, call_next):
+    """ClientApp mod: the node of the planned partition rewrites its mixing replies. ``fan-out``: weight 1/n
+    to every other node, random right-sized payloads; ``garbage``: its k neighbours and weights, random
+    payloads (retransmissions too); ``retransmit``: a retransmission nobody asked for, of iteration T + 1."""
+    from flwr.app import ConfigRecord
+
+    from flwr_inca.flower.shared import INCA_KEY, MIX_ACTION
+    from flwr_inca.flower.wire import FIELD, decode_reply, encode_reply, peek_request
+
+    reply = call_next(msg, context)
+    partition, attacks = _e2e_plan()
+    if msg.metadata.message_type != f"train.{MIX_ACTION}" or reply.has_error() \
+            or int(context.node_config["partition-id"]) != partition:
+        return reply
+    rnd, commit, party = peek_request(msg.content.config_records[INCA_KEY][FIELD])
+    record = reply.content.config_records[INCA_KEY]
+    attack = attacks[rnd - 1] if rnd <= len(attacks) else ""
+    if FIELD not in record or not attack:
+        return reply
+    rep, keeps = decode_reply(record[FIELD], party)
+    size, rng = (len(rep.outgoing[0].payload) if rep.outgoing else 0), np.random.default_rng([rnd, commit])
+    if attack == "fan-out" and rep.outgoing:
+        rep.outgoing = [Outgoing(party, j, 1.0 / E2E_NODES, rng.bytes(size), commit)
+                        for j in range(E2E_NODES) if j != party]
+    elif attack == "garbage":
+        rep.outgoing = [replace(m, payload=rng.bytes(len(m.payload))) for m in rep.outgoing]
+        rep.retransmissions = [replace(m, payload=rng.bytes(len(m.payload))) for m in rep.retransmissions]
+    elif attack == "retransmit" and commit == 2:
+        rep.retransmissions.append(Outgoing(party, (party + 1) % E2E_NODES, 0.0, bytes(size), E2E_T + 1))
+    reply.content.config_records[INCA_KEY] = ConfigRecord({FIELD: encode_reply(rep, keeps)})
+    return reply
+
+
+def _hostile_client_app():
+    from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from flwr_inca.flower import IncaClient
+
+    app = ClientApp(mods=[hostile_mod])
+    inca = IncaClient(app, insecure_fixed_seed=3)
+
+    @inca.train()
+    def train(msg, context):
+        pid, rnd = int(context.node_config["partition-id"]), int(msg.content["config"]["server-round"])
+        rng = np.random.default_rng([pid, rnd])
+        new = [(a + rng.normal(0.0, 0.3, a.shape)).astype(a.dtype) for a in msg.content["arrays"].to_numpy_ndarrays()]
+        metrics = MetricRecord({"num-examples": 1, "partition-id": pid})
+        return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
+
+    return app
+
+
+try:
+    hostile_client = _hostile_client_app()  # importable by the simulation's workers
+except ImportError:  # no Flower: the end-to-end test is skipped
+    hostile_client = None
+
+
+@pytest.mark.flower
+def test_one_hostile_node_in_a_flower_simulation_is_barred_and_every_round_trains(tmp_path):
+    pytest.importorskip("ray")
+    import logging
+
+    from flwr.app import ArrayRecord, Context
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from flwr_inca.flower import IncaStrategy
+    from flwr_inca.flower.offenders import Offenders
+    from flwr_inca.flower.shared import flatten_arrays
+
+    hostile_pid, rounds = 0, 4
+    os.environ[HOSTILE_ENV] = f"{hostile_pid}:fan-out,garbage,retransmit,garbage"
+    initial = [np.zeros((3, 4), dtype=np.float32), np.zeros(5, dtype=np.float32)]
+    out: dict = {}
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("flwr").addHandler(handler)
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = IncaStrategy(iterations=E2E_T, sigma_star=0.2, sigma_delta=1.0, clip_norm=1.0,
+                                precision="float64", ledger_path=tmp_path / "ledger.json", seed=4,
+                                forward_client_metrics=True, fraction_evaluate=0.0, exchange_timeout=120,
+                                min_available_nodes=E2E_NODES, min_train_nodes=E2E_NODES)
+        strategy.offenders = Offenders(max_offences=3)
+        models: dict = {}
+
+        def keep(rnd, arrays):
+            models[rnd] = flatten_arrays(arrays)[0]
+
+        out["result"] = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial), num_rounds=rounds,
+                                       evaluate_fn=keep)
+        out.update(strategy=strategy, models=models)
+
+    try:
+        run_simulation(server_app=app, client_app=hostile_client, num_supernodes=E2E_NODES,
+                       backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+    finally:
+        os.environ.pop(HOSTILE_ENV, None)
+        logging.getLogger("flwr").removeHandler(handler)
+    assert "strategy" in out, "the ServerApp failed: see the log above"
+    strategy, models = out["strategy"], out["models"]
+    node = {int(m["partition-id"]): n for n, m in strategy.rounds[1].client_metrics.items()}[hostile_pid]
+    # rounds 1-3: the hostile node deviated (an invalid commit, refused payloads, a crafted retransmission),
+    # was excluded from the rest of the round, and the round trained with the others
+    for rnd, words in [(1, "every party sends k = 1"), (2, "refused"), (3, "not asked for")]:
+        record = strategy.rounds[rnd]
+        assert node in record.roster and words in record.offenders[node], (rnd, record.offenders)
+        assert not record.failed and record.update is not None and len(record.finalists) >= E2E_NODES - 2
+        assert len(record.offenders) <= 2  # the hostile node, and in round 2 the receiver of its garbage
+    assert [o.round for o in strategy.offenders.offences[node]] == [1, 2, 3]
+    assert strategy.offenders.barred == {node}
+    # round 4: barred, not sampled; the others train
+    four = strategy.rounds[4]
+    assert node not in four.roster and len(four.roster) == E2E_NODES - 1 and not four.failed
+    assert any(f"node {node} not sampled: barred" in line for line in lines)
+    assert any(f"node {node} is barred from later rounds after 3 offences" in line for line in lines)
+    # every round was charged and changed the model: nothing was spent for nothing
+    assert strategy.rounds_trained == rounds and strategy.ledger.rounds == rounds
+    assert all(np.all(np.isfinite(models[r])) and not np.array_equal(models[r], models[r - 1])
+               for r in range(1, rounds + 1))
+
+
+def test_a_refusal_is_settled_in_the_final_exchanges_even_when_the_receiver_left_the_round():
+    # the receiver refuses at exchange 2 and is offline from then on; the bad payload is sent again at
+    # exchange 3 = T: the receiver checks it in the final exchange although its computation no longer
+    # counts, so the sender cannot escape by deviating late
+    net = Network(_values(9, seed=9), T=3, k=1)
+    net.run({2: garbage})
+    relay = net.relay
+    assert relay.disputes == 1 and 2 in relay.offenders and len(relay.offenders) == 2
+    net.check_replay()

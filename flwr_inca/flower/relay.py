@@ -196,6 +196,11 @@ class RoundRelay:
         """(iteration, receiver) of the refused payloads party ``i`` must send again."""
         return sorted((u, r) for (u, s, r) in self.awaiting if s == i)
 
+    def _checking(self, i: int) -> bool:
+        """Whether party ``i`` has yet to use a payload sent to it again (to settle its refusal, even when
+        its computation no longer matters to the round)."""
+        return any(r == i for (_, _, r) in self.retransmitted)
+
     def _held(self, i: int) -> bool:
         """Whether party ``i`` has a refused payload not yet sent again, or sent again but not yet used by
         its receiver: until then no new message of it is accepted (a bad sender gets one iteration out)."""
@@ -211,7 +216,7 @@ class RoundRelay:
                 continue
             owed = self._owed_by(i)
             done = i not in self.online[self.T] or i in self.finals
-            if final_round and done and not owed:
+            if final_round and done and not owed and not self._checking(i):
                 continue  # nothing left to do for this party
             req = Request(i, commit, self.version[i], final=final_round and i in self.online[self.T])
             t = self.pending[i]

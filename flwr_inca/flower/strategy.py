@@ -63,6 +63,7 @@ from ..protocol.trace import ExecutionTrace
 from ..protocol.utility import noise_std
 from .config import MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig, build_groups
 from .crypto import check_public_key
+from .offenders import Offenders
 from .relay import Reply, Request, RoundRelay, collect_finals, run_iterations
 from .shared import END_ACTION, INCA_KEY, MIX_ACTION, RoundParams, flatten_arrays, unflatten_arrays
 from .wire import FIELD, decode_reply, encode_request
@@ -129,6 +130,7 @@ class RoundRecord:
     seconds: float = 0.0
     excluded: dict[int, str] = field(default_factory=dict)  # sampled nodes that did not join, and why
     post_charge_errors: list[str] = field(default_factory=list)  # what failed after the round was charged
+    offenders: dict[int, str] = field(default_factory=dict)  # nodes that deviated in the round, and how
 
 
 @dataclass
@@ -310,6 +312,7 @@ class IncaStrategy(FedAvg):
         self._stopped_round: int | None = None  # training stopped at this (refused) round: no round after it
         self._stop_reason = ""  # why, in a few words
         self._refusals = 0  # rounds refused by the budget in a row (max_consecutive_refusals)
+        self.offenders = Offenders()  # hostile nodes: offences by node id; barred nodes are not sampled
 
     # ----------------------------------------------------------------------------- summary
     def summary(self) -> None:
@@ -396,6 +399,9 @@ class IncaStrategy(FedAvg):
         privacy spent past ``max_epsilon``.
         """
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        # hostile nodes: nodes barred for repeated offences are not sampled (logged)
+        admitted = set(self.offenders.admit(server_round, [m.metadata.dst_node_id for m in messages]))
+        messages = [m for m in messages if m.metadata.dst_node_id in admitted]
         if not messages:  # fraction_train == 0: no training, as in FedAvg
             return messages
         self._bind_ledger(grid)
@@ -500,6 +506,10 @@ class IncaStrategy(FedAvg):
             new_arrays = self._after_charge(record, "applying the update", None,
                                             self._apply, record, mixed, vector, spec, pending.arrays)
         self._after_charge(record, "saving the trace", None, self._save_trace, record)
+        # hostile nodes: the round's offences by node id (repeated ones bar the node from later rounds)
+        record.offenders = self._after_charge(record, "recording offences", {}, self.offenders.record_round,
+                                              server_round, record.roster, mixed.relay,
+                                              bool(record.failed) and not record.refused)
         record.seconds = time.time() - pending.started
         metrics = self._after_charge(record, "computing IncA's metrics", None, self._round_metrics, record, mixed)
         forwarded = self._after_charge(record, "aggregating the nodes' train metrics", None,
@@ -636,7 +646,8 @@ class IncaStrategy(FedAvg):
         schedule = InjectionSchedule.resolve(mix.schedule, mix.iterations)
         params = RoundParams(server_round, mix.iterations, min(mix.neighbors, n - 1), s_star, s_delta,
                              schedule, roster, [joined.keys[node] for node in roster], mix.precision)
-        relay = RoundRelay(n, mix.iterations, d, schedule, s_star, s_delta, mix.precision)
+        relay = RoundRelay(n, mix.iterations, d, schedule, s_star, s_delta, mix.precision,
+                           neighbors=params.neighbors, roster=roster)  # hostile nodes: commits checked
         counters = {"errors": 0, "malformed": 0, "timeouts": 0}
         has_roster: set[int] = set()  # nodes that keep the roster: their requests omit it
 
@@ -1001,8 +1012,9 @@ class IncaStrategy(FedAvg):
                 continue
             try:
                 replies[i], keeps_roster = decode_reply(record[FIELD], i)
-            except (KeyError, ValueError):
+            except (KeyError, ValueError) as exc:
                 counters["malformed"] += 1
+                replies[i] = Reply(i, invalid=f"malformed reply: {exc}")  # hostile nodes: an offence
                 continue
             if keeps_roster:
                 has_roster.add(i)
