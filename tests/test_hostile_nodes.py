@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("cryptography")
+pytest.importorskip("flwr")
 
 from flwr_inca import InjectionSchedule, replay  # noqa: E402
 from flwr_inca.flower.crypto import KeyPair, associated_data, pair_key, seal  # noqa: E402
 from flwr_inca.flower.node import MemoryStore, RoundParams, RoundSecrets, handle_exchange  # noqa: E402
+from flwr_inca.flower.offenders import LOST_FINAL, Offenders  # noqa: E402
 from flwr_inca.flower.relay import Outgoing, Rejection, Reply, Request, RoundRelay, drive  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise, PartyState  # noqa: E402
 
@@ -55,7 +57,8 @@ class Network:
     def seal(self, sender: int, receiver: int, iteration: int, plaintext: bytes) -> bytes:
         """What ``sender`` would send ``receiver`` at ``iteration``, properly encrypted."""
         key = pair_key(KeyPair(self.secrets[sender].private_key), self.secrets[receiver].public_key, ROUND)
-        return seal(key, plaintext, associated_data(self.roster[sender], self.roster[receiver], ROUND, iteration))
+        ad = associated_data(self.roster[sender], self.roster[receiver], ROUND, iteration)
+        return seal(key, plaintext, ad)
 
     def run(self, deviate: dict[int, Deviation] | None = None) -> RoundRelay:
         deviate = deviate or {}
@@ -202,7 +205,8 @@ def test_weight_one_over_n_to_every_peer_is_an_invalid_commit():
     (replayed, "failed authentication", 2),  # its first commit is honest
 ])
 @pytest.mark.parametrize("k", [1, 2])
-def test_bad_payloads_cost_the_round_at_most_the_senders_receivers_of_one_iteration(attack, words, first_bad, k):
+def test_bad_payloads_cost_the_round_at_most_the_senders_receivers_of_one_iteration(attack, words, first_bad,
+                                                                                    k):
     net = Network(_values(12, seed=k), T=6, k=k)
     hostile = 5
     net.run({hostile: attack})
@@ -256,7 +260,8 @@ def _first_to(net: Network, i: int, req: Request, rep: Reply, **fields) -> Reply
 
 REPLY_ATTACKS = {
     "another party's reply": (3, lambda net, i, req, rep: replace(rep, party=(i + 1) % net.n), "in place of"),
-    "computed another iteration": (3, lambda net, i, req, rep: replace(rep, computed=req.task + 1), "its task"),
+    "computed another iteration": (3, lambda net, i, req, rep: replace(rep, computed=req.task + 1),
+                                   "its task"),
     "refused a payload it was not sent": (
         3, lambda net, i, req, rep: replace(rep, computed=-1, outgoing=[], rejected=[(i, 1)]), "not sent"),
     "refused with an unknown reason": (
@@ -274,13 +279,14 @@ REPLY_ATTACKS = {
     "a message to itself": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, receiver=i), "itself"),
     "a message to nobody": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, receiver=net.n),
                             "indices"),
-    "a message of another sender": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, sender=(i + 1) % net.n),
-                                    "own messages"),
+    "a message of another sender": (
+        3, lambda net, i, req, rep: _first_to(net, i, req, rep, sender=(i + 1) % net.n), "own messages"),
     "a short payload": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, payload=b"x" * 10), "bytes"),
     "a payload that is not bytes": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, payload=None),
                                     "NoneType"),
     "a weight of 0.4": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, weight=0.4), "1/(k+1)"),
-    "a weight of 1": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, weight=1.0), "column stochastic"),
+    "a weight of 1": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, weight=1.0),
+                      "column stochastic"),
     "a NaN weight": (3, lambda net, i, req, rep: _first_to(net, i, req, rep, weight=float("nan")), "(0, 1]"),
     "two messages to one receiver": (3, lambda net, i, req, rep: replace(rep, outgoing=rep.outgoing * 2),
                                      "duplicate"),
@@ -368,7 +374,8 @@ def test_bad_payloads_of_the_last_iteration_are_sorted_out_in_the_final_retries(
     relay = net.relay
     # refused twice by the first receiver: a dispute; the second, refusing it again, is left waiting for
     # an excluded sender
-    assert relay.disputes == 1 and len(relay.excluded) == 3 and len(relay.offenders) == 2 and 1 in relay.offenders
+    assert relay.disputes == 1 and len(relay.excluded) == 3
+    assert len(relay.offenders) == 2 and 1 in relay.offenders
     online = net.check_replay()
     assert online.all()  # everybody was online throughout: the finals of three are missing
     assert relay.missing_finals() == sorted(relay.excluded)
@@ -420,10 +427,12 @@ def test_a_receiver_refuses_what_an_honest_sender_cannot_send_naming_it_and_why(
         "tampered": (net.seal(0, 2, 1, honest.to_bytes())[:-1] + b"\x00", Rejection.AUTHENTICATION),
         "for another receiver": (net.seal(0, 1, 1, honest.to_bytes()), Rejection.AUTHENTICATION),
         "of another iteration": (net.seal(0, 2, 2, honest.to_bytes()), Rejection.AUTHENTICATION),
-        "other dimension": (net.seal(0, 2, 1, PartyState(np.ones(4), 0.5, 0, 1).to_bytes()), Rejection.MALFORMED),
+        "other dimension": (net.seal(0, 2, 1, PartyState(np.ones(4), 0.5, 0, 1).to_bytes()),
+                            Rejection.MALFORMED),
         "not a state": (net.seal(0, 2, 1, b"\x01" * 20), Rejection.MALFORMED),
         "NaN": (net.seal(0, 2, 1, replace(honest, y=np.full(5, np.nan)).to_bytes()), Rejection.INVALID_VALUE),
-        "-inf": (net.seal(0, 2, 1, replace(honest, y=np.full(5, -np.inf)).to_bytes()), Rejection.INVALID_VALUE),
+        "-inf": (net.seal(0, 2, 1, replace(honest, y=np.full(5, -np.inf)).to_bytes()),
+                 Rejection.INVALID_VALUE),
         "huge": (net.seal(0, 2, 1, replace(honest, y=np.full(5, 2 * state_limit(np.float64))).to_bytes()),
                  Rejection.INVALID_VALUE),
         "omega > n": (net.seal(0, 2, 1, replace(honest, omega=3.5).to_bytes()), Rejection.INVALID_VALUE),
@@ -451,6 +460,62 @@ def test_refusals_and_their_reasons_survive_the_wire():
         decode_reply(encode_reply(rep)[:-45], 3)
 
 
+def test_a_refusal_is_settled_in_the_final_exchanges_even_when_the_receiver_left_the_round():
+    # the receiver refuses at exchange 2 and is offline from then on; the bad payload is sent again at
+    # exchange 3 = T: the receiver checks it in the final exchange although its computation no longer
+    # counts, so the sender cannot escape by deviating late
+    net = Network(_values(9, seed=9), T=3, k=1)
+    net.run({2: garbage})
+    relay = net.relay
+    assert relay.disputes == 1 and 2 in relay.offenders and len(relay.offenders) == 2
+    net.check_replay()
+
+
+# ---------------------------------------------------------------------------------------------- across rounds
+def test_offenders_are_barred_after_max_offences_in_distinct_rounds_and_logged(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    book = Offenders(max_offences=2)
+    assert book.record(1, {7: "an invalid reply", 9: "one side of a dispute"}) == []
+    assert book.record(1, {7: "counted once per round"}) == [] and book.count(7) == 1
+    assert book.record(2, {7: "again"}) == [7] and book.barred == {7}
+    assert book.record(3, {7: "and again"}) == [] and book.count(7) == 3  # still recorded
+    assert book.admit(4, [5, 7, 9]) == [5, 9]
+    text = caplog.text
+    assert "node 7 deviated from the protocol (offence 2 of 2): again" in text
+    assert "node 7 is barred from later rounds after 2 offences (rounds 1, 2)" in text
+    assert "IncA round 4: node 7 not sampled: barred since round 2 (3 offences)" in text
+    never = Offenders(max_offences=None)
+    never.record(1, {3: "x"})
+    never.record(2, {3: "y"})
+    assert never.barred == frozenset() and never.admit(3, [3]) == [3]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="max_offences"):
+            Offenders(max_offences=bad)
+
+
+def test_a_rounds_offences_by_node_id_and_lost_finals_only_when_the_round_failed(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flwr")
+    # a dispute at iteration 1 (two offenders, the sender's second receiver a victim), and party 7 loses its
+    # final after the last iteration
+    net = Network(_values(9, seed=10), T=3, k=2, final_retries=0)
+    silent_final = _at(4, lambda net, i, req, rep: None)
+    net.run({2: garbage, 7: silent_final})
+    relay = net.relay
+    assert relay.missing_finals() == [7] and len(relay.offenders) == 2 and len(relay.excluded) == 3
+    book = Offenders()
+    offences = book.record_round(1, net.roster, relay, failed=False)
+    assert offences == {net.roster[i]: why for i, why in relay.offenders.items()}
+    offences = book.record_round(2, net.roster, relay, failed=True)
+    assert offences[net.roster[7]] == LOST_FINAL and len(offences) == 3
+    victim = next(i for i in relay.excluded if i not in relay.offenders)
+    assert f"node {net.roster[victim]} excluded from the rest of the round" in caplog.text
+    assert book.barred == {net.roster[i] for i in relay.offenders}  # two rounds each
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 HOSTILE_ENV = "INCA_TEST_HOSTILE_NODE"  # "<partition>:<attack of round 1>,<attack of round 2>,..."
 E2E_NODES, E2E_T = 10, 3
@@ -464,20 +529,25 @@ def _e2e_plan() -> tuple[int, list[str]]:
 def hostile_mod(msg, context, call_next):
     """ClientApp mod: the node of the planned partition rewrites its mixing replies. ``fan-out``: weight 1/n
     to every other node, random right-sized payloads; ``garbage``: its k neighbours and weights, random
-    payloads (retransmissions too); ``retransmit``: a retransmission nobody asked for, of iteration T + 1."""
+    payloads (retransmissions too); ``retransmit``: a retransmission nobody asked for, of iteration T + 1;
+    ``withhold``: no final message (an error in every final exchange)."""
     from flwr.app import ConfigRecord
 
     from flwr_inca.flower.shared import INCA_KEY, MIX_ACTION
     from flwr_inca.flower.wire import FIELD, decode_reply, encode_reply, peek_request
 
-    reply = call_next(msg, context)
     partition, attacks = _e2e_plan()
-    if msg.metadata.message_type != f"train.{MIX_ACTION}" or reply.has_error() \
+    if msg.metadata.message_type != f"train.{MIX_ACTION}" \
             or int(context.node_config["partition-id"]) != partition:
-        return reply
+        return call_next(msg, context)
     rnd, commit, party = peek_request(msg.content.config_records[INCA_KEY][FIELD])
-    record = reply.content.config_records[INCA_KEY]
     attack = attacks[rnd - 1] if rnd <= len(attacks) else ""
+    if attack == "withhold" and commit > E2E_T:
+        raise RuntimeError("withholding the final message")
+    reply = call_next(msg, context)
+    if reply.has_error():
+        return reply
+    record = reply.content.config_records[INCA_KEY]
     if FIELD not in record or not attack:
         return reply
     rep, keeps = decode_reply(record[FIELD], party)
@@ -507,17 +577,15 @@ def _hostile_client_app():
     def train(msg, context):
         pid, rnd = int(context.node_config["partition-id"]), int(msg.content["config"]["server-round"])
         rng = np.random.default_rng([pid, rnd])
-        new = [(a + rng.normal(0.0, 0.3, a.shape)).astype(a.dtype) for a in msg.content["arrays"].to_numpy_ndarrays()]
+        old = msg.content["arrays"].to_numpy_ndarrays()
+        new = [(a + rng.normal(0.0, 0.3, a.shape)).astype(a.dtype) for a in old]
         metrics = MetricRecord({"num-examples": 1, "partition-id": pid})
         return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
 
     return app
 
 
-try:
-    hostile_client = _hostile_client_app()  # importable by the simulation's workers
-except ImportError:  # no Flower: the end-to-end test is skipped
-    hostile_client = None
+hostile_client = _hostile_client_app()  # at module level: the simulation's workers import it
 
 
 @pytest.mark.flower
@@ -530,11 +598,10 @@ def test_one_hostile_node_in_a_flower_simulation_is_barred_and_every_round_train
     from flwr.simulation import run_simulation
 
     from flwr_inca.flower import IncaStrategy
-    from flwr_inca.flower.offenders import Offenders
     from flwr_inca.flower.shared import flatten_arrays
 
-    hostile_pid, rounds = 0, 4
-    os.environ[HOSTILE_ENV] = f"{hostile_pid}:fan-out,garbage,retransmit,garbage"
+    hostile_pid, rounds = 0, 5
+    os.environ[HOSTILE_ENV] = f"{hostile_pid}:fan-out,garbage,withhold,garbage,garbage"
     initial = [np.zeros((3, 4), dtype=np.float32), np.zeros(5, dtype=np.float32)]
     out: dict = {}
     lines: list[str] = []
@@ -545,7 +612,7 @@ def test_one_hostile_node_in_a_flower_simulation_is_barred_and_every_round_train
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = IncaStrategy(iterations=E2E_T, sigma_star=0.2, sigma_delta=1.0, clip_norm=1.0,
+        strategy = IncaStrategy(iterations=E2E_T, sigma_star=0.2, sigma_delta=5.0, clip_norm=1.0,
                                 precision="float64", ledger_path=tmp_path / "ledger.json", seed=4,
                                 forward_client_metrics=True, fraction_evaluate=0.0, exchange_timeout=120,
                                 min_available_nodes=E2E_NODES, min_train_nodes=E2E_NODES)
@@ -568,32 +635,28 @@ def test_one_hostile_node_in_a_flower_simulation_is_barred_and_every_round_train
     assert "strategy" in out, "the ServerApp failed: see the log above"
     strategy, models = out["strategy"], out["models"]
     node = {int(m["partition-id"]): n for n, m in strategy.rounds[1].client_metrics.items()}[hostile_pid]
-    # rounds 1-3: the hostile node deviated (an invalid commit, refused payloads, a crafted retransmission),
-    # was excluded from the rest of the round, and the round trained with the others
-    for rnd, words in [(1, "every party sends k = 1"), (2, "refused"), (3, "not asked for")]:
+    # rounds 1 and 2: the hostile node deviated (an invalid commit, then refused payloads), was excluded
+    # from the rest of the round, and the round trained with the others
+    for rnd, words in [(1, "every party sends k = 1"), (2, "refused")]:
         record = strategy.rounds[rnd]
         assert node in record.roster and words in record.offenders[node], (rnd, record.offenders)
         assert not record.failed and record.update is not None and len(record.finalists) >= E2E_NODES - 2
         assert len(record.offenders) <= 2  # the hostile node, and in round 2 the receiver of its garbage
+    # round 3: it took part in the last iteration and withheld its final message: a dropout, but one that
+    # leaves the round's noise uncancelled, so the round fails (charged, model kept): its third offence
+    three = strategy.rounds[3]
+    assert "noise std" in three.failed and three.offenders == {node: LOST_FINAL}
     assert [o.round for o in strategy.offenders.offences[node]] == [1, 2, 3]
     assert strategy.offenders.barred == {node}
-    # round 4: barred, not sampled; the others train
-    four = strategy.rounds[4]
-    assert node not in four.roster and len(four.roster) == E2E_NODES - 1 and not four.failed
+    # rounds 4 and 5: barred, not sampled; the others train
+    for rnd in (4, 5):
+        record = strategy.rounds[rnd]
+        assert node not in record.roster and len(record.roster) == E2E_NODES - 1 and not record.failed
+        assert record.offenders == {}
     assert any(f"node {node} not sampled: barred" in line for line in lines)
     assert any(f"node {node} is barred from later rounds after 3 offences" in line for line in lines)
-    # every round was charged and changed the model: nothing was spent for nothing
-    assert strategy.rounds_trained == rounds and strategy.ledger.rounds == rounds
-    assert all(np.all(np.isfinite(models[r])) and not np.array_equal(models[r], models[r - 1])
-               for r in range(1, rounds + 1))
-
-
-def test_a_refusal_is_settled_in_the_final_exchanges_even_when_the_receiver_left_the_round():
-    # the receiver refuses at exchange 2 and is offline from then on; the bad payload is sent again at
-    # exchange 3 = T: the receiver checks it in the final exchange although its computation no longer
-    # counts, so the sender cannot escape by deviating late
-    net = Network(_values(9, seed=9), T=3, k=1)
-    net.run({2: garbage})
-    relay = net.relay
-    assert relay.disputes == 1 and 2 in relay.offenders and len(relay.offenders) == 2
-    net.check_replay()
+    # every round was charged; only the round it could fail did not change the model, and it cannot fail
+    # another: one node drains at most max_offences rounds, however it deviates
+    assert strategy.ledger.rounds == rounds and strategy.rounds_trained == rounds - 1
+    for r in range(1, rounds + 1):
+        assert np.all(np.isfinite(models[r])) and np.array_equal(models[r], models[r - 1]) == (r == 3)

@@ -173,7 +173,8 @@ class _PartySession:
         sender can send: not authentic, not a state of the round's dimension, or not finite, of a
         magnitude above :func:`state_limit`, or with a weight omega outside [0, n]."""
         try:
-            plain = open_sealed(self.key_with(m.sender), m.payload, self.associated_data(m.sender, self.me, task))
+            ad = self.associated_data(m.sender, self.me, task)
+            plain = open_sealed(self.key_with(m.sender), m.payload, ad)
         except PayloadRejected:
             raise _Refused(Rejection.AUTHENTICATION) from None
         try:

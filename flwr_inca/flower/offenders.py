@@ -45,7 +45,8 @@ class Offenders:
     """
 
     def __init__(self, max_offences: int | None = 2) -> None:
-        self.max_offences = None if max_offences is None else check_int("max_offences (or None)", max_offences, 1)
+        self.max_offences = (None if max_offences is None
+                             else check_int("max_offences (or None)", max_offences, 1))
         self.offences: dict[int, list[Offence]] = {}
         self._barred: dict[int, int] = {}  # node id -> the round whose offence barred it
 
@@ -71,7 +72,8 @@ class Offenders:
             limit = "" if self.max_offences is None else f" of {self.max_offences}"
             log(WARNING, "IncA round %d: node %d deviated from the protocol (offence %d%s): %s", server_round,
                 node, len(history), limit, reason)
-            if self.max_offences is not None and len(history) >= self.max_offences and node not in self._barred:
+            barring = self.max_offences is not None and len(history) >= self.max_offences
+            if barring and node not in self._barred:
                 self._barred[node] = server_round
                 newly.append(node)
                 log(WARNING, "IncA: node %d is barred from later rounds after %d offences (rounds %s)", node,
@@ -101,8 +103,8 @@ class Offenders:
         admitted = []
         for node in nodes:
             if int(node) in self._barred:
-                log(INFO, "IncA round %d: node %d not sampled: barred since round %d (%d offences)", server_round,
-                    node, self._barred[int(node)], self.count(node))
+                log(INFO, "IncA round %d: node %d not sampled: barred since round %d (%d offences)",
+                    server_round, node, self._barred[int(node)], self.count(node))
             else:
                 admitted.append(node)
         return admitted

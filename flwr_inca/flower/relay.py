@@ -28,9 +28,10 @@ Algorithm 2, so the trace stays the execution that happened. Receivers check wha
 ``[0, n]``) and refuse a bad payload naming its sender (:class:`Rejection`). The relay cannot tell a bad
 payload from a false refusal, so a refusal is first taken for damage in transit: the receiver waits and
 the sender is *held* (its commits are not accepted) until it has sent the payload again, within
-:data:`RETRANSMIT_EXCHANGES` exchanges, and the receiver has used it. A payload refused again, or not sent again in time, is a
-*dispute*: both parties are excluded and named in :attr:`RoundRelay.offenders`. A receiver still waiting
-for a payload whose sender was excluded cannot compute either: it is excluded too (not an offender).
+:data:`RETRANSMIT_EXCHANGES` exchanges, and the receiver has used it. A payload refused again, or not
+sent again in time, is a *dispute*: both parties are excluded and named in :attr:`RoundRelay.offenders`.
+A receiver still waiting for a payload whose sender was excluded cannot compute either: it is excluded
+too (not an offender).
 
 No message is ever taken back: a payload handed to a receiver stays delivered in the trace (its
 receiver may have read it, and the certificate must count that), and an excluded receiver never sends
@@ -383,7 +384,7 @@ class RoundRelay:
         """Why ``rep`` is not a reply an honest party can send to ``req`` ("" if it is)."""
         try:
             self._check_reply(commit, req, rep)
-        except Exception as exc:  # noqa: BLE001 - whatever a reply holds is its sender's fault, not the round's
+        except Exception as exc:  # noqa: BLE001 - what a reply holds is its sender's fault, not the round's
             return str(exc) or type(exc).__name__
         return ""
 
