@@ -221,10 +221,11 @@ def test_tampered_payload_rejected_and_round_still_consistent(faulty_run):
     assert sum(m["inca-rejected-payloads"] for m in metrics.values()) == 1
     record = strategy.rounds[rnd]
     # the receiver rejects in the exchange committing to iteration + 1, the sender re-seals in the next,
-    # the receiver computes in the one after: it cannot commit to iteration + 1 and + 2 meanwhile;
-    # nothing else failed in this round, so everybody else is online throughout and it recovers
+    # the receiver computes in the one after: it cannot commit to iteration + 1 and + 2 meanwhile, and
+    # the sender is held (no new message accepted) until its payload was used; nothing else failed in
+    # this round, so everybody else is online throughout and both recover
     expected = np.ones((T + 1, NODES), dtype=bool)
-    expected[iteration + 1, receiver] = expected[iteration + 2, receiver] = False
+    expected[iteration + 1: iteration + 3, [receiver, sender]] = False
     assert np.array_equal(record.trace.online_mask(), expected)
     assert record.finalists == list(range(NODES)) and metrics[rnd]["inca-errors"] == 0
     # and the relay's record is what the nodes computed: the trace replays to the applied update
@@ -519,8 +520,9 @@ def test_hostile_nodes_are_excluded_and_never_stop_training_or_poison_the_model(
     sender = next(i for i, node in enumerate(three.roster)
                   if three.client_metrics[node]["partition-id"] == 6)
     assert not three.failed and sender not in three.finalists and len(three.finalists) == 4
-    # refused at the final report and at both retries (it recomputes the same final each time)
-    assert strategy.train_metrics_serverapp[3]["inca-invalid-replies"] == 3
+    # refused at the final report; an invalid reply excludes its node from the rest of the round
+    assert strategy.train_metrics_serverapp[3]["inca-invalid-replies"] == 1
+    assert list(three.offenders) == [three.roster[sender]]
     assert strategy.ledger.rounds == 3 and all(e.mu > 0 for e in strategy.ledger.entries)
     final = flatten_arrays(result.arrays)[0]
     assert np.all(np.isfinite(final)) and np.linalg.norm(final - flatten_arrays(models[2])[0]) < 2.0

@@ -73,7 +73,7 @@ def run_local(values, T=5, k=1, s_star=0.3, s_delta=4.0, schedule="incremental",
     return relay, noise
 
 
-def _check_replay(relay, noise, values):
+def check_replay(relay, noise, values):
     trace = relay.trace()
     res = replay(trace, values, seed=0, noise=noise, finalists=sorted(relay.finals))
     est = relay.estimate()
@@ -87,7 +87,7 @@ def test_fault_free_round_is_exact(schedule):
     relay, noise = run_local(values, s_star=0.0, s_delta=50.0, schedule=schedule)
     assert sorted(relay.finals) == list(range(9))
     assert np.allclose(relay.estimate(), values.mean(axis=0), atol=1e-10)
-    trace, _ = _check_replay(relay, noise, values)
+    trace, _ = check_replay(relay, noise, values)
     assert all(step.online.size == 9 for step in trace.steps)
     assert relay.exchanges == 6  # T + 1: one per iteration plus the final report
 
@@ -98,7 +98,7 @@ def test_random_failures_match_engine_replay(rate):
     values = rng.random((12, 3))
     failures = {(i, u) for i in range(12) for u in range(1, 9) if rng.random() < rate}
     relay, noise = run_local(values, T=6, k=2, fault=lambda i, u: (i, u) in failures)
-    trace, res = _check_replay(relay, noise, values)
+    trace, res = check_replay(relay, noise, values)
     online = trace.online_mask()
     assert not online[1:].all()  # failures did make parties offline
     # a party that failed the exchange committing to u is offline at u
@@ -110,7 +110,7 @@ def test_random_failures_match_engine_replay(rate):
 def test_party_that_fails_forever_drops_out_and_noise_stays_consistent():
     values = np.random.default_rng(1).random((8, 2))
     relay, noise = run_local(values, T=4, fault=lambda i, u: i == 5 and u >= 3)
-    trace, _ = _check_replay(relay, noise, values)
+    trace, _ = check_replay(relay, noise, values)
     assert 5 not in relay.finals and trace.online_mask()[2, 5] and not trace.online_mask()[3, 5]
 
 
@@ -121,7 +121,7 @@ def test_timeout_at_final_report_is_retried_then_lost():
     assert np.allclose(relay.estimate(), values.mean(axis=0), atol=1e-10)
     relay, noise = run_local(values, T=3, fault=lambda i, u: i == 2 and u >= 4)
     assert 2 not in relay.finals and relay.missing_finals() == [2]
-    trace, _ = _check_replay(relay, noise, values)  # a lost final: output over the others
+    trace, _ = check_replay(relay, noise, values)  # a lost final: output over the others
     assert trace.meta["finalists"] == [0, 1, 3, 4, 5]
 
 
@@ -136,16 +136,21 @@ def test_tampered_payload_is_rejected_and_retransmitted():
         return m.payload
 
     relay, noise = run_local(values, T=5, s_star=0.0, s_delta=20.0, tamper=tamper)
-    assert relay.rejected_payloads >= 1
-    trace, res = _check_replay(relay, noise, values)
-    # the receiver rejects at exchange 3, the sender re-encrypts at exchange 4, the receiver computes
-    # at exchange 5: it cannot commit to iterations 3 and 4 meanwhile
+    assert relay.rejected_payloads == len(done) == 1 and relay.excluded == {} and relay.disputes == 0
+    (sender, receiver), = done
+    trace, res = check_replay(relay, noise, values)
+    # the receiver refuses at exchange 3, the sender re-encrypts at exchange 4, the receiver computes
+    # at exchange 5: it cannot commit to iterations 3 and 4 meanwhile; the sender is held (no new
+    # message of it accepted) until the receiver has used the payload sent again: offline at 3 and 4
     online = trace.online_mask()
-    assert not online[3, 4] and not online[4, 4] and online[5, 4]
-    assert sorted(relay.finals) == list(range(7))  # ... but it recovered
-    # all noise cancelled; party 4 missed 2 of T+1 = 6 steps, so it injected 4/6 of its value (D_Inc)
+    expected = np.ones_like(online)
+    expected[3:5, receiver] = expected[3:5, sender] = False
+    assert np.array_equal(online, expected)
+    assert sorted(relay.finals) == list(range(7))  # ... but both recovered
+    # all noise cancelled; both missed 2 of T+1 = 6 steps, so they injected 4/6 of their values (D_Inc)
     w = res.injected
-    assert w[4] == pytest.approx(4 / 6) and np.allclose(np.delete(w, 4), 1.0)
+    assert w[receiver] == w[sender] == pytest.approx(4 / 6)
+    assert np.allclose(np.delete(w, [sender, receiver]), 1.0)
     assert np.allclose(relay.estimate(), (w[:, None] * values).sum(axis=0) / w.sum(), atol=1e-9)
 
 
@@ -154,7 +159,7 @@ def test_lost_replies_after_computing_are_harmless():
     values = rng.random((10, 3))
     lost = {(i, e) for i in range(10) for e in range(1, 8) if rng.random() < 0.25}
     relay, noise = run_local(values, T=6, k=2, lost_replies=lambda i, e: (i, e) in lost)
-    trace, _ = _check_replay(relay, noise, values)
+    trace, _ = check_replay(relay, noise, values)
     assert not trace.online_mask()[1:].all()
 
 
@@ -162,7 +167,7 @@ def test_party_that_loses_its_storage_is_restored_from_its_own_payload():
     values = np.random.default_rng(9).random((7, 4))
     relay, noise = run_local(values, T=5, s_star=0.0, s_delta=30.0, wipe=lambda i, e: i == 3 and e == 4)
     assert relay.restores == 1
-    trace, res = _check_replay(relay, noise, values)
+    trace, res = check_replay(relay, noise, values)
     assert 3 in relay.finals
     w = res.injected
     assert np.allclose(relay.estimate(), (w[:, None] * values).sum(axis=0) / w.sum(), atol=1e-9)
@@ -180,7 +185,7 @@ def test_rejoining_a_round_number_uses_nothing_from_the_earlier_instance(kind, t
     run_local(first, seed=0, stores=stores)
     relay, noise = run_local(second, seed=1, stores=stores)  # fresh secrets, as in a deployment
     assert sorted(relay.finals) == list(range(6))
-    _check_replay(relay, noise, second)
+    check_replay(relay, noise, second)
 
 
 def _faulty_round(values, **kwargs):
@@ -237,7 +242,7 @@ def test_noise_drawn_ahead_is_the_noise_drawn_on_demand(schedule, monkeypatch):
     assert len(draws) >= 8 * 7  # the control: without it, every party draws eta* and 6 terms
     assert np.array_equal(relay0.estimate(), relay1.estimate())
     assert relay0.trace().to_dict() == relay1.trace().to_dict()
-    _check_replay(relay1, noise, values)
+    check_replay(relay1, noise, values)
 
 
 def test_stored_noise_reads_each_step_once_from_exact_ranges(tmp_path):
@@ -386,7 +391,7 @@ def test_a_final_message_with_a_bad_weight_or_value_is_refused(omega, y):
     relay, noise = run_local(values, T=T, corrupt=corrupt, final_retries=0)
     assert sorted(relay.finals) == [0, 1, 3, 4, 5] and relay.invalid_replies == 1
     assert all(0 < omega <= 6 for _, omega in relay.finals.values())
-    _check_replay(relay, noise, values)  # the others' finals are exactly the replayed ones
+    check_replay(relay, noise, values)  # the others' finals are exactly the replayed ones
 
 
 def test_malformed_commit_is_refused():

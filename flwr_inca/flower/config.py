@@ -26,17 +26,21 @@ class RelayConfig:
         poll_interval: seconds between polls for replies (Flower's ``send_and_receive`` polls every
             0.1 s; a round makes T + 1 exchanges or more, so mixing polls faster).
         final_retries: extra exchanges for final messages still missing after the final report.
+        max_offences: a node that deviated from the protocol in this many rounds (invalid replies, payloads
+            its receivers refused, a withheld final that failed a round) is no longer sampled (logged by
+            node id; docs/reliability.md).
     """
 
     exchange_timeout: float = 60.0
     poll_interval: float = 0.01
     final_retries: int = 2
+    max_offences: int = 2
 
     def __post_init__(self) -> None:
-        check_real("exchange_timeout (seconds)", self.exchange_timeout, 0.0, low_open=True)
+        check_real("exchange_timeout (seconds)", self.exchange_timeout, 0.0, 86400.0, low_open=True)
         check_real("poll_interval (seconds)", self.poll_interval, 0.0, self.exchange_timeout, low_open=True)
-        check_int("final_retries", self.final_retries, 0)
-
+        check_int("final_retries", self.final_retries, 0, 100)
+        check_int("max_offences", self.max_offences, 1)
 
 
 CONFIG_GROUPS = {**GROUPS, "relay": RelayConfig}

@@ -7,11 +7,18 @@ lost), the relay sends back one of the party's own committed payloads, which it 
 
 A party draws its round's unit noise into storage when it joins (:func:`draw_noise_ahead`, beside
 local training), so that a mixing step reads the two rows it needs instead of drawing them.
+
+A party checks every payload it is sent before using it: it must decrypt (which binds sender, receiver,
+round and iteration), be a state of the round's dimension, and hold finite values of a magnitude whose
+sums cannot overflow (:func:`state_limit`) with a weight omega in ``[0, n]``. A payload that fails is
+refused, naming its sender and why (:class:`~flwr_inca.flower.relay.Rejection`), and nothing is computed:
+the relay sorts it out (see :mod:`.relay`). A party never sends a state that is not finite.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets as _secrets
 import struct
 from dataclasses import dataclass
@@ -20,11 +27,11 @@ import numpy as np
 
 from ..protocol.party import IncaParty, Incoming, PartyNoise, PartyState
 from .crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal
-from .relay import Outgoing, Reply, Request
+from .relay import Outgoing, Rejection, Reply, Request
 from .shared import RoundParams
 from .storage import DirectoryStore, MemoryStore, NodeStore, StoredNoise
 
-__all__ = ["RoundSecrets", "draw_noise_ahead", "handle_exchange", "choose_neighbors",
+__all__ = ["RoundSecrets", "draw_noise_ahead", "handle_exchange", "choose_neighbors", "state_limit",
            # moved to .shared and .storage; still importable from here
            "RoundParams", "NodeStore", "MemoryStore", "DirectoryStore", "StoredNoise"]
 
@@ -82,6 +89,8 @@ def handle_exchange(request: Request, params: RoundParams, me: int, secrets: Rou
         if reply.rejected:
             return reply  # no computation, hence no commit: the senders re-seal first
         state = party.mixer.compute(state, request.task, incoming, request.delivered_weight)
+        if not np.all(np.isfinite(state.y)):  # cannot happen from checked inputs; never send it
+            raise RuntimeError(f"party {me} computed a state that is not finite at iteration {request.task}")
         encoded = state.to_bytes(party.precision)
         store.save_state(params.round, request.task, encoded)  # before anyone sees it
         reply.computed = request.task
@@ -149,20 +158,37 @@ class _PartySession:
                 out.append(Outgoing(self.me, receiver, 0.0, payload, iteration))
         return out
 
-    def open_incoming(self, request: Request) -> tuple[list[Incoming], list[int]]:
-        """The delivered messages for ``request.task``, and the senders whose payloads failed."""
+    def open_incoming(self, request: Request) -> tuple[list[Incoming], list[tuple[int, int]]]:
+        """The delivered messages for ``request.task``, and (sender, :class:`Rejection`) of those refused."""
         incoming, rejected = [], []
         for m in request.incoming:
             try:
-                ad = self.associated_data(m.sender, self.me, request.task)
-                sent = PartyState.from_bytes(open_sealed(self.key_with(m.sender), m.payload, ad))
-                if sent.y.size != self.d:
-                    raise PayloadRejected("payload has the wrong dimension")
-            except (PayloadRejected, ValueError):
-                rejected.append(m.sender)
-                continue
-            incoming.append(Incoming(m.weight, sent.y, sent.omega))
+                incoming.append(self.open_payload(m, request.task))
+            except _Refused as refused:
+                rejected.append((m.sender, int(refused.reason)))
         return incoming, rejected
+
+    def open_payload(self, m: Outgoing, task: int) -> Incoming:
+        """The state sealed in ``m`` for iteration ``task``; :class:`_Refused` if it is not one an honest
+        sender can send: not authentic, not a state of the round's dimension, or not finite, of a
+        magnitude above :func:`state_limit`, or with a weight omega outside [0, n]."""
+        try:
+            ad = self.associated_data(m.sender, self.me, task)
+            plain = open_sealed(self.key_with(m.sender), m.payload, ad)
+        except PayloadRejected:
+            raise _Refused(Rejection.AUTHENTICATION) from None
+        try:
+            sent = PartyState.from_bytes(plain)
+        except ValueError:
+            raise _Refused(Rejection.MALFORMED) from None
+        if sent.y.size != self.d:
+            raise _Refused(Rejection.MALFORMED)
+        n = len(self.params.roster)
+        with np.errstate(invalid="ignore"):
+            within = bool(np.all(np.abs(sent.y) <= state_limit(self.precision)))  # False for NaN
+        if not (within and math.isfinite(sent.omega) and 0.0 <= sent.omega <= n * (1 + 1e-9)):
+            raise _Refused(Rejection.INVALID_VALUE)
+        return Incoming(m.weight, sent.y, sent.omega)
 
     def commit(self, iteration: int, plaintext: bytes) -> list[Outgoing]:
         """Our message for ``iteration``, sealed for the out-neighbours we choose ourselves."""
@@ -173,6 +199,25 @@ class _PartySession:
             payload = seal(self.key_with(r), plaintext, self.associated_data(self.me, r, iteration))
             out.append(Outgoing(self.me, r, 1.0 / (k + 1), payload, iteration))
         return out
+
+
+class _Refused(Exception):
+    """A payload a party refuses, and why."""
+
+    def __init__(self, reason: Rejection) -> None:
+        super().__init__(reason.describe())
+        self.reason = reason
+
+
+def state_limit(precision: np.dtype | type) -> float:
+    """The largest magnitude a party accepts in a state it is sent: 1e-9 of the largest ``precision`` value.
+
+    Honest states are sums of clipped values and noise, far below it. Mixing never adds magnitude (the
+    weights given away by each sender sum to at most 1), so a deviating sender can bring in at most this
+    much per message: a billion such messages still cannot overflow a sum to inf and make an honest party
+    send a state that its receivers must refuse.
+    """
+    return float(np.finfo(np.dtype(precision)).max) * 1e-9
 
 
 def choose_neighbors(noise_secret: bytes, round: int, iteration: int, me: int, n: int, k: int) -> list[int]:

@@ -51,6 +51,7 @@ from ..protocol.utility import noise_std
 from ..rounds import IncaRound, IncaRounds, round_target
 from ..settings import build_groups
 from .config import CONFIG_GROUPS, MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig
+from .offenders import Offenders
 from .relay import RoundRelay, collect_finals, run_iterations
 from .shared import INCA_KEY, RoundParams, flatten_arrays, unflatten_arrays
 from .transport import Joined, MixingExchange, end_run, join_round
@@ -88,6 +89,7 @@ class RoundRecord:
     seconds: float = 0.0
     excluded: dict[int, str] = field(default_factory=dict)  # sampled nodes that did not join, and why
     post_charge_errors: list[str] = field(default_factory=list)  # what failed after the round was charged
+    offenders: dict[int, str] = field(default_factory=dict)  # nodes that deviated in the round, and how
 
     @property
     def mu(self) -> float:
@@ -211,6 +213,7 @@ class IncaStrategy(FedAvg):
         self._inca: IncaRounds | None = None
         self._pending: dict[int, _Pending] = {}
         self._ended: set[int] = set()  # nodes told that the run is over
+        self.offenders = Offenders(self.relay.max_offences)  # offences by node id; barred nodes are not sampled
 
     # ----------------------------------------------------------------------------- IncA's rounds
     @property
@@ -311,6 +314,8 @@ class IncaStrategy(FedAvg):
         Raises :class:`IncaBudgetExhausted` (before contacting any node) if the round may not start.
         """
         messages = list(super().configure_train(server_round, arrays, config, grid))
+        admitted = set(self.offenders.admit(server_round, [m.metadata.dst_node_id for m in messages]))
+        messages = [m for m in messages if m.metadata.dst_node_id in admitted]  # barred nodes are not sampled
         if not messages:  # fraction_train == 0: no training, as in FedAvg
             return messages
         self._bind_ledger(grid)
@@ -372,6 +377,10 @@ class IncaStrategy(FedAvg):
                 new_arrays = self._after_charge(record, "applying the update", None, self._apply, record, mixed,
                                                 vector, spec, pending.arrays)
             self._after_charge(record, "saving the trace", None, self._save_trace, record)
+            # the round's offences by node id (repeated ones bar the node from later rounds)
+            record.offenders = self._after_charge(record, "recording offences", {}, self.offenders.record_round,
+                                                  server_round, record.roster, mixed.relay,
+                                                  bool(record.failed) and not record.refused)
         forwarded = self._after_charge(record, "aggregating the nodes' train metrics", None, self._train_metrics,
                                        joined)
         record.seconds = time.time() - pending.started
@@ -393,7 +402,8 @@ class IncaStrategy(FedAvg):
         schedule = self.inca.schedule
         params = RoundParams(server_round, mix.iterations, min(mix.neighbors, n - 1), s_star, s_delta,
                              schedule, roster, [joined.keys[node] for node in roster], mix.precision)
-        relay = RoundRelay(n, mix.iterations, d, schedule, s_star, s_delta, mix.precision)
+        relay = RoundRelay(n, mix.iterations, d, schedule, s_star, s_delta, mix.precision,
+                           neighbors=params.neighbors, roster=roster)  # commits checked: k peers, weights 1/(k+1)
         exchange = MixingExchange(grid, params, timeout=self.relay.exchange_timeout,
                                   poll_interval=self.relay.poll_interval, payload_hook=self.relay_payload)
         try:
@@ -539,7 +549,8 @@ class IncaStrategy(FedAvg):
             "inca-finalists": len(record.finalists), "inca-round-failed": int(bool(record.failed)),
             "inca-round-refused": int(record.refused), "inca-excluded-nodes": len(record.excluded),
             "inca-post-charge-errors": len(record.post_charge_errors),
-            "inca-consecutive-refusals": self.session.refusals, "inca-noise-std": float(record.noise_std)})
+            "inca-consecutive-refusals": self.session.refusals, "inca-noise-std": float(record.noise_std),
+            "inca-offenders": len(record.offenders)})
         if mixed is not None:
             relay, counters = mixed.relay, mixed.exchange.counters
             metrics.update({

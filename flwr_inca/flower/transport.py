@@ -128,8 +128,9 @@ class MixingExchange:
                 continue
             try:
                 replies[i], keeps_roster = decode_reply(record[FIELD], i)
-            except (KeyError, ValueError):
+            except (KeyError, ValueError) as exc:
                 self.counters["malformed"] += 1
+                replies[i] = Reply(i, invalid=f"malformed reply: {exc}")  # an offence: the relay excludes it
                 continue
             if keeps_roster:
                 self.has_roster.add(i)

@@ -3,7 +3,8 @@
 A compact, versioned format (little-endian ``struct``s and length-prefixed payloads) instead of one
 record field per item: Flower converts each record field separately, which costs more than the
 cryptography of an exchange. Parsing checks every length and raises ``ValueError`` on anything
-malformed, so a broken message is a failed exchange, never data.
+malformed, so a broken message never becomes data; what a well-formed reply holds is validated by the
+relay (:mod:`.relay`). Reading allocates no more than the message's own size.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ __all__ = ["encode_request", "decode_request", "encode_reply", "decode_reply", "
            "MissingRoster", "ROSTER_ENTRY_BYTES", "pack_roster", "unpack_roster"]
 
 FIELD = "m"  # the ConfigRecord key holding the encoded message
-_REQ, _REP = b"INQ1", b"INP1"
+_REQ, _REP = b"INQ1", b"INP2"  # INP2: refusals carry their reason
 _SCHEDULES = {"incremental": 0, "early": 1, "custom": 2}
 _PRECISIONS = {"float32": 4, "float64": 8}
 _REQ_HEAD = "<4sqqqddBBqqBqqdIIBB"  # magic .. has_restore, has_roster
-# magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final
+# magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final; then the refused
+# payloads' senders (i8) and reasons (u1, relay.Rejection)
 _REP_HEAD = "<4sqBBIqIIB"
 
 
@@ -177,7 +179,8 @@ def encode_reply(rep: Reply, has_roster: bool = False) -> bytes:
     parts = [struct.pack(_REP_HEAD, _REP, rep.computed, int(rep.need_restore), int(has_roster),
                          len(rep.rejected), out_iteration, len(rep.outgoing), len(rep.retransmissions),
                          int(rep.final is not None))]
-    parts.append(np.asarray(rep.rejected, dtype="<i8").tobytes())
+    parts.append(np.asarray([s for s, _ in rep.rejected], dtype="<i8").tobytes())
+    parts.append(np.asarray([why for _, why in rep.rejected], dtype="u1").tobytes())
     for m in rep.outgoing:
         parts.append(struct.pack("<qd", m.receiver, m.weight) + _blob(m.payload))
     for m in rep.retransmissions:
@@ -194,8 +197,9 @@ def decode_reply(data: bytes, party: int) -> tuple[Reply, bool]:
     magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final = rd.take(_REP_HEAD)
     if magic != _REP:
         raise ValueError("not an IncA reply")
-    rejected = np.frombuffer(rd.raw(8 * n_rej), dtype="<i8").tolist()
-    rep = Reply(party, computed=computed, rejected=[int(v) for v in rejected],
+    senders = np.frombuffer(rd.raw(8 * n_rej), dtype="<i8").tolist()
+    reasons = np.frombuffer(rd.raw(n_rej), dtype="u1").tolist()
+    rep = Reply(party, computed=computed, rejected=[(int(s), int(why)) for s, why in zip(senders, reasons)],
                 need_restore=bool(need_restore))
     for _ in range(n_out):
         receiver, weight = rd.take("<qd")
