@@ -1,8 +1,5 @@
-"""Accountant names: the current ones, the names before 0.2 (deprecated aliases), ledgers written
-under the old names, and Opacus as an optional dependency."""
+"""Accountant names, and Opacus as an optional dependency."""
 
-import json
-import math
 import sys
 import warnings
 
@@ -39,44 +36,12 @@ def test_no_name_collides_with_flower_or_means_something_else_than_in_opacus():
     assert not set(privacy.__all__) & set(flwr.__all__)  # e.g. flwr.serverapp.RdpAccountant
 
 
-@pytest.mark.parametrize("old, new", [("gdp", "exact"), ("prv", "opacus-prv"), ("rdp", "opacus-rdp")])
-def test_old_names_still_work_and_warn(old, new):
-    with pytest.warns(DeprecationWarning, match=f"'{old}' is now called '{new}'"):
-        assert create_accountant(old).name == new
-    with pytest.warns(DeprecationWarning):
-        assert PrivacyLedger(None, delta=1e-5, accountant=old).accountant.name == new
-
-
-@pytest.mark.parametrize("old, new", [("GdpAccountant", ExactAccountant),
-                                      ("PrvAccountant", OpacusPrvAccountant),
-                                      ("RdpAccountant", OpacusRdpAccountant)])
-def test_old_class_names_still_import_and_warn(old, new):
-    import flwr_inca.privacy as privacy
-    import flwr_inca.privacy.accountants as accountants
-
-    for module in (privacy, accountants):
-        with pytest.warns(DeprecationWarning, match=f"{old} is now called {new.__name__}"):
-            assert getattr(module, old) is new
-    with pytest.raises(AttributeError):
-        privacy.NoSuchAccountant  # noqa: B018
-
-
-def test_a_ledger_written_under_an_old_name_loads_and_is_rewritten_with_the_new_one(tmp_path):
-    path = tmp_path / "ledger.json"
-    rounds = [{"round": 1, "mu": 0.5, "sample_rate": 1.0, "epsilon": 1.0, "note": ""},
-              {"round": 2, "mu": "inf", "sample_rate": 1.0, "epsilon": "inf"}]
-    path.write_text(json.dumps({"format": "inca-ledger/1", "delta": 1e-5, "max_epsilon": None,
-                                "accountant": "gdp", "rounds": rounds}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # reading a file is no use of a deprecated name by the caller
-        ledger = PrivacyLedger(path, delta=1e-5)
-    assert ledger.rounds == 2 and ledger.accountant.name == "exact" and math.isinf(ledger.epsilon())
-    with pytest.raises(ValueError, match="'gdp' accountant, not 'opacus-prv'"):
-        PrivacyLedger(path, delta=1e-5, accountant="opacus-prv")
-    ledger.spend(0.1)
-    data = json.loads(path.read_text())
-    assert data["accountant"] == "exact"
-    assert data["rounds"][1]["mu"] == "inf" and data["rounds"][2]["mu"] == 0.1
+@pytest.mark.parametrize("name", ["gdp", "prv", "rdp", "PrvAccountant"])
+def test_names_that_are_not_accountants_are_refused_naming_the_choices(name):
+    with pytest.raises(ValueError, match=r"accountant must be one of \['exact', 'opacus-prv', 'opacus-rdp'\]"):
+        create_accountant(name)
+    with pytest.raises(ValueError, match="accountant must be one of"):
+        PrivacyLedger(None, delta=1e-5, accountant=name)
 
 
 def test_opacus_accountants_name_the_extra_to_install_when_opacus_is_missing(monkeypatch):

@@ -190,7 +190,7 @@ def test_ledger_composes_persists_and_resumes(tmp_path):
     again = PrivacyLedger(path, delta=1e-5, max_epsilon=3.0)
     assert again.rounds == 3 and again.epsilon() == pytest.approx(led.epsilon())
     data = json.loads(path.read_text())
-    assert data["format"] == "inca-ledger/1" and [r["round"] for r in data["rounds"]] == [1, 2, 3]
+    assert data["format"] == "inca-ledger/2" and [r["round"] for r in data["rounds"]] == [1, 2, 3]
 
 
 def test_ledger_refuses_a_round_over_budget_and_records_nothing(tmp_path):
@@ -232,7 +232,7 @@ def test_ledger_rejects_mismatched_or_broken_files(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         PrivacyLedger(path, delta=1e-5)
-    path.write_text(json.dumps({"format": "inca-ledger/1", "delta": 1e-5, "accountant": "gdp",
+    path.write_text(json.dumps({"format": "inca-ledger/2", "delta": 1e-5, "accountant": "exact",
                                 "rounds": [{"round": 2, "mu": 0.1}]}))
     with pytest.raises(ValueError, match="out of order"):
         PrivacyLedger(path, delta=1e-5)

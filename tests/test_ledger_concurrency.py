@@ -154,13 +154,12 @@ def test_claiming_after_opening_and_a_file_claimed_by_another_meanwhile(tmp_path
     assert PrivacyLedger(path, delta=1e-5).rounds == 1
 
 
-def test_a_ledger_file_without_owner_still_loads_and_is_claimed(tmp_path):
+def test_a_ledger_file_without_owner_is_claimed_and_keeps_its_entries(tmp_path):
     path = tmp_path / "ledger.json"
-    path.write_text(json.dumps({"format": "inca-ledger/1", "delta": 1e-5, "max_epsilon": None,
-                                "accountant": "gdp", "rounds": [
-                                    {"round": 1, "mu": 0.3, "sample_rate": 1.0, "epsilon": 1.2, "note": "old"}]}))
+    PrivacyLedger(path, delta=1e-5).spend(0.3, note="earlier")
+    assert json.loads(path.read_text())["owner"] is None
     ledger = PrivacyLedger(path, delta=1e-5, owner="me")
-    assert ledger.rounds == 1 and ledger.entries[0].note == "old"
+    assert ledger.rounds == 1 and ledger.entries[0].note == "earlier"
     assert json.loads(path.read_text())["owner"] == "me"
 
 
@@ -184,12 +183,12 @@ def test_spend_rejects_what_is_not_a_number(call, tmp_path):
 
 @pytest.mark.parametrize("text, match", [
     ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
-    ('{"format": "inca-ledger/1", "delta": 1e-5, "accountant": "exact", "rounds": ' + "[" * 50_000
+    ('{"format": "inca-ledger/2", "delta": 1e-5, "accountant": "exact", "rounds": ' + "[" * 50_000
      + "]" * 50_000 + "}", "nested too deeply"),
-    ('{"format": "inca-ledger/1", "delta": 1e-5, "accountant": "exact", "owner": 3, "rounds": []}', "owner"),
-    ('{"format": "inca-ledger/1", "delta": 1e-5, "accountant": "exact", "rounds": [{"round": 1, "mu": "x"}]}',
+    ('{"format": "inca-ledger/2", "delta": 1e-5, "accountant": "exact", "owner": 3, "rounds": []}', "owner"),
+    ('{"format": "inca-ledger/2", "delta": 1e-5, "accountant": "exact", "rounds": [{"round": 1, "mu": "x"}]}',
      "mu"),
-    ('{"format": "inca-ledger/1", "delta": "1e-5", "accountant": "exact", "rounds": []}', "delta"),
+    ('{"format": "inca-ledger/2", "delta": "1e-5", "accountant": "exact", "rounds": []}', "delta"),
 ])
 def test_broken_ledger_files_give_one_line_errors(tmp_path, text, match):
     path = tmp_path / "ledger.json"
