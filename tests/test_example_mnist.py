@@ -279,10 +279,11 @@ def test_budget_message_counts_the_rounds_the_budget_skipped(tmp_path):
     from flwr.app import ArrayRecord
 
     from flwr_inca.flower import IncaBudgetExhausted
+    from flwr_inca.privacy.session import BudgetExhausted
     from mnist_logreg import server_app
 
-    stop = IncaBudgetExhausted("spent", server_round=9, arrays=ArrayRecord(), epsilon=1.9, predicted_epsilon=2.3,
-                               max_epsilon=2.0, delta=1e-5)
+    stop = IncaBudgetExhausted(BudgetExhausted("spent", round=9, epsilon=1.9, predicted_epsilon=2.3, max_epsilon=2.0,
+                                               delta=1e-5), ArrayRecord())
     message = server_app._budget_message(stop, tmp_path / "ledger.json", 8, 2, 10, tmp_path / "run")
     assert "8 of 10 rounds ran, 2 of them skipped: refused by the budget" in message
     assert "skipped" not in server_app._budget_message(stop, tmp_path / "l.json", 8, 0, 10, tmp_path / "run")

@@ -78,22 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.simulation import run_simulation
 
     from .client_app import app as client_app
-    from .server_app import BudgetSpent
+    from .server_app import BUDGET_STOPS
     from .server_app import app as server_app
 
     flwr_logger = logging.getLogger("flwr")
     quiet = _HideRunSimulationDeprecation()
     flwr_logger.addFilter(quiet)
+    BUDGET_STOPS.clear()
     try:
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
                        backend_config={"client_resources": {"num_cpus": 1},
                                        "init_args": {"num_cpus": os.cpu_count() or 2}})
-    except BudgetSpent as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     finally:
         flwr_logger.removeFilter(quiet)
-    return 0
+    for message in BUDGET_STOPS:  # the budget stopped training early: a script can tell by the exit status
+        print(f"error: {message}", file=sys.stderr)
+    return 1 if BUDGET_STOPS else 0
 
 
 if __name__ == "__main__":
