@@ -189,7 +189,8 @@ def _budget_between_fresh_and_resumed(ledger_path: Path, n: int) -> dict:
     from flwr_inca.flower import IncaStrategy
     from flwr_inca.privacy import PrivacyLedger
 
-    predicted = IncaStrategy(**_settings()).predicted_mu(n)  # deploy_app's budget check for n nodes (same seed)
+    strategy = IncaStrategy(**_settings())
+    predicted = strategy.session.charged(strategy.inca.predicted_mu(n))  # deploy_app's admission for n nodes
     spent = PrivacyLedger(ledger_path, delta=1e-5)
     fresh = PrivacyLedger(None, delta=1e-5).epsilon_after(predicted)
     resumed = spent.epsilon_after(predicted)

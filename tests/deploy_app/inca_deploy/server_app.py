@@ -40,7 +40,7 @@ def main(grid: Grid, context: Context) -> None:
                                 timeout=float(cfg["join-timeout"])).arrays
     except IncaBudgetExhausted as stop:
         arrays = stop.arrays
-        stopped = {"round": stop.server_round, "epsilon": stop.epsilon, "predicted": stop.predicted_epsilon}
+        stopped = {"round": stop.round, "epsilon": stop.epsilon, "predicted": stop.predicted_epsilon}
     rounds = {}
     for rnd, record in strategy.rounds.items():
         partition = {node: int(m["partition-id"]) for node, m in record.client_metrics.items()}
