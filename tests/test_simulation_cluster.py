@@ -24,7 +24,7 @@ import test_simulation as sim  # noqa: E402  (its synthetic data and model)
 
 from flwr_inca.simulation import SimulationConfig, simulate  # noqa: E402
 
-CONFIG = dict(rounds=2, epsilon=2.0, calibration_runs=2, iterations=5, lr=2.0, fraction=0.75)
+CONFIG = dict(rounds=2, max_epsilon=2.0, calibration_runs=2, iterations=5, lr=2.0, fraction=0.75)
 
 
 def _free_port_block(size: int) -> int:
