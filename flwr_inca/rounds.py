@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from .protocol.schedules import InjectionSchedule
 from .protocol.trace import ExecutionTrace
 from .settings import MixingConfig, PrivacyTarget
 
-__all__ = ["IncaRound", "IncaRounds", "round_target"]
+__all__ = ["IncaRound", "IncaRounds", "ReproducedCharge", "reproduce_charge", "round_target", "trace_privacy"]
 
 
 def round_target(privacy: PrivacyTarget, rounds: int, sample_rate: float | None = None,
@@ -50,6 +51,21 @@ def round_target(privacy: PrivacyTarget, rounds: int, sample_rate: float | None 
     q = privacy.sample_rate if sample_rate is None else sample_rate
     return round_mu(privacy.max_epsilon, privacy.delta, privacy.budget_rounds or rounds, q,
                     accountant or privacy.accountant_name)
+
+
+def trace_privacy(privacy: PrivacyTarget, round: int, *, certification_seed: int | None, value_sensitivity: float,
+                  sample_rate: float, accountant: str, charge: RoundCharge | None) -> dict:
+    """What a saved trace carries so that ``flwr-inca audit TRACE`` (and ``attack``) reproduce its round's
+    certificate and charge without flags (``trace.meta["privacy"]``): the sensitivity, the sampling rate, the
+    delta, the accountant, the threat and the seed of its adversaries, and what the round was charged."""
+    return {"round": int(round), "value_sensitivity": float(value_sensitivity), "sample_rate": float(sample_rate),
+            "delta": privacy.delta, "accountant": accountant, "collusion": privacy.collusion,
+            "observed_fraction": privacy.observed_fraction, "threat_draws": privacy.threat_draws,
+            "certification_seed": certification_seed, "mu_resolution": privacy.mu_resolution,
+            "charged_mu": None if charge is None else charge.mu,
+            "certified_mu": None if charge is None else charge.certified_mu,
+            "charge_method": None if charge is None else charge.method,
+            "ledger_epsilon": None if charge is None else charge.epsilon}
 
 
 class IncaRounds:
@@ -232,3 +248,66 @@ class IncaRound:
         """Charge a round that ended in an error its reservation (a bound on what it revealed)."""
         self.charge = self.open.fail(why)
         return self.charge
+
+
+@dataclass(frozen=True)
+class ReproducedCharge:
+    """A round's charge recomputed from its saved trace alone (:func:`reproduce_charge`).
+
+    Attributes:
+        round: the round.
+        certified_mu: the round's certificate as training computed it (the worst of its adversaries, the
+            finals that arrived, or what was delivered when it was refused).
+        charged_mu: that, rounded up as training charged it; ``method``: the certificate's method.
+        epsilon_round: the round alone at ``delta`` under the accountant (with its sampling rate).
+        recorded_mu: what the trace says training charged (None: it does not say).
+        refused: the round was stopped before its finals (``delivered`` iterations delivered).
+    """
+
+    round: int
+    certified_mu: float
+    charged_mu: float
+    method: str
+    epsilon_round: float
+    delta: float
+    accountant: str
+    recorded_mu: float | None
+    refused: bool
+    delivered: int
+
+    @property
+    def agrees(self) -> bool:
+        """Whether the recomputed charge is the one training recorded (None recorded: nothing to compare)."""
+        return self.recorded_mu is None or self.charged_mu == self.recorded_mu
+
+
+def reproduce_charge(trace: ExecutionTrace) -> ReproducedCharge:
+    """Recompute a saved round's charge from its trace (``trace.meta["privacy"]``, written by ``IncaStrategy``
+    and the simulator): the same adversaries (same seed and draws), the same finals, the same rounding.
+    ``ValueError`` when the trace does not carry what is needed (a trace saved without a training)."""
+    from .privacy.accountants import RoundCost, create_accountant
+    from .privacy.session import charge_resolution
+    from .privacy.views import recorded_finals
+
+    meta = trace.meta.get("privacy")
+    if not isinstance(meta, dict) or meta.get("certification_seed") is None:
+        raise ValueError("the trace carries no training's privacy settings (meta 'privacy'): give the threat "
+                         "and the sensitivity as options")
+    rnd = int(meta["round"])
+    prefix = RoundPrefix(trace, certification_seeds(int(meta["certification_seed"]), rnd), int(meta["threat_draws"]),
+                         collusion=float(meta["collusion"]), observed_fraction=meta.get("observed_fraction"),
+                         value_sensitivity=float(meta["value_sensitivity"]))
+    refused = trace.meta.get("finals-collected") is False
+    delivered = int(trace.meta.get("delivered-iterations", trace.iterations))
+    if refused:
+        cert = prefix.through(delivered) if delivered else RoundCertificate(0.0, ())
+    else:
+        full, arrived = prefix.with_finals(), prefix.with_finals(recorded_finals(trace))
+        cert = arrived if arrived.mu <= full.mu else full
+    charged = charge_resolution(cert.mu, float(meta.get("mu_resolution", 0.0)))
+    accountant = str(meta["accountant"])
+    epsilon = create_accountant(accountant).epsilon([RoundCost(charged, float(meta["sample_rate"]))],
+                                                    float(meta["delta"])) if charged > 0 else 0.0
+    recorded = meta.get("charged_mu")
+    return ReproducedCharge(rnd, cert.mu, charged, cert.method, epsilon, float(meta["delta"]), accountant,
+                            None if recorded is None else float(recorded), refused, delivered)

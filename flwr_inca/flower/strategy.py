@@ -48,7 +48,7 @@ from ..privacy.prefix import padded_trace
 from ..privacy.session import BudgetExhausted, RoundCharge, RoundSession
 from ..protocol.trace import ExecutionTrace
 from ..protocol.utility import noise_std
-from ..rounds import IncaRound, IncaRounds, round_target
+from ..rounds import IncaRound, IncaRounds, round_target, trace_privacy
 from ..settings import build_groups
 from .config import CONFIG_GROUPS, MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig
 from .offenders import Offenders
@@ -529,14 +529,10 @@ class IncaStrategy(FedAvg):
     def _save_trace(self, record: RoundRecord) -> None:
         if self.persistence.trace_path is None or record.trace is None:
             return
-        charge, priv = record.charge, self.privacy
-        record.trace.meta["privacy"] = {
-            "value_sensitivity": priv.sensitivity, "sample_rate": priv.sample_rate, "delta": priv.delta,
-            "accountant": self.ledger.accountant.name, "collusion": priv.collusion,
-            "observed_fraction": priv.observed_fraction, "threat_draws": priv.threat_draws,
-            "certification_seed": self.seed, "round": record.round,
-            "charged_mu": charge.mu if charge else None, "certified_mu": charge.certified_mu if charge else None,
-            "ledger_epsilon": charge.epsilon if charge else None}
+        priv = self.privacy
+        record.trace.meta["privacy"] = trace_privacy(
+            priv, record.round, certification_seed=self.seed, value_sensitivity=priv.sensitivity,
+            sample_rate=priv.sample_rate, accountant=self.ledger.accountant.name, charge=record.charge)
         record.trace.save(self.persistence.trace_path / f"round-{record.round:04d}.json")
 
     def _round_metrics(self, record: RoundRecord, mixed: _Mixed | None) -> MetricRecord:

@@ -45,7 +45,7 @@ from threadpoolctl import threadpool_limits
 from .._checks import check_real
 from ..protocol.trace import ExecutionTrace
 from .local_bound import LocalTier
-from .message_space import MessageSpace, _pair_weights
+from .message_space import MessageSpace, pair_weights
 from .views import AdversaryView
 
 __all__ = ["BoundSettings", "SensitivityBound", "bound_profile"]
@@ -176,7 +176,7 @@ class _Operator:
         f = self.dtype
         self.w = np.where(ms.row_t == 0, 1.0 / s_star, 1.0 / s_delta)[:, None].astype(f)
         Gh = [g.P[1:].T @ g.P[1:] / s_delta**2 for g in ms.groups]
-        Dh = _pair_weights(ms, Gh)
+        Dh = pair_weights(ms, Gh)
         Dh = np.maximum(Dh, 1e-12 * max(float(Dh.max(initial=0.0)), 1e-300))
         coo = ms.Dz.tocoo()
         party = ms.row_q[coo.row]

@@ -277,7 +277,7 @@ class MessageSpace:
         return out
 
 
-def _pair_weights(ms: MessageSpace, weights_of_group: list[np.ndarray]) -> np.ndarray:
+def pair_weights(ms: MessageSpace, weights_of_group: list[np.ndarray]) -> np.ndarray:
     """``sum_j || M_j Dz_j[:, u] ||^2`` for every variable u, where ``M_j^T M_j = weights_of_group[g(j)]``.
 
     A variable reaches at most two rows of one party (its own step t and t+1, or one row of a

@@ -212,6 +212,11 @@ class RoundSession:
                                max_epsilon=ledger.max_epsilon, delta=ledger.delta, started=started,
                                delivered=delivered)
 
+    def retry_later(self, entry: int, mu: float, certified: float, method: str, note: str) -> None:
+        """Settle ledger entry ``entry`` at ``mu`` when the ledger can next be written (its reservation, at
+        least ``mu``, counts meanwhile)."""
+        self._unsettled.append((entry, mu, certified, method, note))
+
     def _retry_unsettled(self) -> None:
         """Settle the charges an earlier write failure left as reservations (they count all the same)."""
         still = []
@@ -364,7 +369,7 @@ class OpenRound:
             except OSError as exc:  # the reservation stays, counted at least at the cost
                 unsettled = _why(exc)
                 if mu <= self.reserved:
-                    session._unsettled.append((self.entry, mu, certified, method, note))
+                    session.retry_later(self.entry, mu, certified, method, note)
                 epsilon = ledger.epsilon()
         self.charge = RoundCharge(self.round, outcome, mu, certified, method, epsilon, self.steps, self.delivered,
                                   self.released, self.entry, note, unsettled=unsettled)

@@ -19,9 +19,9 @@ from .config import IncaConfig
 from .dissemination import Dissemination, resolve_dissemination
 from .dropout import resolve_dropout
 from .noise import (
-    _TAG_DISSEMINATION,
-    _TAG_DROPOUT,
-    _TAG_TOPOLOGY,
+    TAG_DISSEMINATION,
+    TAG_DROPOUT,
+    TAG_TOPOLOGY,
     ExplicitNoise,
     NoiseSource,
     SeededNoise,
@@ -108,7 +108,7 @@ def run_inca(
     """
     if not isinstance(config, IncaConfig):
         raise ValueError(f"config must be an IncaConfig, got {type(config).__name__}")
-    values, scalar = _as_values(x)
+    values, scalar = as_values(x)
     seed = resolve_seed(seed)
     trace = sample_trace(values.shape[0], config, seed)
     return _execute(values, scalar, trace, noise or SeededNoise(seed), seed,
@@ -124,9 +124,9 @@ def sample_trace(n: int, config: IncaConfig, seed: int | None = None) -> Executi
     config.check(n)
     seed = resolve_seed(seed)
     T = config.iterations
-    topo_rng = stream(seed, _TAG_TOPOLOGY)
+    topo_rng = stream(seed, TAG_TOPOLOGY)
     topology = config.resolved_topology(n, seed=int(topo_rng.integers(2**63)))
-    online = resolve_dropout(config.dropout).sample(n, T, stream(seed, _TAG_DROPOUT))
+    online = resolve_dropout(config.dropout).sample(n, T, stream(seed, TAG_DROPOUT))
     if online.shape != (T + 1, n) or online.dtype != bool or not online[0].all():
         raise ValueError("dropout model returned an invalid online mask")
     steps = []
@@ -163,7 +163,7 @@ def replay(
     auditing adversary the messages it observes (:mod:`flwr_inca.privacy.attack`).
     """
     trace.validate()
-    values, scalar = _as_values(x)
+    values, scalar = as_values(x)
     if values.shape[0] != trace.parties:
         raise ValueError(f"x has {values.shape[0]} rows but the trace has {trace.parties} parties")
     seed = resolve_seed(seed)
@@ -329,7 +329,7 @@ def _disseminate(mixing: _Mixing, finalists: np.ndarray, dissemination: Dissemin
         warnings.warn("every party dropped out: IncA produced no output (estimate is NaN)", stacklevel=4)
         return np.full(mixing.d, np.nan, dtype=mixing.dtype), None
     estimate, party_estimates = dissemination.disseminate(
-        mixing.y[finalists], mixing.omega[finalists], stream(seed, _TAG_DISSEMINATION))
+        mixing.y[finalists], mixing.omega[finalists], stream(seed, TAG_DISSEMINATION))
     if party_estimates is not None:
         party_estimates = np.asarray(party_estimates, dtype=mixing.dtype)
     return np.asarray(estimate, dtype=mixing.dtype), party_estimates
@@ -345,7 +345,7 @@ def _add_matvec(W, y: np.ndarray, out: np.ndarray) -> None:
         out += W @ y
 
 
-def _as_values(x: Any) -> tuple[np.ndarray, bool]:
+def as_values(x: Any) -> tuple[np.ndarray, bool]:
     """(n, d) float array from the input, and whether the input was (n,) scalars."""
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch tensor
         x = x.detach().cpu()

@@ -21,7 +21,8 @@ from .._checks import check_int
 
 __all__ = ["NoiseSource", "SeededNoise", "ExplicitNoise", "resolve_seed"]
 
-_TAG_STAR, _TAG_FRESH, _TAG_TERM, _TAG_TOPOLOGY, _TAG_DROPOUT, _TAG_DISSEMINATION = range(6)
+# the streams of one seed, by purpose (never reorder: they key recorded runs)
+_TAG_STAR, _TAG_FRESH, _TAG_TERM, TAG_TOPOLOGY, TAG_DROPOUT, TAG_DISSEMINATION = range(6)
 
 
 def resolve_seed(seed: int | None) -> int:

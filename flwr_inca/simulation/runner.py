@@ -37,6 +37,7 @@ from .._progress import ProgressBar
 from ..privacy.ledger import PrivacyLedger
 from ..privacy.plan import PrivacyPlan, privacy_plan
 from ..privacy.session import BudgetExhausted, RoundCharge, RoundSession
+from ..rounds import trace_privacy
 from . import seeding
 from .availability import AlwaysAvailable, AvailabilityTable, MarkovAvailability
 from .backend import TrainingFailure, WorkPlanner, create_backend
@@ -157,6 +158,7 @@ class _Run:
                                       f"spent, epsilon = {self.ledger.epsilon():.4g}")
         self.report = _StderrProgress() if progress is True else (progress or None)
         self.first_round = 1
+        self.charges: dict[int, RoundCharge] = {}  # what the session charged, by round
         if previous is not None:
             self._resume_from(previous)
         return self
@@ -358,6 +360,7 @@ class _Run:
             self.history.stopped = stop
             return "stopped"
         record.charged_mu, record.epsilon = result.mu, result.epsilon
+        self.charges[record.round] = result
         if result.unsettled:
             self.history.notes.append(f"round {record.round}: {result.unsettled}; its reservation stays charged")
         if result.outcome == "released":
@@ -380,15 +383,15 @@ class _Run:
         trace_dir = self.config.persistence.trace_dir
         if trace_dir is None or round_plan.trace is None or (self.out_dir is None and not Path(trace_dir).is_absolute()):
             return
-        plan, priv = self.plan, self.config.privacy
-        trace = round_plan.trace
+        plan, trace = self.plan, round_plan.trace
+        charge = self.charges.get(record.round)
         trace.meta["round"] = record.round
-        trace.meta["privacy"] = {
-            "value_sensitivity": plan.value_sensitivity, "sample_rate": plan.sample_rate, "delta": plan.delta,
-            "accountant": plan.accountant, "collusion": priv.collusion, "observed_fraction": priv.observed_fraction,
-            "threat_draws": priv.threat_draws, "certification_seed": _threat_seed(self.mixer, self.config.seed),
-            "round": record.round, "charged_mu": record.charged_mu, "certified_mu": record.mu,
-            "ledger_epsilon": record.epsilon}
+        if charge is not None and not charge.released:  # refused: what was delivered, no final asked for
+            trace.meta.update({"finalists": [], "finals-collected": False, "delivered-iterations": charge.delivered})
+        trace.meta["privacy"] = trace_privacy(
+            self.config.privacy, record.round, certification_seed=_threat_seed(self.mixer, self.config.seed),
+            value_sensitivity=plan.value_sensitivity, sample_rate=plan.sample_rate, accountant=plan.accountant,
+            charge=charge)
         base = Path(trace_dir) if Path(trace_dir).is_absolute() else self.out_dir / trace_dir
         trace.save(base / f"round-{record.round:04d}.json")
 

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)  # their running statistics
+
 __all__ = ["ParamSpec", "LocalWork", "CohortTrainer", "clip_rows", "cross_entropy", "evaluate"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,7 +60,7 @@ class ParamSpec:
         if not names:
             raise ValueError("model_fn: the model has no trainable parameter")
         for name, b in model.named_buffers():
-            if b.is_floating_point() or isinstance(_owner(model, name), nn.modules.batchnorm._BatchNorm):
+            if b.is_floating_point() or isinstance(_owner(model, name), _BATCH_NORMS):
                 raise ValueError(
                     f"model_fn: buffer {name!r} changes in training (e.g. BatchNorm statistics); "
                     "use GroupNorm or LayerNorm (as DP-SGD requires anyway)"
