@@ -170,9 +170,9 @@ D = FEATURES * CLASSES + CLASSES
 
 
 def _config(out, **kw):
-    return SimulationConfig(**{"rounds": 40, "mode": "gopa", "max_epsilon": 2.0, "sigma_star": 3.0, "sigma_delta": 8.0,
-                               "backend": "inline", "privacy_unit": "party", "output_dir": str(out),
-                               "mixer_options": OPTIONS, **kw})
+    return SimulationConfig(**{"rounds": 40, "mode": "gopa", "max_epsilon": 2.0, "sigma_star": 3.0,
+                               "sigma_delta": 8.0, "backend": "inline", "privacy_unit": "party",
+                               "output_dir": str(out), "mixer_options": OPTIONS, **kw})
 
 
 def _execution(config, rnd, n=24):
@@ -201,7 +201,8 @@ def test_the_ledger_charges_each_round_its_certificate_and_a_refused_round_what_
     monkeypatch.setattr(GOPAMixer, "predicted_cost", lambda self, participants, runs: 0.0)
     config = _config(tmp_path)
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
-    S, resolution, collusion = hist.plan["value_sensitivity"], config.privacy.mu_resolution, config.privacy.collusion
+    S, resolution = hist.plan["value_sensitivity"], config.privacy.mu_resolution
+    collusion = config.privacy.collusion
     assert S == 2.0 and hist.stopped
     ledger = PrivacyLedger(tmp_path / "inca_ledger.json", delta=1e-5, accountant="exact")
     trained = [r for r in hist.rounds if not r.failed]
@@ -223,8 +224,8 @@ def test_the_ledger_charges_each_round_its_certificate_and_a_refused_round_what_
         assert 0 < published <= record.mu
         assert entry.mu == pytest.approx(charge_resolution(published, resolution), rel=1e-7)
     assert ("Training stops: 3 round(s) in a row were refused by the budget" in hist.stopped
-            or hist.stopped.endswith("Training stops: nothing of it could be delivered: the budget left does not "
-                                     "afford the first step of a round"))
+            or hist.stopped.endswith("Training stops: nothing of it could be delivered: the budget left does "
+                                     "not afford the first step of a round"))
     assert hist.epsilon == pytest.approx(ledger.epsilon()) and ledger.epsilon() <= 2.0
 
 
@@ -236,7 +237,8 @@ def test_gopa_stops_before_a_round_it_cannot_afford_with_nothing_spent(tmp_path)
     assert predicted == mixer.predicted_cost(24, 10) > 0
     hist = simulate(MODEL, PARTS, (XT, YT), _config(tmp_path, rounds=5, max_epsilon=_epsilon(predicted / 3)),
                     progress=False)
-    assert hist.rounds == [] and hist.stopped.startswith("stopping before round 1: it would bring epsilon from 0")
+    assert hist.rounds == []
+    assert hist.stopped.startswith("stopping before round 1: it would bring epsilon from 0")
     assert not (tmp_path / "inca_ledger.json").exists()
 
 
@@ -244,7 +246,8 @@ def _gopa_round(budget):
     """Round 2 of a GOPA mixer (40 parties, a 30% first-phase dropout) charged through a session whose budget
     is ``budget``: (the charge, the plan, the ledger, the published view's certificate by brute force)."""
     n, S = 40, 0.5
-    mixer = _mixer(n, 10, sensitivity=S, sigma_star=0.8, sigma_delta=2.0, neighbors=6, gamma=0.3, gamma_rollback=0.05)
+    mixer = _mixer(n, 10, sensitivity=S, sigma_star=0.8, sigma_delta=2.0, neighbors=6, gamma=0.3,
+                   gamma_rollback=0.05)
     plan = mixer.plan(2, n)
     ledger = PrivacyLedger(None, delta=1e-5, max_epsilon=budget, accountant="exact")
     charge = mixer.charge(RoundSession(ledger, resolution=0.0), plan)
@@ -259,7 +262,7 @@ CEILING = 0.5 / 0.8  # the publish ceiling S / sigma_star of _gopa_round
 @pytest.fixture(scope="module")
 def gopa_costs():
     """(published view's certificate, whole round's certificate) of _gopa_round's round."""
-    charge, plan, _, published = _gopa_round(None)
+    _, plan, _, published = _gopa_round(None)
     assert 0 < published < plan.mu <= CEILING  # the roll-back reveals terms; never above the local bound
     return published, plan.mu
 
@@ -268,11 +271,12 @@ def gopa_costs():
 def test_a_round_that_fits_is_released_and_charged_its_certificate(gopa_costs, room):
     """The round's certificate fits: it is released and charged exactly that, also when the publish ceiling
     does not fit (then the masked values are published after their exact certificate was reserved)."""
-    published, whole = gopa_costs
+    _, whole = gopa_costs
     budget = 50.0 if room == "all" else (_epsilon(whole) + _epsilon(CEILING)) / 2
     charge, plan, ledger, _ = _gopa_round(budget)
     assert charge.outcome == "released" and charge.released and charge.mu == plan.mu == whole
-    assert ledger.entries[0].mu == whole and ledger.entries[0].method == "exact" and "stopped" not in plan.info
+    assert ledger.entries[0].mu == whole and ledger.entries[0].method == "exact"
+    assert "stopped" not in plan.info
 
 
 def test_a_round_refused_before_its_roll_back_is_charged_the_published_view(gopa_costs):
@@ -322,7 +326,8 @@ def test_bad_configurations_and_inputs_are_refused_clearly():
     with pytest.raises(ValueError, match="disagree"):
         create_mixer(SimulationConfig(mode="gopa", max_epsilon=1.0, dropout=PermanentDropout(0.1),
                                       mixer_options={"gamma": 0.2}))
-    assert create_mixer(SimulationConfig(mode="gopa", max_epsilon=1.0, dropout=PermanentDropout(0.2))).gamma == 0.2
+    config = SimulationConfig(mode="gopa", max_epsilon=1.0, dropout=PermanentDropout(0.2))
+    assert create_mixer(config).gamma == 0.2
     with pytest.raises(ValueError, match="or a budget"):
         _mixer(10, 5)
     mixer = _mixer(10, 5, sigma_star=1.0, sigma_delta=1.0)

@@ -35,7 +35,15 @@ from flwr_inca.protocol import PermanentDropout  # noqa: E402
 from flwr_inca.protocol.trace import ExecutionTrace  # noqa: E402
 from flwr_inca.rounds import IncaRounds  # noqa: E402
 from flwr_inca.settings import MixingConfig, PrivacyTarget  # noqa: E402
-from flwr_inca.simulation import History, IncaMixer, MixContext, SimulationConfig, create_mixer, iid, simulate  # noqa: E402
+from flwr_inca.simulation import (  # noqa: E402
+    History,
+    IncaMixer,
+    MixContext,
+    SimulationConfig,
+    create_mixer,
+    iid,
+    simulate,
+)
 
 X, Y = linear_task(960)
 XT, YT = linear_task(300, seed=1)
@@ -48,12 +56,14 @@ RESOLUTION = PrivacyTarget().mu_resolution
 
 
 def _config(out, **kw) -> SimulationConfig:
-    return SimulationConfig(**{"rounds": 8, "max_epsilon": 3.0, **NOISE, "backend": "inline", "privacy_unit": "party",
-                               "output_dir": None if out is None else str(out), "trace_dir": "traces", **kw})
+    return SimulationConfig(**{"rounds": 8, "max_epsilon": 3.0, **NOISE, "backend": "inline",
+                               "privacy_unit": "party", "output_dir": None if out is None else str(out),
+                               "trace_dir": "traces", **kw})
 
 
 def _run(out, *, progress=False, **kw):
-    """``simulate`` on the synthetic task: (history, {round: RoundContext of the rounds applied}, ledger file)."""
+    """``simulate`` on the synthetic task: (history, {round: RoundContext of the rounds applied}, ledger
+    file)."""
     trained = {}
     hist = simulate(MODEL, PARTS, (XT, YT), _config(out, **kw), progress=progress,
                     on_round=lambda c: trained.__setitem__(c.round, c))
@@ -151,14 +161,15 @@ def test_within_the_budget_every_round_collects_its_finals_and_is_charged_its_ce
 def test_a_round_whose_prefinal_certificate_does_not_fit_is_stopped_before_its_finals(tmp_path, monkeypatch):
     """The budget runs out (predictions made free, so every round is admitted): each round that no longer fits
     with its finals is stopped before them, charged exactly its no-finals certificate (independently
-    recomputed on its saved trace), skipped with the model unchanged; training goes on until three refusals
-    in a row (max_consecutive_refusals) stop it, said in ``History.stopped``."""
+    recomputed on its saved trace), skipped with the model unchanged; training goes on until three refusals in
+    a row (max_consecutive_refusals) stop it, said in ``History.stopped``."""
     _predict(monkeypatch, 0.0)
     hist, trained, ledger = _run(tmp_path, rounds=12, max_epsilon=1.5)
     refused = [r for r in hist.rounds if r.refused]
     done = [r for r in hist.rounds if not r.refused]
     assert [r.round for r in refused] == [len(done) + 1, len(done) + 2, len(done) + 3] and len(done) >= 1
-    assert hist.stopped.startswith(f"round {refused[-1].round} skipped, refused by the budget: stopped before its "
+    last_refused = refused[-1].round
+    assert hist.stopped.startswith(f"round {last_refused} skipped, refused by the budget: stopped before its "
                                    "final messages")
     assert hist.stopped.endswith("Training stops: 3 round(s) in a row were refused by the budget "
                                  "(max_consecutive_refusals = 3)")
@@ -171,8 +182,10 @@ def test_a_round_whose_prefinal_certificate_does_not_fit_is_stopped_before_its_f
         if record.refused:
             without = _exact(_trace(tmp_path, record.round), record.round, finals=())
             assert entry.mu == record.charged_mu == charge_resolution(without, RESOLUTION) > 0
-            assert entry.note == f"round {record.round}: stopped before its final release" and entry.method == "exact"
-            assert record.failed.startswith("skipped, refused by the budget: stopped before its final messages")
+            assert entry.note == f"round {record.round}: stopped before its final release"
+            assert entry.method == "exact"
+            assert record.failed.startswith("skipped, refused by the budget: stopped before its final "
+                                            "messages")
             assert _epsilon(*spent, record.mu) > 1.5 and entry.mu < record.mu / 3  # with its finals: no fit
         spent.append(entry.certified_mu or entry.mu)
     assert all(e.epsilon <= 1.5 for e in ledger.entries) and hist.epsilon == pytest.approx(ledger.epsilon())
@@ -192,14 +205,17 @@ def test_an_outlier_round_is_skipped_and_the_rounds_after_it_train(tmp_path, mon
     for rnd in (2, 4):
         record, entry = hist.rounds[rnd - 1], ledger.entries[rnd - 1]
         without = _exact(_trace(tmp_path, rnd), rnd, finals=())
-        assert entry.mu == record.charged_mu == charge_resolution(without, RESOLUTION) and 0 < entry.mu < record.mu / 3
+        assert entry.mu == record.charged_mu == charge_resolution(without, RESOLUTION)
+        assert 0 < entry.mu < record.mu / 3
         assert entry.note == f"round {rnd}: stopped before its final release"
     assert ledger.rounds == 5 and all(e.epsilon <= 3.0 for e in ledger.entries)
     with (tmp_path / "history.csv").open() as f:
-        assert [row["refused"] for row in csv.DictReader(f)] == ["False", "False", "True", "False", "True", "False"]
+        refused = [row["refused"] for row in csv.DictReader(f)]  # round 0 first
+    assert refused == ["False", "False", "True", "False", "True", "False"]
     assert History.load(tmp_path / "history.json").rounds_refused == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "round    2/5" in line]
-    assert lines and "SKIPPED (refused by the budget" in lines[-1] and "stopped before its final messages" in lines[-1]
+    assert lines and "SKIPPED (refused by the budget" in lines[-1]
+    assert "stopped before its final messages" in lines[-1]
 
 
 def test_the_consecutive_cap_stops_training_with_a_clear_message(tmp_path, monkeypatch):
@@ -208,9 +224,11 @@ def test_the_consecutive_cap_stops_training_with_a_clear_message(tmp_path, monke
     _script_outliers(monkeypatch, {2, 3, 4})
     hist, trained, ledger = _run(tmp_path, rounds=6)
     assert [r.round for r in hist.rounds] == [1, 2, 3, 4] and sorted(trained) == [1]
-    assert hist.stopped == ("round 4 skipped, refused by the budget: stopped before its final messages, charged what "
-                            f"it revealed (mu = {hist.rounds[3].charged_mu:.4g}); the model is unchanged. Training "
-                            "stops: 3 round(s) in a row were refused by the budget (max_consecutive_refusals = 3)")
+    charged = hist.rounds[3].charged_mu
+    assert hist.stopped == (
+        "round 4 skipped, refused by the budget: stopped before its final messages, charged what it revealed "
+        f"(mu = {charged:.4g}); the model is unchanged. Training stops: 3 round(s) in a row were refused by "
+        "the budget (max_consecutive_refusals = 3)")
     assert ledger.rounds == 4 and [e.note for e in ledger.entries[1:]] == [
         f"round {r}: stopped before its final release" for r in (2, 3, 4)]
     assert np.array_equal(hist.parameters, (trained[1].params_before + trained[1].update).astype(np.float32))
@@ -222,8 +240,8 @@ def test_the_budget_guard_stops_a_round_before_the_first_iteration_that_would_no
                                                                                        delivered):
     """The budget fits the messages of round 1's iterations 1..``delivered`` and not the next one's (nor the
     no-finals ceiling: the round runs guarded; predictions made free). The round is charged exactly what
-    iterations 1..``delivered`` revealed and skipped; when nothing could be delivered, nothing is recorded
-    and training stops at once."""
+    iterations 1..``delivered`` revealed and skipped; when nothing could be delivered, nothing is recorded and
+    training stops at once."""
     config = _config(tmp_path)
     prefix = _mixer(config).plan(1, 24).info["prefix"]  # the simulation's round 1 (the same seeds)
     costs = [prefix.through(t).mu for t in range(NOISE["iterations"] + 1)]
@@ -234,29 +252,32 @@ def test_the_budget_guard_stops_a_round_before_the_first_iteration_that_would_no
     hist, trained, ledger = _run(tmp_path, rounds=3, max_epsilon=budget)
     record = hist.rounds[0]
     where = f"by the budget guard before delivering step {delivered + 1}"
-    assert record.refused and 1 not in trained and record.failed.startswith(f"skipped, refused by the budget: "
-                                                                            f"stopped {where}")
+    assert record.refused and 1 not in trained
+    assert record.failed.startswith(f"skipped, refused by the budget: stopped {where}")
     exact = _exact(_trace(tmp_path, 1), 1, through=delivered)
     assert exact <= record.charged_mu <= charge_resolution(exact * (1 + 2e-9), RESOLUTION)
     assert _epsilon(_exact(_trace(tmp_path, 1), 1, through=delivered + 1)) > budget  # the next would not fit
     assert ledger.epsilon() <= budget and all(e.epsilon <= budget for e in ledger.entries)
     if delivered == 0:
         assert [r.round for r in hist.rounds] == [1] and record.charged_mu == 0 and ledger.rounds == 0
-        assert hist.stopped.endswith("Training stops: nothing of it could be delivered: the budget left does not "
-                                     "afford the first step of a round")
+        assert hist.stopped.endswith("Training stops: nothing of it could be delivered: the budget left does "
+                                     "not afford the first step of a round")
     else:
         assert record.cost == f"stopped {where}: charged the certificate of iterations 1..{delivered}"
-        assert ledger.entries[0].note == f"round 1: stopped {where}" and ledger.entries[0].mu == record.charged_mu
+        assert ledger.entries[0].note == f"round 1: stopped {where}"
+        assert ledger.entries[0].mu == record.charged_mu
         assert len(hist.rounds) >= 2  # skipped: training went on
 
 
-def test_a_guarded_round_whose_iterations_all_fit_completes_as_without_the_guard(roomy, tmp_path, monkeypatch):
+def test_a_guarded_round_whose_iterations_all_fit_completes_as_without_the_guard(roomy, tmp_path,
+                                                                                 monkeypatch):
     """No ceiling fits (scripted: unbounded), so every iteration is certified exactly and reserved before it
-    is delivered; all fit, and so do the finals: the guarded rounds are released, charged and applied
-    exactly as the same rounds without the guard."""
-    monkeypatch.setattr(IncaRounds, "ceilings", lambda self, n: np.array([0.0] + [math.inf] * NOISE["iterations"]))
+    is delivered; all fit, and so do the finals: the guarded rounds are released, charged and applied exactly
+    as the same rounds without the guard."""
+    unbounded = np.array([0.0] + [math.inf] * NOISE["iterations"])
+    monkeypatch.setattr(IncaRounds, "ceilings", lambda self, n: unbounded)
     hist, trained, ledger = _run(tmp_path, rounds=3, max_epsilon=100.0)
-    unguarded, unguarded_trained, unguarded_ledger, _ = roomy
+    _, unguarded_trained, unguarded_ledger, _ = roomy
     assert sorted(trained) == [1, 2, 3] and hist.rounds_refused == 0
     assert [e.mu for e in ledger.entries] == [e.mu for e in unguarded_ledger.entries[:3]]
     assert all(np.array_equal(trained[r].update, unguarded_trained[r].update) for r in (1, 2, 3))
@@ -264,26 +285,28 @@ def test_a_guarded_round_whose_iterations_all_fit_completes_as_without_the_guard
 
 # ------------------------------------------------------------------------------ before a round
 def test_a_budget_no_round_can_fit_stops_before_round_1_with_nothing_spent(tmp_path):
-    """Every round costs mu >= 0.15; a budget for mu = 0.05: the run stops before round 1 (its own cost and its
-    prediction do not fit), nothing charged, no ledger written, the initial model evaluated, and the message
-    says what to change."""
+    """Every round costs mu >= 0.15; a budget for mu = 0.05: the run stops before round 1 (its own cost and
+    its prediction do not fit), nothing charged, no ledger written, the initial model evaluated, and the
+    message says what to change."""
     config = _config(tmp_path)
     predicted = _mixer(config).predicted_cost(24, config.privacy.budget_check_runs)
     budget = _epsilon(0.05)
     hist, trained, ledger = _run(tmp_path, max_epsilon=budget)
     assert hist.rounds == [] and trained == {} and hist.epsilon == 0 and ledger.rounds == 0
     assert not (tmp_path / "inca_ledger.json").exists()
-    assert hist.stopped.startswith(f"stopping before round 1: it would bring epsilon from 0 to about "
-                                   f"{_epsilon(predicted):.4g} > max_epsilon = {budget:.4g} (delta = 1.0e-05); its "
-                                   f"predicted cost is mu = {predicted:.4g}; nothing of it was released or charged. "
-                                   "Not even one round at this noise fits the budget: raise max_epsilon, or add noise")
+    assert hist.stopped.startswith(
+        f"stopping before round 1: it would bring epsilon from 0 to about {_epsilon(predicted):.4g} > "
+        f"max_epsilon = {budget:.4g} (delta = 1.0e-05); its predicted cost is mu = {predicted:.4g}; nothing "
+        "of it was released or charged. Not even one round at this noise fits the budget: raise max_epsilon, "
+        "or add noise")
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
         initial = np.concatenate([p.detach().numpy().ravel() for p in MODEL().parameters()])
     assert np.array_equal(hist.parameters, initial) and hist.records[0].accuracy is not None
 
 
-def test_a_budget_for_exactly_k_rounds_trains_k_rounds_then_stops_before_the_next(roomy, tmp_path, monkeypatch):
+def test_a_budget_for_exactly_k_rounds_trains_k_rounds_then_stops_before_the_next(roomy, tmp_path,
+                                                                                   monkeypatch):
     """A budget the first three rounds fit and the fourth does not (neither its own cost nor the
     prediction): three rounds train, the same as without a budget, and the run stops before round 4 with
     nothing of it charged, the final model evaluated. The prediction is asked for only where the round's
@@ -301,8 +324,8 @@ def test_a_budget_for_exactly_k_rounds_trains_k_rounds_then_stops_before_the_nex
     hist, trained, ledger = _run(tmp_path, max_epsilon=(spent + limit) / 2, eval_every=50)
     assert [r.round for r in hist.rounds] == [1, 2, 3] and sorted(trained) == [1, 2, 3]
     assert [r.accuracy is None for r in hist.rounds] == [True, True, False]  # the final model is evaluated
-    assert hist.stopped.startswith(f"stopping before round 4: it would bring epsilon from {spent:.4g} to about "
-                                   f"{_epsilon(*costs[:k], predicted):.4g}")
+    assert hist.stopped.startswith(f"stopping before round 4: it would bring epsilon from {spent:.4g} to "
+                                   f"about {_epsilon(*costs[:k], predicted):.4g}")
     assert "Not even one round" not in hist.stopped and hist.rounds_refused == 0
     assert [e.mu for e in ledger.entries] == [r.charged_mu for r in unlimited.rounds[:k]]
     assert calls == [24]  # predicted for round 4 only: the other rounds' own costs fit
@@ -332,7 +355,8 @@ def test_the_ledger_never_exceeds_max_epsilon_whatever_the_prediction(tmp_path, 
     _script_outliers(monkeypatch, set(rng.choice(np.arange(1, 9), size=3, replace=False).tolist()),
                      float(rng.choice([1.5, 4.0, 60.0])))
     _predict(monkeypatch, float(rng.choice([0.0, 0.5, 1.0])))
-    hist, trained, ledger = _run(tmp_path, max_epsilon=budget, max_consecutive_refusals=int(rng.integers(1, 4)))
+    cap = int(rng.integers(1, 4))
+    hist, trained, ledger = _run(tmp_path, max_epsilon=budget, max_consecutive_refusals=cap)
     assert all(e.epsilon <= budget and e.status == "charged" for e in ledger.entries)
     assert ledger.epsilon() <= budget and hist.epsilon == pytest.approx(ledger.epsilon())
     assert [e.mu for e in ledger.entries] == [r.charged_mu for r in hist.rounds if r.charged_mu > 0]
@@ -346,7 +370,8 @@ def test_the_ledger_never_exceeds_max_epsilon_whatever_the_prediction(tmp_path, 
 def test_the_strategy_and_the_simulator_certify_the_same_execution_the_same():
     """With the same settings, and the strategy seeded with ``IncaMixer.threat_seed(seed)``, IncaStrategy and
     the simulator draw the same adversaries: the same certificates of any execution (with every final, some,
-    or none; every prefix), the same ceilings and the same prediction, bit for bit. Another seed draws others."""
+    or none; every prefix), the same ceilings and the same prediction, bit for bit. Another seed draws others.
+    """
     pytest.importorskip("flwr")
     from flwr_inca.flower import IncaStrategy
 
@@ -389,6 +414,6 @@ def test_bad_policy_settings_are_refused_naming_the_parameter(bad):
 
 def test_a_tiny_budget_that_no_noise_can_reach_names_max_epsilon(tmp_path):
     config = SimulationConfig(rounds=5, max_epsilon=1e-4, backend="inline", output_dir=str(tmp_path), **NOISE)
-    with pytest.raises(ValueError, match=r"^max_epsilon = 0.0001 is too small for 5 round\(s\) at delta = 1e-05: .*"
-                                         r"raise max_epsilon, or plan fewer rounds"):
+    with pytest.raises(ValueError, match=r"^max_epsilon = 0.0001 is too small for 5 round\(s\) at delta = "
+                                         r"1e-05: .*raise max_epsilon, or plan fewer rounds"):
         simulate(MODEL, PARTS, (XT, YT), config, progress=False)
