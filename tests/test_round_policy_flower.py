@@ -91,12 +91,12 @@ class ScriptedStrategy(IncaStrategy):
 
 
 class CommitGrid(RecordingGrid):
-    """Also records the commit of every mixing request pushed (T + 1: a request for a final) and the type of
-    every message."""
+    """Also records the round and commit of every mixing request pushed (commit T + 1: a request for a final)
+    and the type of every message."""
 
     def __init__(self, grid):
         super().__init__(grid)
-        self.commits: list[int] = []
+        self.requests: list[tuple[int, int]] = []  # (round, commit)
         self.types: list[str] = []
 
     def push_messages(self, messages):
@@ -105,8 +105,12 @@ class CommitGrid(RecordingGrid):
             self.types.append(m.metadata.message_type)
             record = m.content.config_records.get(INCA_KEY) if m.has_content() else None
             if record is not None and FIELD in record:
-                self.commits.append(peek_request(record[FIELD])[1])
+                self.requests.append(peek_request(record[FIELD])[:2])
         return super().push_messages(messages)
+
+    def commits(self, rnd=None):
+        """The commit of every mixing request pushed (of round ``rnd`` only, if given)."""
+        return [c for r, c in self.requests if rnd is None or r == rnd]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +170,7 @@ def test_rounds_over_budget_are_stopped_before_their_finals_skipped_then_trainin
     assert str(stop).endswith("training stops: 3 round(s) in a row were refused by the budget "
                               "(max_consecutive_refusals = 3)")
     assert strategy.rounds_refused == 3 and strategy.rounds_trained == 0
-    assert set(grid.commits) == set(range(1, T + 1))  # no node was asked for its final message
+    assert set(grid.commits()) == set(range(1, T + 1))  # no node was asked for its final message
     for rnd, record in strategy.rounds.items():
         assert record.refused and record.finalists == [] and record.trace.meta["finals-collected"] is False
         assert record.trace.steps[-1].online.size == NODES  # everybody could have sent one
@@ -215,30 +219,33 @@ def test_one_outlier_round_is_skipped_and_training_goes_on(runs):
     assert all(e.epsilon <= ROOMY for e in entries)
     expected = flatten_arrays(ArrayRecord(INITIAL))[0] + sum(strategy.rounds[r].update for r in (1, 3, 4))
     assert np.allclose(flatten_arrays(result.arrays)[0], expected.astype(np.float32), atol=1e-5)
-    assert grid.commits.count(T + 1) >= 3 * NODES  # the finals of rounds 1, 3 and 4; never round 2's
+    assert T + 1 not in grid.commits(2)  # round 2's finals were never asked for; the others' were
+    assert all(grid.commits(r).count(T + 1) >= NODES for r in (1, 3, 4))
 
 
 def test_the_budget_guard_stops_rounds_mid_mixing_before_what_would_not_fit(runs):
-    """Every round runs guarded and stops before the exchange that would deliver the messages of the first
-    iteration that does not fit; it is charged exactly what the iterations before revealed; training stops
-    (nothing delivered, or three refusals in a row), the model the initial one, within the budget."""
+    """Every round runs guarded and stops before the exchange that would deliver what does not fit: the
+    messages of the first iteration that does not fit (mid-mixing: the last request commits to that
+    iteration), or the finals when every iteration fit (an execution whose messages reveal nothing to this
+    round's colluders: the executions of a Flower simulation are random). Each is charged exactly what it
+    revealed; training stops (nothing delivered, or three refusals in a row), the model the initial one,
+    within the budget."""
     strategy, stop, grid, entries = runs["guarded"]
     assert isinstance(stop, IncaBudgetExhausted) and sorted(strategy.rounds) == list(range(1, stop.round + 1))
     assert stop.delivered == 0 or "max_consecutive_refusals = 3" in str(stop)
-    last = 0
+    spent = PrivacyLedger(None, delta=1e-5)
     for rnd, record in strategy.rounds.items():
-        charge = record.charge
-        assert record.refused and charge.delivered < T
-        assert strategy.train_metrics_serverapp[rnd]["inca-guarded"] == 1
-        exact = _exact(strategy, record.trace, rnd, through=charge.delivered)
+        charge, delivered = record.charge, record.charge.delivered
+        assert record.refused and strategy.train_metrics_serverapp[rnd]["inca-guarded"] == 1
+        assert T + 1 not in grid.commits(rnd) and max(grid.commits(rnd)) == min(delivered + 1, T)
+        exact = _exact(strategy, record.trace, rnd, through=delivered)
         assert exact <= charge.certified_mu <= exact * (1 + 2e-9)
-        after = PrivacyLedger(None, delta=1e-5)
-        for entry in entries[:rnd - 1]:
-            after.spend(entry.mu)
-        following = _exact(strategy, record.trace, rnd, through=charge.delivered + 1)
-        assert after.epsilon_after(following) > GUARD_BUDGET  # the next iteration would not have fit
-        last = max(last, charge.delivered)
-    assert set(grid.commits) == set(range(1, last + 2))  # no exchange delivered what did not fit
+        # what did not fit: the next iteration's messages, or the finals
+        following = (_exact(strategy, record.trace, rnd, through=delivered + 1) if delivered < T
+                     else _exact(strategy, record.trace, rnd))
+        assert spent.epsilon_after(strategy.session.charged(following)) > GUARD_BUDGET
+        if charge.entry is not None:
+            spent.spend(entries[charge.entry - 1].mu)
     assert np.array_equal(flatten_arrays(stop.arrays)[0], flatten_arrays(ArrayRecord(INITIAL))[0])
     assert all(e.epsilon <= GUARD_BUDGET for e in entries)
     assert sum(t.endswith(END_ACTION) for t in grid.types) == NODES
