@@ -1,7 +1,9 @@
 """GOPA as a training mixer (flwr_inca.simulation.baseline_mixers.GOPAMixer): its estimate against the
 closed form (cancellation without dropouts, the uncancelled terms with them), each round's certificate
-against an independent brute-force computation on the same view, the ledger's charges, a round stopped
-by the budget, bad arguments, and the MNIST study's tiny grid with gopa."""
+against an independent brute-force computation on the same view, its charge through the round session
+(released; refused before its roll-back, charged the published view; nothing published when the publish
+ceiling does not fit), the ledger's charges in a run, the pre-round check, bad arguments, and the MNIST
+study's tiny grid with gopa."""
 
 import dataclasses
 import functools
@@ -17,10 +19,10 @@ from synthetic import CLASSES, FEATURES, linear_task
 from flwr_inca.baselines import GOPA, Threat, random_corrupted
 from flwr_inca.baselines.calibration import sample_views
 from flwr_inca.privacy import PrivacyLedger
+from flwr_inca.privacy.session import RoundSession, charge_resolution
 from flwr_inca.protocol.dropout import MarkovDropout, PermanentDropout
 from flwr_inca.simulation import MixContext, SimulationConfig, create_mixer, iid, seeding, simulate
 from flwr_inca.simulation.baseline_mixers import GOPAMixer
-from flwr_inca.simulation.runner import charge_resolution
 
 
 def _mixer(n, d, *, mu_round=None, sensitivity=0.2, seed=7, **kw):
@@ -164,78 +166,138 @@ XT, YT = linear_task(300, seed=1)
 MODEL = functools.partial(torch.nn.Linear, FEATURES, CLASSES)
 PARTS = iid(X, Y, 24)
 OPTIONS = {"neighbors": 4, "gamma": 0.25, "gamma_rollback": 0.125}
+D = FEATURES * CLASSES + CLASSES
 
 
 def _config(out, **kw):
-    return SimulationConfig(rounds=40, mode="gopa", epsilon=2.0, sigma_star=3.0, sigma_delta=8.0, backend="inline",
-                            privacy_unit="party", output_dir=str(out), mixer_options=OPTIONS, **kw)
+    return SimulationConfig(**{"rounds": 40, "mode": "gopa", "max_epsilon": 2.0, "sigma_star": 3.0,
+                               "sigma_delta": 8.0, "backend": "inline", "privacy_unit": "party",
+                               "output_dir": str(out), "mixer_options": OPTIONS, **kw})
 
 
 def _execution(config, rnd, n=24):
-    gopa = GOPA(config.sigma_star, config.sigma_delta, OPTIONS["gamma"], neighbors=OPTIONS["neighbors"],
+    mix = config.mixing
+    gopa = GOPA(mix.sigma_star, mix.sigma_delta, OPTIONS["gamma"], neighbors=OPTIONS["neighbors"],
                 gamma_rollback=OPTIONS["gamma_rollback"])
     return gopa.sample_execution(n, seeding.seed_of(config.seed, seeding.TRACE, rnd))
 
 
-@pytest.mark.parametrize("guard", [True, False])
-def test_the_ledger_charges_each_round_its_certificate_and_a_refused_round_what_it_published(tmp_path, guard,
+def _epsilon(*mus):
+    """The ledger's epsilon after rounds charged ``mus`` (exact accountant, delta 1e-5)."""
+    ledger = PrivacyLedger(None, delta=1e-5, accountant="exact")
+    for mu in mus[:-1]:
+        ledger.spend(mu)
+    return ledger.epsilon_after(mus[-1])
+
+
+def test_the_ledger_charges_each_round_its_certificate_and_a_refused_round_what_it_published(tmp_path,
                                                                                             monkeypatch):
-    # every round starts (the pre-round check would stop the run before the rounds it refuses: test_budget_check.py)
+    """Rounds predicted free (all admitted) until the budget runs out: each released round is charged its
+    exact certificate (brute force on its execution); a round whose whole certificate no longer fits once
+    its masked updates are published is stopped before its roll-back, skipped and charged exactly what was
+    published (brute force on the view without the roll-back); training stops after three such refusals
+    in a row, or at a round of which nothing could be published (nothing charged: this run's end); the
+    ledger never exceeds the budget."""
     monkeypatch.setattr(GOPAMixer, "predicted_cost", lambda self, participants, runs: 0.0)
-    config = _config(tmp_path, reserve_stopped_round=guard)
+    config = _config(tmp_path)
     hist = simulate(MODEL, PARTS, (XT, YT), config, progress=False)
-    S = hist.plan["value_sensitivity"]
-    assert S == 2.0 and hist.stopped  # the budget ends the run
-    ledger = PrivacyLedger(tmp_path / "ledger.json", delta=1e-5, accountant="exact")
+    S, resolution = hist.plan["value_sensitivity"], config.privacy.mu_resolution
+    collusion = config.privacy.collusion
+    assert S == 2.0 and hist.stopped
+    ledger = PrivacyLedger(tmp_path / "inca_ledger.json", delta=1e-5, accountant="exact")
     trained = [r for r in hist.rounds if not r.failed]
-    assert hist.rounds_trained == len(trained)
-    assert len(trained) >= 3
-    for record, entry in zip(trained, ledger.entries):
+    refused = [r for r in hist.rounds if r.refused]
+    assert len(trained) >= 3 and hist.rounds_trained == len(trained) and refused
+    assert refused[0].round == len(trained) + 1 and hist.rounds_refused == len(refused)
+    charged = [r for r in hist.rounds if r.charged_mu > 0]
+    assert ledger.rounds == len(charged) and all(e.epsilon <= 2.0 for e in ledger.entries)
+    for record, entry in zip(charged, ledger.entries):
+        corrupted = _coalitions(config.seed, record.round, 24, collusion)[0]
         ex = _execution(config, record.round)
-        brute = _brute_mu(ex, _coalitions(config.seed, record.round, 24, config.collusion)[0], 3.0, 8.0, S)
-        assert record.mu == pytest.approx(brute, rel=1e-7)
-        assert entry.certified_mu == record.mu and entry.method == "exact"
-        assert entry.mu == record.charged_mu == charge_resolution(record.mu, config.mu_resolution)
-    last = hist.rounds[-1]
-    if guard:
-        # the ceiling S / sigma_star no longer fits: a deployment does not publish; nothing is spent, and
-        # training stops (a refusal that revealed nothing: the next round's ceiling is the same)
-        assert hist.stopped.startswith(f"stopped before round {len(trained) + 1}: its cost would exceed")
-        assert last.round == len(trained) and ledger.rounds == len(trained) and ledger.epsilon() <= 2.0
-        assert hist.rounds_refused == 0
-    else:
-        # stopped before its roll-back: charged the exact certificate of the published masked values, and
-        # skipped; training goes on until a charge overruns the budget (the guard is off) or three in a row
-        refused = [r for r in hist.rounds if r.refused]
-        assert refused and refused[0].round == len(trained) + 1 and hist.rounds_refused == len(refused)
-        assert ledger.rounds == len(hist.rounds) and last.refused
-        assert ("was exceeded: the budget guard is off" in hist.stopped
-                or hist.stopped.startswith("3 round(s) in a row were refused by the budget"))
-        for record, entry in zip(hist.rounds, ledger.entries):
-            if not record.refused:
-                continue
-            assert record.failed.startswith("skipped, refused by the budget: stopped before its final messages")
-            ex = dataclasses.replace(_execution(config, record.round), rollback=False)
-            published = _brute_mu(ex, _coalitions(config.seed, record.round, 24, config.collusion)[0], 3.0, 8.0, S)
-            assert entry.mu == charge_resolution(min(published, record.mu), config.mu_resolution)
-            assert 0 < published <= record.mu
-    assert hist.epsilon == pytest.approx(ledger.epsilon())
+        assert entry.mu == record.charged_mu and entry.method == "exact"
+        if not record.refused:
+            assert record.mu == pytest.approx(_brute_mu(ex, corrupted, 3.0, 8.0, S), rel=1e-7)
+            assert entry.certified_mu == record.mu and entry.mu == charge_resolution(record.mu, resolution)
+            continue
+        assert record.failed.startswith("skipped, refused by the budget: stopped before its final messages")
+        published = _brute_mu(dataclasses.replace(ex, rollback=False), corrupted, 3.0, 8.0, S)
+        assert 0 < published <= record.mu
+        assert entry.mu == pytest.approx(charge_resolution(published, resolution), rel=1e-7)
+    assert ("Training stops: 3 round(s) in a row were refused by the budget" in hist.stopped
+            or hist.stopped.endswith("Training stops: nothing of it could be delivered: the budget left does "
+                                     "not afford the first step of a round"))
+    assert hist.epsilon == pytest.approx(ledger.epsilon()) and ledger.epsilon() <= 2.0
 
 
-def test_stopped_cost_is_the_published_view_before_the_roll_back_or_nothing_under_the_guard():
+def test_gopa_stops_before_a_round_it_cannot_afford_with_nothing_spent(tmp_path):
+    """The pre-round check: a budget a third of the predicted cost stops the run before round 1."""
+    mixer = GOPAMixer(sigma_star=3.0, sigma_delta=8.0, **OPTIONS)
+    mixer.prepare(MixContext(2.0, None, 1e-5, 24, D, 0))
+    predicted = mixer.predicted_cost(24, 10)
+    assert predicted == mixer.predicted_cost(24, 10) > 0
+    hist = simulate(MODEL, PARTS, (XT, YT), _config(tmp_path, rounds=5, max_epsilon=_epsilon(predicted / 3)),
+                    progress=False)
+    assert hist.rounds == []
+    assert hist.stopped.startswith("stopping before round 1: it would bring epsilon from 0")
+    assert not (tmp_path / "inca_ledger.json").exists()
+
+
+def _gopa_round(budget):
+    """Round 2 of a GOPA mixer (40 parties, a 30% first-phase dropout) charged through a session whose budget
+    is ``budget``: (the charge, the plan, the ledger, the published view's certificate by brute force)."""
     n, S = 40, 0.5
     mixer = _mixer(n, 10, sensitivity=S, sigma_star=0.8, sigma_delta=2.0, neighbors=6, gamma=0.3,
                    gamma_rollback=0.05)
     plan = mixer.plan(2, n)
+    ledger = PrivacyLedger(None, delta=1e-5, max_epsilon=budget, accountant="exact")
+    charge = mixer.charge(RoundSession(ledger, resolution=0.0), plan)
     ex = plan.info["execution"]
-    corrupted = _coalitions(7, 2, n, 0.1)[0]
-    published = _brute_mu(dataclasses.replace(ex, rollback=False), corrupted, 0.8, 2.0, S)
-    assert mixer.stopped_cost(plan) == pytest.approx(published, rel=1e-7)
-    assert published < plan.mu  # the roll-back reveals terms: the whole round reveals more
-    asked = []
-    assert mixer.stopped_cost(plan, lambda mu: asked.append(mu) or True) == pytest.approx(published, rel=1e-7)
-    assert asked == [pytest.approx(S / 0.8)]  # the ceiling, a bound for any dropouts
-    assert mixer.stopped_cost(plan, lambda mu: False) == 0.0 and plan.info["stopped"] == "before publishing"
+    published = _brute_mu(dataclasses.replace(ex, rollback=False), _coalitions(7, 2, n, 0.1)[0], 0.8, 2.0, S)
+    return charge, plan, ledger, published
+
+
+CEILING = 0.5 / 0.8  # the publish ceiling S / sigma_star of _gopa_round
+
+
+@pytest.fixture(scope="module")
+def gopa_costs():
+    """(published view's certificate, whole round's certificate) of _gopa_round's round."""
+    _, plan, _, published = _gopa_round(None)
+    assert 0 < published < plan.mu <= CEILING  # the roll-back reveals terms; never above the local bound
+    return published, plan.mu
+
+
+@pytest.mark.parametrize("room", ["all", "below the ceiling"])
+def test_a_round_that_fits_is_released_and_charged_its_certificate(gopa_costs, room):
+    """The round's certificate fits: it is released and charged exactly that, also when the publish ceiling
+    does not fit (then the masked values are published after their exact certificate was reserved)."""
+    _, whole = gopa_costs
+    budget = 50.0 if room == "all" else (_epsilon(whole) + _epsilon(CEILING)) / 2
+    charge, plan, ledger, _ = _gopa_round(budget)
+    assert charge.outcome == "released" and charge.released and charge.mu == plan.mu == whole
+    assert ledger.entries[0].mu == whole and ledger.entries[0].method == "exact"
+    assert "stopped" not in plan.info
+
+
+def test_a_round_refused_before_its_roll_back_is_charged_the_published_view(gopa_costs):
+    """What is published fits, the whole round does not: the round is stopped before its roll-back and
+    charged exactly the certificate of the published masked values (brute force); training goes on."""
+    published, whole = gopa_costs
+    charge, plan, ledger, brute = _gopa_round((_epsilon(published) + _epsilon(whole)) / 2)
+    assert charge.outcome == "refused" and not charge.released and charge.delivered == 1 and not charge.stop
+    assert plan.info["stopped"] == "before its roll-back"
+    assert charge.mu == pytest.approx(brute, rel=1e-7) and ledger.entries[0].mu == charge.mu
+    assert ledger.entries[0].status == "charged"
+
+
+def test_a_round_whose_published_view_does_not_fit_publishes_nothing_and_stops_training(gopa_costs):
+    """Neither the publish ceiling nor the exact certificate of the masked values fits: nothing is
+    published, nothing charged, and training stops."""
+    published, _ = gopa_costs
+    charge, plan, ledger, _ = _gopa_round(_epsilon(published) * 0.99)
+    assert charge.outcome == "refused" and charge.delivered == 0 and charge.mu == 0 and charge.entry is None
+    assert plan.info["stopped"] == "before publishing" and "nothing of it could be delivered" in charge.stop
+    assert ledger.rounds == 0
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -258,13 +320,14 @@ def test_bad_arguments_name_the_parameter(kwargs, words):
 
 def test_bad_configurations_and_inputs_are_refused_clearly():
     with pytest.raises(ValueError, match="mixer_options for mode 'gopa'"):
-        SimulationConfig(mode="gopa", epsilon=1.0, mixer_options={"neighbours": 3})
+        SimulationConfig(mode="gopa", max_epsilon=1.0, mixer_options={"neighbours": 3})
     with pytest.raises(ValueError, match="gopa takes PermanentDropout"):
-        create_mixer(SimulationConfig(mode="gopa", epsilon=1.0, dropout=MarkovDropout(0.1, 0.5)))
+        create_mixer(SimulationConfig(mode="gopa", max_epsilon=1.0, dropout=MarkovDropout(0.1, 0.5)))
     with pytest.raises(ValueError, match="disagree"):
-        create_mixer(SimulationConfig(mode="gopa", epsilon=1.0, dropout=PermanentDropout(0.1),
+        create_mixer(SimulationConfig(mode="gopa", max_epsilon=1.0, dropout=PermanentDropout(0.1),
                                       mixer_options={"gamma": 0.2}))
-    assert create_mixer(SimulationConfig(mode="gopa", epsilon=1.0, dropout=PermanentDropout(0.2))).gamma == 0.2
+    config = SimulationConfig(mode="gopa", max_epsilon=1.0, dropout=PermanentDropout(0.2))
+    assert create_mixer(config).gamma == 0.2
     with pytest.raises(ValueError, match="or a budget"):
         _mixer(10, 5)
     mixer = _mixer(10, 5, sigma_star=1.0, sigma_delta=1.0)

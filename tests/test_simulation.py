@@ -326,8 +326,8 @@ def test_budget_stops_before_the_round_that_would_exceed_it(tmp_path):
         MODEL, PARTS, (XT, YT), config, progress=False, on_round=lambda c: trained.__setitem__(c.round, c)
     )
     # the round that does not fit is predicted not to fit either: training stops before it, nothing of it
-    # charged (the pre-round check, tests/test_budget_check.py; an outlier round whose prediction fits is
-    # refused and skipped instead: tests/test_refused_rounds.py)
+    # charged (the pre-round check, tests/test_round_policy_simulation.py; an outlier round whose prediction
+    # fits is refused and skipped instead: the same file)
     done = hist.rounds
     assert hist.stopped.startswith(f"stopping before round {len(done) + 1}: it would bring epsilon from")
     assert "max_epsilon" in hist.stopped and 1 <= len(done) < 30 and hist.rounds_refused == 0

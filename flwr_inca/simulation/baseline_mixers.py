@@ -263,9 +263,9 @@ class GOPAMixer(Mixer):
     (drawn from the same seeds as IncA's, :func:`flwr_inca.privacy.rounds.certification_seeds`), by the
     baselines' certificate (:func:`flwr_inca.baselines.pairwise_model`, then
     :class:`~flwr_inca.privacy.certificate.SensitivityProfile`); the runner charges that mu before the
-    round's update exists. A round whose charge is refused (:meth:`stopped_cost`) has published its
-    masked updates and is stopped before its roll-back: it is charged the exact certificate of what was
-    published (which reveals no more than the whole round).
+    round's update exists, through the round session (:meth:`charge`). A round whose whole cost does not
+    fit once its masked updates are published is stopped before its roll-back: it is charged the exact
+    certificate of what was published (which reveals no more than the whole round).
 
     ``draw``: ``"uncancelled"`` (default) draws every participant's ``eta*`` and only the pairwise
     terms that stay in the estimate, ``O((n + U) d)`` for U uncancelled terms: a term of two publishing
@@ -453,13 +453,26 @@ class GOPAMixer(Mixer):
 
     def charge(self, session: RoundSession, plan: RoundPlan) -> RoundCharge:
         """The round as a GOPA deployment runs it through ``session``: the masked updates are published only
-        if the local ceiling ``S / sigma_star`` fits (a bound for any dropouts: everything about x_i passes
-        through x_i + eta*_i; the first-phase dropouts are known only once published), reserved first; the
-        roll-back only if the round's exact certificate fits. A round refused before its roll-back is
-        charged the exact certificate of what was published (no term revealed; at most the round's cost)."""
+        if what they reveal fits, reserved first: the local ceiling ``S / sigma_star`` (a bound for any
+        dropouts: everything about x_i passes through x_i + eta*_i), else the exact certificate of the
+        masked values collected (the first-phase dropouts are known once they are collected, before any is
+        released); the roll-back only if the round's exact certificate fits. A round refused before its
+        roll-back is charged the exact certificate of what was published (no term revealed; at most the
+        round's cost)."""
         s_star = plan.info["sigma_star"]
         ceiling = self.context.value_sensitivity / s_star if s_star > 0 else math.inf
-        opened = session.open(plan.round, ceilings=[ceiling], note=f"round {plan.round}")
+        published: list[RoundCertificate] = []
+
+        def certify_published(step: int) -> RoundCertificate:
+            if not published:  # computed once, and only when needed
+                execution: PairwiseExecution = plan.info["execution"]
+                mu = self.certify(dataclasses.replace(execution, rollback=False), plan.round, s_star,
+                                  plan.info["sigma_delta"])
+                published.append(RoundCertificate(min(mu, plan.mu), ("exact",)))
+            return published[0]
+
+        opened = session.open(plan.round, ceilings=[ceiling], certify_through=certify_published,
+                              note=f"round {plan.round}")
         if not opened.may_deliver(1):
             plan.info["stopped"] = "before publishing"
             return opened.refuse()
@@ -467,10 +480,7 @@ class GOPAMixer(Mixer):
         if opened.may_release(cost):
             return opened.settle(cost)
         plan.info["stopped"] = "before its roll-back"
-        execution: PairwiseExecution = plan.info["execution"]
-        published = self.certify(dataclasses.replace(execution, rollback=False), plan.round, s_star,
-                                 plan.info["sigma_delta"])
-        return opened.refuse(RoundCertificate(min(published, plan.mu), ("exact",)))
+        return opened.refuse(certify_published(1))
 
 
 class WithinRoundDropout(Mixer):
