@@ -170,10 +170,18 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _check_protocol(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` if --parties, --iterations, --neighbors and --dropout cannot run together (e.g.
+    --neighbors >= --parties, a trace too large for memory): before any note or progress is printed."""
+    IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=args.iterations, neighbors=args.neighbors,
+               dropout=args.dropout).check(args.parties)
+
+
 # ---------------------------------------------------------------------------------------- mean
 def cmd_mean(args: argparse.Namespace) -> int:
     from .privacy import calibrate, certify, mu_for_epsilon, random_collusion
 
+    _check_protocol(args)
     n, d, C = args.parties, args.dim, args.clip
     rng = np.random.default_rng(args.seed)
     # the values, the estimate and the protocol's state: about 8 (n, d) float64 arrays at once
@@ -230,6 +238,7 @@ def cmd_mean(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .privacy import calibrate
 
+    _check_protocol(args)
     procedures = ["paper", "exact"] if args.procedure == "both" else [args.procedure]
     if procedures == ["paper"] and args.epsilon >= 1:
         print(f"error: --procedure paper needs --epsilon < 1 (the paper's classic Gaussian bound), got "
