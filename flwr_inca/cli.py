@@ -313,6 +313,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
             print(f"error: --corrupted must be comma-separated party indices, e.g. 3,7,9, got "
                   f"{args.corrupted!r}", file=sys.stderr)
             return 2
+        outside = [c for c in corrupted if not 0 <= c < trace.parties]
+        if outside:
+            print(f"error: --corrupted: party indices must be in [0, {trace.parties - 1}], got {outside[0]}",
+                  file=sys.stderr)
+            return 2
         try:
             view = with_finals(collusion_view(trace, corrupted), trace, finals)
         except ValueError as exc:

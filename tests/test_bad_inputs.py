@@ -161,6 +161,7 @@ BAD_COMMAND_LINES = [
     (["audit", "{good}", "--top", "0"], "--top"),
     (["audit", "{good}", "--corrupted", "0,1,2,3,4,5,6,7,8,9,10,11"], "--corrupted: at least one party must be honest"),
     (["audit", "{good}", "--corrupted", "-1"], "--corrupted"),
+    (["audit", "{good}", "--corrupted", "3," + "9" * 30], "--corrupted: party indices must be in [0, 11]"),
     (["audit", "{missing}"], "cannot read trace"),
     (["audit", "{dir}"], "cannot read trace"),
     (["audit", "{empty}"], "not valid JSON"),
@@ -285,6 +286,7 @@ BAD_API_CALLS = [
     (lambda: calibrate(1.0, 1e-5, 20, solver="fast"), "solver must be one of"),
     (lambda: calibrate(1.0, 1e-5, 20, bound_settings="fast"), "bound_settings"),
     (lambda: calibrate(1.0, 1e-5, 20, observed_fraction=math.nan), "observed_fraction"),
+    (lambda: calibrate(1.0, 1e-5, 10**6, iterations=20), "the bound on the certificate of a simulated run of 1000000"),
     (lambda: certify(_small_trace(), random_collusion(_small_trace(), 0.1, 0), sigma_star=1e308), "sigma_star"),
     (lambda: certify(_small_trace(), random_collusion(_small_trace(), 0.1, 0), value_sensitivity=0), "value_sensitivity"),
     (lambda: certify(_small_trace(), random_collusion(_small_trace(), 0.1, 0), delta=1.0), "delta"),
@@ -297,7 +299,15 @@ BAD_API_CALLS = [
     (lambda: BoundSettings(batch=10**9), "BoundSettings.batch"),
     (lambda: BoundSettings(iterations=-1), "BoundSettings.iterations"),
     (lambda: BoundSettings(tolerance=math.nan), "BoundSettings.tolerance"),
+    (lambda: _round_cost(-1.0), "mu must be >= 0"),
+    (lambda: _round_cost(0.1, 1.5), "sample_rate must be in (0, 1]"),
 ]
+
+
+def _round_cost(mu: float, sample_rate: float = 1.0):
+    from flwr_inca.privacy.accountants import RoundCost
+
+    return RoundCost(mu, sample_rate)
 
 
 @pytest.mark.parametrize("call, words", BAD_API_CALLS, ids=[w[:50] for _, w in BAD_API_CALLS])
@@ -331,12 +341,19 @@ def test_the_planning_and_accounting_limits_name_the_setting(monkeypatch):
 
 def test_the_prv_accountant_refuses_a_grid_that_would_not_fit(monkeypatch):
     pytest.importorskip("opacus")
-    from flwr_inca.privacy.accountants import OpacusPrvAccountant, RoundCost
+    from flwr_inca.privacy.accountants import OpacusPrvAccountant, OpacusRdpAccountant, RoundCost
 
     with pytest.raises(ValueError, match="eps_error"):
         OpacusPrvAccountant(eps_error=math.nan)
     with pytest.raises(ValueError, match="delta"):
         OpacusPrvAccountant().epsilon([RoundCost(0.1, 0.01)], delta=0.0)
+    with pytest.raises(ValueError, match="delta"):  # it gave a negative epsilon at delta = 2
+        OpacusRdpAccountant().epsilon([RoundCost(0.1, 0.1)], delta=2.0)
+    with pytest.raises(ValueError, match=r"orders \(each\) must be a finite number > 1"):
+        OpacusRdpAccountant(orders=[0.5])
+    # mu = 1e-300 (noise multiplier 1e300) overflowed inside Opacus; composed as 1e-100: the same epsilon
+    tiny = [OpacusPrvAccountant().epsilon([RoundCost(mu, 0.5)] * 3, 1e-5) for mu in (1e-300, 1e-100)]
+    assert tiny[0] == tiny[1] and math.isfinite(tiny[0])
     monkeypatch.setenv(MEMORY_ENV, str(2**20))
     with pytest.raises(ValueError, match="PRV accountant's grid for 1000 rounds .* over the limit of 1 MiB"):
         OpacusPrvAccountant().epsilon([RoundCost(0.1, 0.01)] * 1000, delta=1e-5)

@@ -42,7 +42,7 @@ import scipy.linalg as la
 import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
-from .._checks import check_bytes, check_int, check_real
+from .._checks import check_int, check_real
 from ..protocol.trace import ExecutionTrace
 from .local_bound import LocalTier
 from .message_space import MessageSpace, _pair_weights

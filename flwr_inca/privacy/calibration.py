@@ -45,6 +45,7 @@ import numpy as np
 from .._checks import (
     MAX_SCALE,
     check_bool,
+    check_bytes,
     check_delta,
     check_epsilon,
     check_int,
@@ -62,8 +63,8 @@ from ..protocol.noise import resolve_seed
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.topology import Topology
 from ..protocol.utility import output_coefficients
-from .bound import BoundSettings, SensitivityBound
-from .certificate import SOLVERS, SensitivityProfile, profile
+from .bound import BoundSettings, SensitivityBound, bound_bytes
+from .certificate import EXACT_MAX_PARTIES, SOLVERS, SensitivityProfile, profile
 from .conversions import classic_mu, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
@@ -461,6 +462,9 @@ def calibrate(
     base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=iterations, neighbors=neighbors,
                       schedule=schedule, topology=topology, dropout=dropout)
     base.check(parties)
+    if parties > EXACT_MAX_PARTIES and solver != "exact":  # every run is bounded: refuse before simulating one
+        check_bytes(f"the bound on the certificate of a simulated run of {parties} parties over {iterations} "
+                    "iterations", bound_bytes(parties, iterations, bound_settings))
     root = np.random.SeedSequence(resolve_seed(seed))
     seeds = root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
     quantile = 1.0 if procedure == "paper" else float(target_success)

@@ -302,9 +302,9 @@ def _unobserved(view: AdversaryView) -> SensitivityProfile:
 
 def _check_types(trace: ExecutionTrace, view: AdversaryView) -> None:
     if not isinstance(trace, ExecutionTrace):
-        raise ValueError(f"trace must be an ExecutionTrace, got {type(trace).__name__}")
+        raise ValueError(f"trace must be an ExecutionTrace, got {type(trace).__name__}")  # noqa: TRY004 - one error type for bad arguments
     if not isinstance(view, AdversaryView):
-        raise ValueError(f"view must be an AdversaryView, got {type(view).__name__}")
+        raise ValueError(f"view must be an AdversaryView, got {type(view).__name__}")  # noqa: TRY004 - one error type for bad arguments
 
 
 def _check_view(trace: ExecutionTrace, view: AdversaryView) -> None:

@@ -82,7 +82,7 @@ def reproduce(
     check_bool("progress", progress)
     check_bool("plots", plots)
     if not isinstance(out, (str, Path)):
-        raise ValueError(f"out (--out) must be a path, got {out!r}")
+        raise ValueError(f"out (--out) must be a path, got {out!r}")  # noqa: TRY004 - one error type for bad arguments
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out (--out) must be a directory, got the file {out}")

@@ -35,8 +35,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
