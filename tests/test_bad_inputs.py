@@ -414,6 +414,15 @@ def test_study_resume_skips_a_torn_last_row_with_a_warning_and_redoes_that_run(t
     assert not (tmp_path / "runs.csv.partial").exists()
 
 
+def test_study_resume_removes_a_partial_file_whose_header_was_cut(tmp_path, monkeypatch):
+    study, ran = _study(tmp_path, monkeypatch)
+    (tmp_path / "runs.csv.partial").write_text("phase,method,cli")  # killed while writing the first run
+    log: list[str] = []
+    study(resume=True, log=log.append)
+    assert any("only a cut header line" in line for line in log) and ran
+    assert list(csv.DictReader((tmp_path / "runs.csv").open(newline="")))[0]["phase"] == "tune"
+
+
 def test_study_resume_refuses_a_damaged_row_that_is_not_the_last_naming_the_file_and_line(tmp_path, monkeypatch):
     study, _ = _study(tmp_path, monkeypatch)
     study(log=lambda line: None)

@@ -526,10 +526,15 @@ def _read_rows(path: Path, log: Callable[[str], None] | None = None) -> list[dic
         raise ValueError(f"{path}: not a CSV file of runs ({exc})") from None
     if header is None:
         return []
-    _check_columns(path, header)
     with path.open("rb") as f:  # csv.writer ends every row with a line end: a file without one was cut
         f.seek(max(f.seek(0, os.SEEK_END) - 1, 0))
         terminated = f.read(1) == b"\n"
+    if not records and not terminated:  # the header itself was cut: no run was recorded
+        (log or _stderr)(f"warning: {path}: only a cut header line, as a study stopped while writing its first "
+                         "run leaves it: removed")
+        path.unlink()
+        return []
+    _check_columns(path, header)
     rows = []
     for k, (line, values) in enumerate(records):
         last = k == len(records) - 1
