@@ -36,7 +36,7 @@ import numpy as np
 
 from ..privacy.linear_system import ObservationModel
 from ..privacy.views import coalition_size
-from ..protocol.engine import as_values
+from ..protocol.engine import as_values as engine_values
 
 __all__ = [
     "Baseline",
@@ -201,7 +201,7 @@ class LinearGaussianBaseline(Baseline):
 def as_values(x: Any) -> tuple[np.ndarray, bool]:
     """(n, d) float64 values and whether the input was (n,) scalars: the checks (and errors) of
     :func:`flwr_inca.run_inca`'s input, then float64, which every baseline computes in."""
-    arr, scalar = as_values(x)
+    arr, scalar = engine_values(x)
     return np.ascontiguousarray(arr, dtype=np.float64), scalar
 
 

@@ -42,15 +42,20 @@ import scipy.linalg as la
 import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
-from .._checks import check_real
+from .._checks import check_int, check_real
 from ..protocol.trace import ExecutionTrace
 from .local_bound import LocalTier
 from .message_space import MessageSpace, pair_weights
 from .views import AdversaryView
 
-__all__ = ["BoundSettings", "SensitivityBound", "bound_profile"]
+__all__ = ["BoundSettings", "SensitivityBound", "bound_bytes", "bound_profile"]
 
 _EPS = np.finfo(float).eps / 2  # unit roundoff
+# upper ends of BoundSettings' counts: far above the defaults (4 - 60 iterations, batches of 16 - 32, a dense
+# party graph up to 3000), far below what would run for days or fill the memory
+_MAX_SETTING_ITERATIONS = 100_000
+_MAX_BATCH = 4096
+_MAX_DENSE_LIMIT = 50_000
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,20 @@ class BoundSettings:
         if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
                                          or self.threads < 1):
             raise ValueError(f"threads must be None or an integer >= 1, got {self.threads!r}")
+        # iteration counts: the work is linear in them (a bad count must not run for days); batches: memory
+        for name in ("iterations", "refine_iterations", "global_iterations", "local_iterations",
+                     "inner_iterations"):
+            check_int(f"BoundSettings.{name}", getattr(self, name), 0, _MAX_SETTING_ITERATIONS)
+        check_int("BoundSettings.max_iterations", self.max_iterations, 1, _MAX_SETTING_ITERATIONS)
+        for name in ("batch", "local_batch"):
+            check_int(f"BoundSettings.{name}", getattr(self, name), 1, _MAX_BATCH)
+        check_int("BoundSettings.dense_limit", self.dense_limit, 0, _MAX_DENSE_LIMIT)
+        if self.blas_threads is not None:
+            check_int("BoundSettings.blas_threads", self.blas_threads, 1)
+        check_real("BoundSettings.tolerance", self.tolerance, 0.0, 1.0)
+        check_real("BoundSettings.cascade_tolerance", self.cascade_tolerance, 0.0, 1.0)
+        check_real("BoundSettings.refine_band", self.refine_band, 0.0, 1.0)
+        check_real("BoundSettings.stop_factor", self.stop_factor, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -577,6 +596,16 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
                             method="cascade" if cascade else "bound")
 
 
+def bound_bytes(parties: int, iterations: int, settings: BoundSettings | None = None) -> float:
+    """The bytes the bound needs at least on ``parties`` parties over ``iterations`` iterations: the (T+1, n,
+    T) dropout-adapted schedule and one batch of ``12 * batch`` vectors of the (at most (T+1) n) unseen
+    messages (float64). Measured peaks are 1.2 - 3x this (more batches in flight with more threads: 8.2 GB
+    at n = 100,000, T = 20 against 6.8 GB here), so a size refused for it would certainly not fit."""
+    st = settings or BoundSettings()
+    n, T = float(parties), float(iterations)
+    return 8.0 * n * (T + 1) * (T + 2 + 12 * st.batch)
+
+
 def _threads(st: BoundSettings) -> int:
     """``st.threads``, at most the CPUs this process may use (more threads would only hold more batches in
     memory: about ``12 * batch`` vectors of the unseen messages each); None: all of them."""
@@ -617,3 +646,4 @@ def _warm_start(ms: MessageSpace, parties: np.ndarray) -> np.ndarray:
     d[ms.honest, :] = -1.0 / ms.nH
     d[ms.parties[parties], np.arange(parties.size)] += 1.0
     return ms.baseline(d)
+

@@ -42,7 +42,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._checks import check_bool, check_int, check_probability, check_real
+from .._checks import (
+    MAX_SCALE,
+    check_bool,
+    check_bytes,
+    check_delta,
+    check_epsilon,
+    check_int,
+    check_parties,
+    check_probability,
+    check_real,
+    check_runs,
+    check_scale,
+)
 from .._json import jsonable
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import DropoutModel, NoDropout, PermanentDropout
@@ -51,8 +63,8 @@ from ..protocol.noise import resolve_seed
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.topology import Topology
 from ..protocol.utility import output_coefficients
-from .bound import BoundSettings, SensitivityBound
-from .certificate import SensitivityProfile, profile
+from .bound import BoundSettings, SensitivityBound, bound_bytes
+from .certificate import EXACT_MAX_PARTIES, SOLVERS, SensitivityProfile, profile
 from .conversions import classic_mu, epsilon_for_delta, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
@@ -64,6 +76,8 @@ DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0, 1.1, 1.2, 1.3, 1.5,
 # and multiples of the floor (smallest sigma_star^2 any sigma_delta can make private), when there is one
 FLOOR_FACTORS = (1.01, 1.03, 1.06, 1.1, 1.15, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.5, 3.0)
 PAPER_ALPHA = 1.3
+# the largest alpha (given or min_alpha): a million times the central-DP noise variance, far above the grid
+MAX_ALPHA = 1e6
 
 
 # first guess of sigma_delta / sigma_star for bound profiles (with bound_passes=2 the second pass uses the
@@ -186,10 +200,7 @@ def alpha_candidates(profiles: Sequence[Profile], mu_target: float, n_o: float, 
     else :data:`DEFAULT_ALPHAS` above the floor plus multiples of the floor, the floor being the
     smallest alpha at which the ``quantile`` share of runs can be made private by some sigma_delta."""
     if alphas is not None:
-        candidates = sorted(float(a) for a in alphas)
-        if any(not (a > 0) for a in candidates):
-            raise ValueError("alphas must be > 0")
-        return candidates
+        return sorted(check_real("alphas (each)", a, 0.0, MAX_ALPHA, low_open=True) for a in alphas)
     runs = len(profiles)
     # floor of each run: mu_inf(s*) = mu_inf(1) / s*, so s*_min = mu_inf(1) / mu_target
     floors = np.sort([float(p.mu_limit(1.0).max(initial=0.0)) / mu_target for p in profiles])
@@ -207,7 +218,8 @@ def alpha_candidates(profiles: Sequence[Profile], mu_target: float, n_o: float, 
 def _unit_mse(run: _Run, n: int, s_star: float, s_delta: float, value_variance: float) -> float:
     if run.total <= 0:
         return math.inf
-    return value_variance * run.lost + (s_star**2 * run.b2 + s_delta**2 * run.a2) / run.total**2
+    # products, not **: a huge sigma_delta (a run barely private) gives inf, not an OverflowError
+    return value_variance * run.lost + (s_star * s_star * run.b2 + s_delta * s_delta * run.a2) / run.total**2
 
 
 def _threat(collusion: float | None, observed_fraction: float | None) -> tuple[float, str]:
@@ -427,13 +439,20 @@ def calibrate(
     start = time.perf_counter()
     if procedure not in ("exact", "paper"):
         raise ValueError(f"procedure must be 'exact' or 'paper', got {procedure!r}")
-    epsilon = check_real("epsilon", epsilon, 0.0, low_open=True)
-    delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    runs = check_int("runs", runs, 1)
+    epsilon = check_epsilon("epsilon", epsilon)
+    delta = check_delta("delta", delta)
+    parties = check_parties("parties", parties)
+    runs = check_runs("runs", runs)
     target_success = check_probability("target_success", target_success, zero=False)
-    value_sensitivity = check_real("value_sensitivity", value_sensitivity, 0.0, low_open=True)
-    value_variance = check_real("value_variance", value_variance, 0.0)
-    min_alpha = check_real("min_alpha", min_alpha, 0.0)
+    value_sensitivity = check_scale("value_sensitivity", value_sensitivity, zero=False)
+    value_variance = check_real("value_variance", value_variance, 0.0, MAX_SCALE)
+    min_alpha = check_real("min_alpha", min_alpha, 0.0, MAX_ALPHA)
+    if alphas is not None:
+        alphas = tuple(alpha_candidates([], 1.0, 1.0, 1.0, alphas=alphas))  # each checked
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    if bound_settings is not None and not isinstance(bound_settings, BoundSettings):
+        raise ValueError(f"bound_settings must be a BoundSettings or None, got {type(bound_settings).__name__}")
     bound_passes = check_int("bound_passes", bound_passes, 1, 2)
     tight_runs = check_bool("tight_runs", tight_runs)
     rho, threat = _threat(collusion, observed_fraction)
@@ -443,6 +462,9 @@ def calibrate(
     base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=iterations, neighbors=neighbors,
                       schedule=schedule, topology=topology, dropout=dropout)
     base.check(parties)
+    if parties > EXACT_MAX_PARTIES and solver != "exact":  # every run is bounded: refuse before simulating one
+        check_bytes(f"the bound on the certificate of a simulated run of {parties} parties over {iterations} "
+                    "iterations", bound_bytes(parties, iterations, bound_settings))
     root = np.random.SeedSequence(resolve_seed(seed))
     seeds = root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
     quantile = 1.0 if procedure == "paper" else float(target_success)

@@ -33,16 +33,17 @@ import numpy as np
 import scipy.linalg as la
 from scipy.linalg.blas import dtrsm
 
-from .._checks import check_real
+from .._checks import check_bytes, check_delta, check_scale
 from .._json import jsonable
 from ..protocol.trace import ExecutionTrace
-from .bound import BoundSettings, SensitivityBound, bound_profile
+from .bound import BoundSettings, SensitivityBound, bound_bytes, bound_profile
 from .conversions import epsilon_for_delta
 from .linear_system import ObservationModel, build_model
 from .views import AdversaryView
 
 __all__ = [
     "CASCADE_MIN_ROWS",
+    "EXACT_MAX_PARTIES",
     "EXACT_MAX_ROWS",
     "SOLVERS",
     "Certificate",
@@ -67,6 +68,12 @@ CASCADE_MIN_ROWS = 9500
 # squared observed message (4.2 GB at 9732 messages)
 EXACT_HARD_ROWS = 16000
 _EXACT_BYTES_PER_ROW2 = 44
+# the exact method also keeps dense (n, n) and (n, n_H) matrices (the structured builder's state covariance,
+# B_V's recursion), whatever the number of observed messages: beyond this many parties auto uses the bound
+# (a trace of 30,000 parties and no message asked the exact method for 6 GiB, 10^7 parties for 655 TiB)
+EXACT_MAX_PARTIES = 5000
+# a Certificate's {party: mu} dict: about 100 bytes of Python objects per party, with room
+_CERTIFICATE_BYTES_PER_PARTY = 200
 
 
 @dataclass(frozen=True)
@@ -285,30 +292,71 @@ class _FixedSigmas:
         return self.mu_at
 
 
+def _unobserved(view: AdversaryView) -> SensitivityProfile:
+    """The exact profile of a view that observes no honest message: the adversary's view does not depend on
+    any honest value, so mu = 0 for every honest party (what the exact method gives for m = 0, without its
+    (n, n_H) and (n, n) matrices)."""
+    nH = view.honest.size
+    return SensitivityProfile(view.honest, np.zeros((0, nH)), np.zeros(0), 1.0, np.zeros(nH, dtype=bool))
+
+
+def _check_types(trace: ExecutionTrace, view: AdversaryView) -> None:
+    if not isinstance(trace, ExecutionTrace):
+        raise ValueError(f"trace must be an ExecutionTrace, got {type(trace).__name__}")  # noqa: TRY004 - one error type for bad arguments
+    if not isinstance(view, AdversaryView):
+        raise ValueError(f"view must be an AdversaryView, got {type(view).__name__}")  # noqa: TRY004 - one error type for bad arguments
+
+
 def _check_view(trace: ExecutionTrace, view: AdversaryView) -> None:
+    _check_types(trace, view)
     if view.parties != trace.parties or view.observed.shape[0] != trace.iterations + 1:
         raise ValueError("adversary view does not match the trace (parties or iterations differ)")
     if view.honest.size == 0:
         raise ValueError("the adversary view has no honest party: nothing to certify")
 
 
-def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "auto") -> str:
+def exact_bytes(parties: int, honest: int, rows: int, iterations: int) -> float:
+    """Estimated peak bytes of the exact method on ``parties`` parties of which ``honest`` are honest, with
+    ``rows`` observed honest messages over ``iterations`` iterations: the (m, m) Grams, factor and
+    whitened targets, the (m, n) and (n, n) covariances of the structured builder, the (n, n_H) recursion
+    of B_V and the (T+1, n, T) dropout-adapted schedule (float64)."""
+    n, nH, m, T = float(parties), float(honest), float(rows), float(iterations)
+    return 8.0 * (3 * m * m + 2 * m * nH + 2 * m * n + 7 * n * n + 2 * n * nH + (T + 1) * n * (T + 2))
+
+
+def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "auto", *,
+                  bound_settings: BoundSettings | None = None) -> str:
     """``"exact"``, ``"bound"`` or ``"cascade"``: the request, or for ``"auto"`` exact up to
-    :data:`EXACT_MAX_ROWS` observed honest messages, the global bound up to :data:`CASCADE_MIN_ROWS`, the
-    cascade beyond. Raises if ``"exact"`` is forced on a view too large for it."""
+    :data:`EXACT_MAX_ROWS` observed honest messages and :data:`EXACT_MAX_PARTIES` parties, else the global
+    bound up to :data:`CASCADE_MIN_ROWS` messages, the cascade beyond. Raises ``ValueError`` naming the
+    limit, before anything is allocated, if the chosen method would not fit in memory
+    (:func:`~flwr_inca._checks.memory_limit`; the bound's batches are ``bound_settings``'), or if ``"exact"``
+    is forced on a view too large for it."""
     if solver not in SOLVERS:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     _check_view(trace, view)
     rows = int(view.honest_observed().sum())
+    n, nH = trace.parties, int(view.honest.size)
+    check_bytes(f"a certificate of {nH} honest parties", _CERTIFICATE_BYTES_PER_PARTY * nH)
+    if rows == 0 and solver in ("auto", "exact"):
+        return "exact"  # the adversary observes no honest message: mu = 0, nothing to solve (_unobserved)
     if solver == "auto":
-        return "exact" if rows <= EXACT_MAX_ROWS else "bound" if rows <= CASCADE_MIN_ROWS else "cascade"
-    if solver == "exact" and rows > EXACT_HARD_ROWS:
+        small = rows <= EXACT_MAX_ROWS and n <= EXACT_MAX_PARTIES
+        solver = "exact" if small else "bound" if rows <= CASCADE_MIN_ROWS else "cascade"
+    elif solver == "exact" and rows > EXACT_HARD_ROWS:
         gb = _EXACT_BYTES_PER_ROW2 * rows * rows / 2**30
         raise ValueError(
             f"trace too large for the exact method: {rows} observed honest messages need about {gb:.0f} GiB "
             f"of dense matrices (limit {EXACT_HARD_ROWS} messages); use solver='bound' (or 'auto'), a sound "
             "upper bound"
         )
+    if solver == "exact":
+        check_bytes(f"the exact certificate of {n} parties with {rows} observed honest messages",
+                    exact_bytes(n, nH, rows, trace.iterations),
+                    "use solver='bound' (or 'auto'), a sound upper bound")
+    else:
+        check_bytes(f"the bound on the certificate of {n} parties over {trace.iterations} iterations",
+                    bound_bytes(n, trace.iterations, bound_settings))
     return solver
 
 
@@ -332,7 +380,9 @@ def profile(
     ``method`` selects the exact method's linear-system builder (:func:`build_model`). ``charged_mu``: a
     bound need not be tightened below this mu at the nominal sigmas (:func:`bound_profile`; exact ignores it).
     """
-    choice = choose_solver(trace, view, solver)
+    choice = choose_solver(trace, view, solver, bound_settings=bound_settings)
+    if choice == "exact" and not view.honest_observed().any():
+        return _unobserved(view)
     if choice == "exact":
         return SensitivityProfile.from_model(build_model(trace, view, method))
     return bound_profile(trace, view, sigma_star=sigma_star, sigma_delta=sigma_delta, settings=bound_settings,
@@ -369,16 +419,19 @@ def certify(
         progress: a bound calls it with a short status line after each phase (minutes at n = 100,000);
             the exact method does not.
     """
-    s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
-    s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
-    s_star = check_real("sigma_star", s_star, 0.0)
-    s_delta = check_real("sigma_delta", s_delta, 0.0)
-    value_sensitivity = check_real("value_sensitivity", value_sensitivity, 0.0, low_open=True)
+    _check_types(trace, view)
+    s_star = trace.sigma_star if sigma_star is None else sigma_star
+    s_delta = trace.sigma_delta if sigma_delta is None else sigma_delta
+    s_star = check_scale("sigma_star", s_star)
+    s_delta = check_scale("sigma_delta", s_delta)
+    value_sensitivity = check_scale("value_sensitivity", value_sensitivity, zero=False)
     if delta is not None:
-        delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        delta = check_delta("delta", delta)
     prof: SensitivityProfile | SensitivityBound | _FixedSigmas
-    choice = choose_solver(trace, view, solver)
-    if choice == "exact":
+    choice = choose_solver(trace, view, solver, bound_settings=bound_settings)
+    if choice == "exact" and not view.honest_observed().any():
+        prof = _unobserved(view)
+    elif choice == "exact":
         model = build_model(trace, view, method)
         # one pair of sigmas is certified: a Cholesky factor of the covariance, no pencil eigenbasis
         prof = _FixedSigmas.from_model(model, s_star, s_delta) or SensitivityProfile.from_model(model)

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .._checks import check_int, check_real
+from .._checks import check_delta, check_epsilon, check_int, check_real, check_rounds
 from .accountants import ACCOUNTANTS, resolve_accountant_name
 from .conversions import epsilon_for_delta, mu_for_epsilon
 
@@ -106,10 +106,10 @@ def privacy_plan(
     """
     if unit not in PRIVACY_UNITS:
         raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {unit!r}")
-    rounds = check_int("rounds", rounds)
-    delta = check_real("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    rounds = check_rounds("rounds", rounds)  # the PRV accountant's grid grows with sqrt(rounds)
+    delta = check_delta("delta", delta)
     if epsilon is not None:
-        epsilon = check_real("epsilon (or None)", epsilon, 0.0, low_open=True)
+        epsilon = check_epsilon("epsilon (or None)", epsilon)
     clip_norm = check_real("clip_norm", clip_norm, 0.0, low_open=True)
     if accountant is not None:
         if not isinstance(accountant, str):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._checks import check_int, check_real
+from .._checks import MAX_PARTIES, check_bytes, check_int, check_iterations, check_parties, check_scale
 from .dissemination import Dissemination, resolve_dissemination
 from .dropout import DropoutModel, resolve_dropout
 from .schedules import InjectionSchedule
@@ -44,10 +44,10 @@ class IncaConfig:
     dissemination: str | Dissemination = "exact"
 
     def __post_init__(self) -> None:
-        for name in ("iterations", "neighbors"):
-            check_int(name, getattr(self, name))
+        check_iterations("iterations", self.iterations)
+        check_int("neighbors", self.neighbors, 1, MAX_PARTIES - 1)
         for name in ("sigma_star", "sigma_delta"):
-            check_real(name, getattr(self, name), 0.0)
+            check_scale(name, getattr(self, name))
         InjectionSchedule.resolve(self.schedule, self.iterations)  # raises on a bad schedule
         resolve_dropout(self.dropout)
         resolve_dissemination(self.dissemination)
@@ -63,9 +63,19 @@ class IncaConfig:
         return topology
 
     def check(self, n: int) -> None:
-        """Raise ``ValueError`` if the config cannot run with ``n`` parties."""
-        check_int("number of parties n", n, 2)
+        """Raise ``ValueError`` if the config cannot run with ``n`` parties, or if its trace would not fit in
+        memory (:func:`~flwr_inca._checks.memory_limit`; checked before anything of that size is drawn)."""
+        check_parties("number of parties n", n)
         if self.topology in ("random", "random-fresh") or isinstance(self.topology, RandomNeighbors):
             k = self.topology.k if isinstance(self.topology, RandomNeighbors) else self.neighbors
             if k >= n:
                 raise ValueError(f"neighbors must be in [1, n-1] = [1, {n - 1}], got {k}")
+        check_bytes(f"the trace of {n} parties over {self.iterations} iterations", self.trace_bytes(n),
+                    "fewer parties, iterations or neighbors")
+
+    def trace_bytes(self, n: int) -> float:
+        """Bytes of the trace of a run of ``n`` parties (about): per iteration and party, its messages (two
+        int64 and a float64 each: ``neighbors`` of them, ``n - 1`` on the complete graph) and its online
+        index, and the (T+1, n) online mask."""
+        k = n - 1 if self.topology == "complete" else self.neighbors
+        return float(self.iterations) * n * (24.0 * k + 8.0) + (self.iterations + 1.0) * n

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from .._checks import MAX_SCALE, check_bytes, check_real, check_scale
 from .schedules import adapted_rows
 from .trace import ExecutionTrace
 
@@ -29,6 +30,8 @@ def output_coefficients(trace: ExecutionTrace, finalists=None) -> tuple[np.ndarr
     in the sum of the final messages of the parties online at T (or of ``finalists``, a subset of
     them, when some final messages were lost: their share of the noise then no longer cancels)."""
     n, T = trace.parties, trace.iterations
+    # the (T+1, n, T) dropout-adapted schedule, the (n, T) noise coefficients and the (T+1, n) rows, float64
+    check_bytes(f"the output coefficients of {n} parties over {T} iterations", 8.0 * n * (T + 1) * (T + 3))
     c_o, Z_o = adapted_rows(trace.schedule, trace.online_mask())
     online_T = trace.steps[-1].online
     if finalists is None:
@@ -75,8 +78,9 @@ def expected_mse(
     ``value_variance`` is the variance of one coordinate of the values (1/12 for U[0, 1], the
     paper's experiments). Sigmas default to the trace's. ``inf`` if every party dropped out.
     """
-    s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
-    s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
+    s_star = check_scale("sigma_star", trace.sigma_star if sigma_star is None else sigma_star)
+    s_delta = check_scale("sigma_delta", trace.sigma_delta if sigma_delta is None else sigma_delta)
+    value_variance = check_real("value_variance", value_variance, 0.0, MAX_SCALE)
     b, a = output_coefficients(trace)
     total = b.sum()
     if total <= 0:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from .._checks import check_bool, check_int, check_runs
 from . import fig1, fig2, fig3, fig5
 from .common import Check, FigureResult, ProgressBar, single_blas_thread, write_csv
 
@@ -68,17 +69,20 @@ def reproduce(
 ) -> list[FigureResult]:
     """Reproduce ``figures`` (names of :data:`FIGURES`, or ``["all"]``); see the module docstring.
 
-    Raises ``ValueError`` naming the bad argument (unknown figure, runs < 1, seed < 0, an ``out``
-    that is not a directory).
+    Raises ``ValueError`` naming the bad argument (unknown figure, runs outside [1, MAX_RUNS], seed < 0, an
+    ``out`` that is not a directory).
     """
     names = list(FIGURES) if list(figures) == ["all"] else list(figures)
     unknown = [f for f in names if f not in FIGURES]
     if unknown or not names:
         raise ValueError(f"figure must be one of {', '.join(FIGURES)} or all, got {', '.join(unknown) or 'none'}")
-    if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
-        raise ValueError(f"runs (--runs) must be an integer >= 1, got {runs!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed (--seed) must be an integer >= 0, got {seed!r}")
+    if runs is not None:
+        check_runs("runs (--runs)", runs)
+    check_int("seed (--seed)", seed, 0)
+    check_bool("progress", progress)
+    check_bool("plots", plots)
+    if not isinstance(out, (str, Path)):
+        raise ValueError(f"out (--out) must be a path, got {out!r}")  # noqa: TRY004 - one error type for bad arguments
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out (--out) must be a directory, got the file {out}")

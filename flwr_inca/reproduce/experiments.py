@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._checks import check_bytes, check_delta, check_epsilon, check_int, check_parties, check_runs
 from ..baselines.base import LinearGaussianBaseline, Threat
 from ..baselines.calibration import (
     MseMeasurement,
@@ -54,6 +55,11 @@ def calibrate_and_measure(
     """First experiment: worst-case noise over ``runs`` simulated executions (shared by both procedures);
     second: ``runs`` fresh executions on values from U[0, 1] give the MSE per coordinate (``dim``
     independent coordinates per run, to average the estimate over more draws)."""
+    n = check_parties("n", n)
+    epsilon, delta = check_epsilon("epsilon", epsilon), check_delta("delta", delta)
+    runs, seed = check_runs("runs", runs), check_int("seed", seed, 0)
+    dim = check_int("dim", dim, 1)
+    check_bytes(f"the values of {n} parties x {dim} coordinates", 8.0 * 8 * n * dim)
     bar.set_status(f"{status}: calibrating")
     samples = sample_views(baseline, n, threat, runs, seed, bar.callback())
     rho = threat.fraction if threat.kind == "collusion" else 0.0

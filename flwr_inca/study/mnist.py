@@ -35,11 +35,27 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .._checks import (
+    MAX_SCALE,
+    check_batch_size,
+    check_bool,
+    check_delta,
+    check_epsilon,
+    check_int,
+    check_iterations,
+    check_parties,
+    check_real,
+    check_rounds,
+    check_runs,
+    check_scale,
+)
 
 from ..privacy.calibration import NoiseCalibrator
 
@@ -120,25 +136,37 @@ class StudyGrid:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"methods: unknown {unknown}; choose from {list(METHODS)}")
-        if any((not isinstance(n, int)) or n < 3 for n in self.clients):
-            raise ValueError(f"clients must be integers >= 3, got {self.clients}")
+        for n in self.clients:
+            check_parties("clients (each)", n, 3)
         for p in self.partitions:
             _partition_alpha(p)
-        if any(not (math.isfinite(e) and e > 0) for e in self.epsilons):
-            raise ValueError(f"epsilons must be finite numbers > 0, got {self.epsilons}")
-        if any(not (0 <= g < 1) for g in self.gammas + (self.tune_gamma, self.gamma_at_epsilon)):
-            raise ValueError(f"gammas must be in [0, 1), got {self.gammas}")
-        if any(r < 1 for r in self.tune_rounds) or any(x <= 0 for x in self.tune_lr + self.tune_clip):
-            raise ValueError("tune_rounds must be >= 1, tune_lr and tune_clip > 0")
+        for e in self.epsilons + (self.tune_epsilon, self.epsilon_at_gamma):
+            check_epsilon("epsilons, tune_epsilon and epsilon_at_gamma (each)", e)
+        for g in self.gammas + (self.tune_gamma, self.gamma_at_epsilon):
+            check_real("gammas, tune_gamma and gamma_at_epsilon (each)", g, 0.0, 1.0, high_open=True)
+        for seed in self.seeds:
+            check_int("seeds (each)", seed, 0)
+        for r in self.tune_rounds:
+            check_rounds("tune_rounds (each)", r)
+        for x in self.tune_lr + self.tune_clip:
+            check_scale("tune_lr and tune_clip (each)", x, zero=False)
+        check_delta("delta", self.delta)
+        check_batch_size("batch_size", self.batch_size)
+        check_real("collusion", self.collusion, 0.0, 1.0, high_open=True)
+        check_iterations("iterations", self.iterations)
+        check_int("neighbors", self.neighbors, 1, min(self.clients) - 1)
+        check_parties("small_clients", self.small_clients, 0)
+        check_bool("product", self.product)
         for name in ("calibration_success", "small_calibration_success"):
-            if not (0 < getattr(self, name) <= 1):
-                raise ValueError(f"{name} (a share of the calibration runs) must be in (0, 1], got "
-                                 f"{getattr(self, name)!r}")
-        for name in ("calibration_runs", "small_calibration_runs", "certify_every", "small_certify_every"):
-            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not (0 < self.validation < 60000):
-            raise ValueError(f"validation (examples held out of training) must be in (0, 60000), got {self.validation}")
+            check_real(f"{name} (a share of the calibration runs)", getattr(self, name), 0.0, 1.0, low_open=True)
+        for name in ("calibration_runs", "small_calibration_runs"):
+            check_runs(name, getattr(self, name))
+        for name in ("certify_every", "small_certify_every"):
+            check_rounds(name, getattr(self, name))
+        check_int("validation (examples held out of training)", self.validation, 1, 59999)
+        for name in ("train_examples", "test_examples"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
 
     def inca_settings(self, clients: int) -> tuple[int, float, int]:
         """IncA's ``(calibration runs, calibration success share, certify every)`` at ``clients``."""
@@ -181,9 +209,9 @@ def _partition_alpha(name: str) -> float | None:
             alpha = float(name.split(":", 1)[1])
         except ValueError:
             alpha = -1.0
-        if alpha > 0:
+        if 0 < alpha <= MAX_SCALE:
             return alpha
-    raise ValueError(f"partition must be 'iid' or 'dirichlet:<alpha>' with alpha > 0, got {name!r}")
+    raise ValueError(f"partition must be 'iid' or 'dirichlet:<alpha>' with alpha in (0, {MAX_SCALE:g}], got {name!r}")
 
 
 DEFAULT_GRID = StudyGrid()
@@ -437,10 +465,7 @@ def _upgrade_header(path: Path) -> None:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or reader.fieldnames == FIELDS:
             return
-        unknown = sorted(set(reader.fieldnames) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"{path}: its columns {unknown} are not this version's {FIELDS}; move it away "
-                             "or resume it with the version that wrote it")
+        _check_columns(path, reader.fieldnames)
         rows = list(reader)
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", newline="") as f:
@@ -450,16 +475,89 @@ def _upgrade_header(path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _check_columns(path: Path, fieldnames: list[str]) -> None:
+    unknown = sorted(set(fieldnames) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: its columns {unknown} are not this version's {FIELDS}; move it away "
+                         "or resume it with the version that wrote it")
+
+
+def _read_rows(path: Path, log: Callable[[str], None] | None = None) -> list[dict]:
+    """The runs recorded in ``path`` (none if it does not exist).
+
+    A last row cut short -- what a study killed while appending it leaves: fewer fields, a value that does
+    not parse, or no line end -- is skipped with a warning (``log``) naming the file and line, and removed
+    from the file, so that its run is done again and the rows appended next start on a line of their own.
+    A malformed row anywhere else raises ``ValueError`` naming the file and line (not what an interrupted
+    append leaves: the file was edited or damaged)."""
     if not path.exists():
         return []
+    try:
+        with path.open(newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            records = [(reader.line_num, values) for values in reader if values]
+    except (csv.Error, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a CSV file of runs ({exc})") from None
+    if header is None:
+        return []
+    with path.open("rb") as f:  # csv.writer ends every row with a line end: a file without one was cut
+        f.seek(max(f.seek(0, os.SEEK_END) - 1, 0))
+        terminated = f.read(1) == b"\n"
+    if not records and not terminated:  # the header itself was cut: no run was recorded
+        (log or _stderr)(f"warning: {path}: only a cut header line, as a study stopped while writing its first "
+                         "run leaves it: removed")
+        path.unlink()
+        return []
+    _check_columns(path, header)
     rows = []
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            for k in ("accuracy", "test_accuracy", "worst_node", "epsilon_spent"):
-                row[k] = float(row[k]) if row[k] not in ("", "None") else None
-            rows.append(row)
+    for k, (line, values) in enumerate(records):
+        last = k == len(records) - 1
+        try:
+            row = _parse_row(header, values)
+            if last and not terminated:
+                raise ValueError("no line end")
+        except ValueError as exc:
+            if not last:
+                raise ValueError(f"{path}, line {line}: not a complete run ({exc}); correct or remove that "
+                                 "row") from None
+            (log or _stderr)(f"warning: {path}, line {line}: the last row is incomplete ({exc}), as a study "
+                             "stopped while writing it leaves it: skipped, and that run is done again")
+            _rewrite_rows(path, header, [v for _, v in records[:-1]])
+            continue
+        rows.append(row)
     return rows
+
+
+def _parse_row(header: list[str], values: list[str]) -> dict:
+    """One row of ``runs.csv`` as a dict, its scores as floats (None when empty); ``ValueError`` saying what
+    is wrong with a row that is not a complete run."""
+    if len(values) != len(header):
+        raise ValueError(f"{len(values)} fields, the header has {len(header)}")
+    row = dict(zip(header, values))
+    try:
+        for k in ("accuracy", "test_accuracy", "worst_node", "epsilon_spent"):
+            if k in row:
+                row[k] = float(row[k]) if row[k] not in ("", "None") else None
+        _key(row)  # the run's identity: every field of it present and parseable
+        float(row.get("seconds") or 0.0)
+    except KeyError as exc:
+        raise ValueError(f"no {exc.args[0]!r} column") from None
+    return row
+
+
+def _rewrite_rows(path: Path, header: list[str], records: list[list[str]]) -> None:
+    """Replace ``path`` atomically by ``header`` and ``records`` (fields written back as they were read)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(records)
+    os.replace(tmp, path)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _skipped(row: dict) -> str:
@@ -496,7 +594,7 @@ def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path 
     runs_path, partial = out / "runs.csv", out / "runs.csv.partial"
     # Runs of this study go to runs.csv.partial as they finish; runs.csv is replaced only at the end (by
     # this study's rows plus every earlier row it did not reach), so an interruption loses nothing.
-    old_rows = _read_rows(runs_path) + _read_rows(partial)
+    old_rows = _read_rows(runs_path, log) + _read_rows(partial, log)
     _upgrade_header(partial)  # rows are appended to it below, with this version's columns
     done = {_key(r): r for r in old_rows}
     data = split_data(dataset, grid)

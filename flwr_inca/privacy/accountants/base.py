@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..._checks import check_real
+
 __all__ = ["Memo", "RoundAccountant", "RoundCost", "grouped", "rdp_per_step", "require_opacus"]
 
 
@@ -27,6 +29,16 @@ class RoundCost:
 
     mu: float
     sample_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_real("mu", self.mu, 0.0, finite=False)  # inf: an unbounded round
+        check_real("sample_rate", self.sample_rate, 0.0, 1.0, low_open=True)
+
+
+# Opacus overflows at noise multipliers near 1e300 (mu = 1e-300); its bounds are already flat far below
+# (the same epsilon at mu = 1e-20 as at 1e-150), so a smaller mu is composed as this one: the same figures,
+# and never less than the true cost (a larger mu only costs more)
+_SMALLEST_MU = 1e-100
 
 
 class RoundAccountant(ABC):
@@ -47,7 +59,7 @@ def grouped(rounds: Sequence[RoundCost]) -> list[tuple[float, float, int]]:
     """``(noise_multiplier, sample_rate, count)`` triples, identical rounds merged (order is
     irrelevant for composition). Rounds with mu = 0 cost nothing and are dropped."""
     counts = Counter((r.mu, r.sample_rate) for r in rounds if r.mu > 0)
-    return [(1.0 / mu, q, c) for (mu, q), c in sorted(counts.items())]
+    return [(1.0 / max(mu, _SMALLEST_MU), q, c) for (mu, q), c in sorted(counts.items())]
 
 
 class Memo:

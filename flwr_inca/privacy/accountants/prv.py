@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..._checks import check_bytes, check_delta, check_real
 from .base import Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
 
 __all__ = ["OpacusPrvAccountant", "prv_epsilon"]
@@ -62,6 +63,10 @@ def prv_epsilon(groups: Sequence[tuple[float, float, int]], delta: float, eps_er
         L_max = max(L_max, _rdp_epsilon(orders, rdp * 1, delta_error / (8 * total)))
     L = max(L_max, eps_error) + 3
     mesh_size = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
+    # the grid has 2L / mesh_size points (grows with sqrt(rounds) / eps_error): a few float arrays of it per
+    # group, and the FFTs of the composition, refused before Opacus allocates them (10^9 rounds: 205 TiB)
+    check_bytes(f"the PRV accountant's grid for {total} rounds at eps_error = {eps_error:g}",
+                8.0 * (2 * L / mesh_size) * (3 * len(groups) + 8), "fewer rounds or a larger eps_error")
     domain = Domain.create_aligned(-L, L, mesh_size)
 
     dprvs = []
@@ -88,13 +93,13 @@ class OpacusPrvAccountant(RoundAccountant):
     name = "opacus-prv"
 
     def __init__(self, eps_error: float = 0.01) -> None:
-        if not (eps_error > 0):
-            raise ValueError(f"eps_error must be > 0, got {eps_error!r}")
+        check_real("eps_error", eps_error, 0.0, low_open=True)
         require_opacus(self.name)
         self.eps_error = float(eps_error)
         self._memo = {"rdp": Memo(64), "mean": Memo(64), "epsilon": Memo(16)}
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
+        delta = check_delta("delta", delta)
         if any(r.mu == math.inf for r in rounds):
             return math.inf
         groups = grouped(rounds)

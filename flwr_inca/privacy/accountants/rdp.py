@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..._checks import check_delta, check_real
 from .base import Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
 
 __all__ = ["OpacusRdpAccountant"]
@@ -30,12 +31,16 @@ class OpacusRdpAccountant(RoundAccountant):
 
     def __init__(self, orders: Sequence[float] | None = None) -> None:
         require_opacus(self.name)
-        self.orders = list(orders) if orders is not None else list(ORDERS)
+        if orders is not None and (isinstance(orders, (str, bytes)) or not list(orders)):
+            raise ValueError(f"orders must be a non-empty list of Renyi orders > 1, got {orders!r}")
+        self.orders = [check_real("orders (each)", a, 1.0, low_open=True) for a in orders] \
+            if orders is not None else list(ORDERS)
         self._memo = Memo(64)  # per-step RDP curve of each distinct round (c rounds: c times the curve)
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
         from opacus.accountants.analysis.rdp import get_privacy_spent
 
+        delta = check_delta("delta", delta)
         groups = grouped(rounds)
         if any(r.mu == math.inf for r in rounds):
             return math.inf
