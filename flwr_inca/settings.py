@@ -20,7 +20,19 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ._checks import check_bool, check_int, check_probability, check_real
+from ._checks import (
+    MAX_PARTIES,
+    check_bool,
+    check_delta,
+    check_epsilon,
+    check_int,
+    check_probability,
+    check_real,
+    check_rounds,
+    check_runs,
+    check_scale,
+    check_workers,
+)
 from .privacy.accountants import create_accountant, resolve_accountant_name
 from .protocol.config import IncaConfig
 from .protocol.dropout import DropoutModel, resolve_dropout
@@ -86,28 +98,27 @@ class PrivacyTarget:
 
     def __post_init__(self) -> None:
         if self.max_epsilon is not None:
-            check_real("max_epsilon (total budget, or None)", self.max_epsilon, 0.0, 1e6, low_open=True)
+            check_epsilon("max_epsilon (total budget, or None)", self.max_epsilon)
         if self.round_epsilon is not None:
-            check_real("round_epsilon (per-round target, or None)", self.round_epsilon, 1e-6, 1e3)
-        check_probability("delta", self.delta, zero=False, one=False)
+            check_epsilon("round_epsilon (per-round target, or None)", self.round_epsilon)
+        check_delta("delta", self.delta)
         if self.budget_rounds is not None:
-            check_int("budget_rounds", self.budget_rounds, 1, 10**7)
-        check_real("clip_norm", self.clip_norm, 0.0, 1e150, low_open=True)
+            check_rounds("budget_rounds", self.budget_rounds)
+        check_scale("clip_norm", self.clip_norm, zero=False)
         if self.value_sensitivity is not None:
-            check_real("value_sensitivity", self.value_sensitivity, 0.0, 1e150, low_open=True)
+            check_scale("value_sensitivity", self.value_sensitivity, zero=False)
         check_probability("sample_rate", self.sample_rate, zero=False)
         check_probability("collusion (a fraction of the parties)", self.collusion, one=False)
         if self.observed_fraction is not None:
             check_probability("observed_fraction", self.observed_fraction)
-        check_int("threat_draws", self.threat_draws, 1, 1000)
-        check_int("calibration_runs", self.calibration_runs, 1, 100_000)
+        check_workers("threat_draws", self.threat_draws)
+        check_runs("calibration_runs", self.calibration_runs)
         check_probability("calibration_success (a share of the calibration runs)", self.calibration_success,
                           zero=False)
         check_real("calibration_margin", self.calibration_margin, 0.0, 1.0, high_open=True)
-        check_int("budget_check_runs (simulated executions that predict a round's cost)",
-                  self.budget_check_runs, 1, 100_000)
-        check_int("max_consecutive_refusals (rounds refused by the budget in a row before training stops)",
-                  self.max_consecutive_refusals, 1)
+        check_runs("budget_check_runs (simulated executions that predict a round's cost)", self.budget_check_runs)
+        check_rounds("max_consecutive_refusals (rounds refused by the budget in a row before training stops)",
+                     self.max_consecutive_refusals)
         check_real("mu_resolution", self.mu_resolution, 0.0, 1.0, high_open=True)
         accountant = create_accountant(self.accountant_name)  # unknown names and missing extras fail now
         try:  # fail now, not after a round has spent privacy
@@ -192,8 +203,8 @@ class MixingConfig:
             raise ValueError(f"certification must be one of {CERTIFICATIONS}, got {self.certification!r}")
         if self.certification == "local-bound" and self.sigma_star == 0:
             raise ValueError("certification='local-bound' needs sigma_star > 0 (mu = S / sigma_star)")
-        check_int("certify_every", self.certify_every, 1)
-        check_int("min_finalists", self.min_finalists)
+        check_rounds("certify_every", self.certify_every)
+        check_int("min_finalists", self.min_finalists, 1, MAX_PARTIES)
         check_real("max_noise_inflation", self.max_noise_inflation, 1.0, finite=False)
         if self.max_update_norm is not None:
             check_real("max_update_norm (or None)", self.max_update_norm, 0.0, low_open=True, finite=False)

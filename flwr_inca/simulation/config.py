@@ -11,7 +11,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._checks import check_int, check_probability, check_real
+from .._checks import (
+    check_batch_size,
+    check_int,
+    check_local_steps,
+    check_parties,
+    check_probability,
+    check_rounds,
+    check_scale,
+    check_workers,
+)
 from ..privacy.plan import PRIVACY_UNITS
 from ..settings import GROUPS, MixingConfig, PersistenceConfig, PrivacyTarget, build_groups
 from .availability import Availability
@@ -20,7 +29,6 @@ __all__ = ["SimulationConfig", "DEFAULT_LR"]
 
 DEFAULT_LR = {"record": 6.0, "party": 0.05}  # lr=None picks these (the MNIST example's settings)
 BACKENDS = ("ray", "inline")
-MAX_ROUNDS = 1_000_000
 
 
 @dataclass(frozen=True, init=False)
@@ -110,22 +118,22 @@ class SimulationConfig:
     def _validate(self) -> None:
         from .mixers import MIXERS
 
-        check_int("rounds", self.rounds, 1, MAX_ROUNDS)
+        check_rounds("rounds", self.rounds)
         if not isinstance(self.mode, str) or self.mode not in MIXERS:
             raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {self.mode!r}")
         check_probability("fraction (of available clients per round)", self.fraction, zero=False)
-        check_int("min_clients", self.min_clients, 2)
+        check_parties("min_clients", self.min_clients)
         if self.availability is not None and not isinstance(self.availability, Availability):
             raise ValueError(f"availability must be an Availability model or None, got {self.availability!r}")
         if self.privacy_unit not in PRIVACY_UNITS:
             raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {self.privacy_unit!r}")
         if self.lr is not None:
-            check_real("lr", self.lr, 0.0, 1e6, low_open=True)
-        check_int("batch_size", self.batch_size, 1, 10**7)
+            check_scale("lr", self.lr, zero=False)
+        check_batch_size("batch_size", self.batch_size)
         if self.local_steps is not None:
-            check_int("local_steps", self.local_steps, 1, 10**6)
+            check_local_steps("local_steps", self.local_steps)
         if self.local_epochs is not None:
-            check_int("local_epochs", self.local_epochs, 1, 10**4)
+            check_local_steps("local_epochs", self.local_epochs)
         if self.local_steps is not None and self.local_epochs is not None:
             raise ValueError("give local_steps or local_epochs, not both")
         if self.privacy_unit == "record" and (self.local_epochs is not None or self.local_steps not in (None, 1)):
@@ -134,17 +142,17 @@ class SimulationConfig:
                 "noiseless local steps one example's influence on the update has no bound; use more rounds, "
                 "or privacy_unit='party'")
         if self.noise_multiplier is not None:
-            check_real("noise_multiplier", self.noise_multiplier, 0.0, 1e12, low_open=True)
+            check_scale("noise_multiplier", self.noise_multiplier, zero=False)
         if not isinstance(self.mixer_options, dict):
             raise ValueError("mixer_options must be a dict of keyword arguments")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.num_actors is not None:
-            check_int("num_actors", self.num_actors, 1, 10**5)
+            check_workers("num_actors", self.num_actors)
         if self.ray_address is not None and (not isinstance(self.ray_address, str) or not self.ray_address):
             raise ValueError(f"ray_address must be None, 'auto' or 'host:port', got {self.ray_address!r}")
         check_int("seed", self.seed, 0)
-        check_int("eval_every", self.eval_every, 1)
+        check_rounds("eval_every", self.eval_every)
         if self.backend != "ray" and (self.num_actors is not None or self.ray_address is not None):
             raise ValueError("num_actors and ray_address need backend='ray' (the inline backend has no actors)")
         self._validate_privacy(MIXERS[self.mode].private)
