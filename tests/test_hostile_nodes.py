@@ -22,7 +22,9 @@ pytest.importorskip("flwr")
 
 from flwr_inca import InjectionSchedule, replay  # noqa: E402
 from flwr_inca.flower.crypto import KeyPair, associated_data, pair_key, seal  # noqa: E402
-from flwr_inca.flower.node import MemoryStore, RoundParams, RoundSecrets, handle_exchange  # noqa: E402
+from flwr_inca.flower.node import RoundSecrets, handle_exchange  # noqa: E402
+from flwr_inca.flower.shared import RoundParams  # noqa: E402
+from flwr_inca.flower.storage import MemoryStore  # noqa: E402
 from flwr_inca.flower.offenders import LOST_FINAL, Offenders  # noqa: E402
 from flwr_inca.flower.relay import Outgoing, Rejection, Reply, Request, RoundRelay, drive  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise, PartyState  # noqa: E402

@@ -19,3 +19,53 @@ def test_core_imports_without_flower_and_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------------------- one module, one owner
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+PACKAGE = Path(__file__).resolve().parents[1] / "flwr_inca"
+# private names of other libraries the package uses on purpose (an argparse extension point)
+FOREIGN = {"_SubParsersAction", "_get_help_string"}
+# the numba kernels' Python bodies (one compiled loop each; docs/privacy.md explains why they are long)
+KERNELS = {"_solve_blocks_py", "_evaluate_blocks_py"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE.parent), ast.parse(path.read_text())
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """A private name (``_x``) is used only by the module that defines it: never imported by another, and
+    never read off anything but ``self``/``cls`` (an object of another module's class)."""
+    found = []
+    for path, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module is not None:  # a private module is the package's
+                found += [f"{path}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls") or node.attr in FOREIGN:
+                    continue
+                found.append(f"{path}:{node.lineno} reads {ast.unparse(owner)}.{node.attr}")
+    assert found == [], "\n".join(found)
+
+
+def test_no_function_is_longer_than_100_lines():
+    long = [f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path, tree in _modules() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in KERNELS
+            and node.end_lineno - node.lineno + 1 > 100]
+    assert long == [], "\n".join(long)
+
+
+def test_the_package_imports_without_posix_only_modules():
+    """``import flwr_inca`` (the engine, certificates, ledger) needs no ``fcntl``: the ledger's lock imports
+    it when a lock is taken, and uses ``msvcrt`` on Windows."""
+    code = ("import sys\nsys.modules['fcntl'] = None\nimport flwr_inca, flwr_inca.privacy, flwr_inca.protocol\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -9,13 +9,9 @@ pytest.importorskip("cryptography")
 
 from flwr_inca import InjectionSchedule, replay  # noqa: E402
 from flwr_inca.flower.crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal  # noqa: E402
-from flwr_inca.flower.node import (  # noqa: E402
-    MemoryStore,
-    RoundParams,
-    RoundSecrets,
-    draw_noise_ahead,
-    handle_exchange,
-)
+from flwr_inca.flower.node import RoundSecrets, draw_noise_ahead, handle_exchange  # noqa: E402
+from flwr_inca.flower.shared import RoundParams  # noqa: E402
+from flwr_inca.flower.storage import MemoryStore  # noqa: E402
 from flwr_inca.flower.relay import RoundRelay, drive  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise  # noqa: E402
 
@@ -177,7 +173,7 @@ def test_party_that_loses_its_storage_is_restored_from_its_own_payload():
 def test_rejoining_a_round_number_uses_nothing_from_the_earlier_instance(kind, tmp_path):
     # a restarted strategy numbers its rounds from 1 again: the nodes' storage still holds the old
     # instance's data for that round number (cached x + eta*, states, roster with old public keys)
-    from flwr_inca.flower.node import DirectoryStore
+    from flwr_inca.flower.storage import DirectoryStore
 
     rng = np.random.default_rng(9)
     first, second = rng.random((6, 3)), rng.random((6, 3)) + 5.0
@@ -246,7 +242,7 @@ def test_noise_drawn_ahead_is_the_noise_drawn_on_demand(schedule, monkeypatch):
 
 
 def test_stored_noise_reads_each_step_once_from_exact_ranges(tmp_path):
-    from flwr_inca.flower.node import DirectoryStore, StoredNoise
+    from flwr_inca.flower.storage import DirectoryStore, StoredNoise
 
     reads = []
 
@@ -308,7 +304,7 @@ def test_choose_neighbors_is_uniform_over_the_other_parties():
 
 
 def test_directory_store_keeps_states_in_checksummed_slots(tmp_path):
-    from flwr_inca.flower.node import DirectoryStore
+    from flwr_inca.flower.storage import DirectoryStore
 
     store = DirectoryStore(tmp_path / "node")
     store.save_value(2, np.zeros(3))
@@ -334,7 +330,7 @@ def test_directory_store_keeps_states_in_checksummed_slots(tmp_path):
 def test_directory_store_is_private_to_the_node(tmp_path):
     import stat
 
-    from flwr_inca.flower.node import DirectoryStore
+    from flwr_inca.flower.storage import DirectoryStore
 
     root = tmp_path / "node"
     root.mkdir(mode=0o755)

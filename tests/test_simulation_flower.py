@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from flwr_inca.flower import IncaStrategy  # noqa: E402
-from flwr_inca.flower.client import clip, flatten_arrays  # noqa: E402
+from flwr_inca.flower.shared import clip, flatten_arrays  # noqa: E402
 from flwr_inca.flower.node import RoundSecrets  # noqa: E402
 from flwr_inca.protocol.party import PartyNoise  # noqa: E402
 from flwr_inca.simulation import IncaMixer, MixContext, RoundPlan  # noqa: E402

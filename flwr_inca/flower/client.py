@@ -52,9 +52,7 @@ from .shared import END_ACTION, INCA_KEY, MIX_ACTION, clip, flatten_arrays, unfl
 from .storage import DirectoryStore, check_private_root, remove_stale_runs
 from .wire import FIELD, MissingRoster, decode_request, encode_reply, pack_roster, unpack_roster
 
-__all__ = ["IncaClient",
-           # moved to .shared; still importable from here
-           "MIX_ACTION", "INCA_KEY", "flatten_arrays", "unflatten_arrays", "clip"]
+__all__ = ["IncaClient"]
 
 _STATE_SECRETS = "inca-secrets"
 _DEFAULT_ACTION = "default"  # Flower's action of a plain ``@app.train()``

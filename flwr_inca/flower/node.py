@@ -31,9 +31,7 @@ from .relay import Outgoing, Rejection, Reply, Request
 from .shared import RoundParams
 from .storage import DirectoryStore, MemoryStore, NodeStore, StoredNoise
 
-__all__ = ["RoundSecrets", "draw_noise_ahead", "handle_exchange", "choose_neighbors", "state_limit",
-           # moved to .shared and .storage; still importable from here
-           "RoundParams", "NodeStore", "MemoryStore", "DirectoryStore", "StoredNoise"]
+__all__ = ["RoundSecrets", "draw_noise_ahead", "handle_exchange", "choose_neighbors", "state_limit"]
 
 
 @dataclass(frozen=True)

@@ -437,22 +437,9 @@ def calibrate(
             largest mu as tight as a lone ``certify``'s; slower). ``bound_passes=2`` bounds every run alone.
     """
     start = time.perf_counter()
-    if procedure not in ("exact", "paper"):
-        raise ValueError(f"procedure must be 'exact' or 'paper', got {procedure!r}")
-    epsilon = check_epsilon("epsilon", epsilon)
-    delta = check_delta("delta", delta)
-    parties = check_parties("parties", parties)
-    runs = check_runs("runs", runs)
-    target_success = check_probability("target_success", target_success, zero=False)
-    value_sensitivity = check_scale("value_sensitivity", value_sensitivity, zero=False)
-    value_variance = check_real("value_variance", value_variance, 0.0, MAX_SCALE)
-    min_alpha = check_real("min_alpha", min_alpha, 0.0, MAX_ALPHA)
-    if alphas is not None:
-        alphas = tuple(alpha_candidates([], 1.0, 1.0, 1.0, alphas=alphas))  # each checked
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    if bound_settings is not None and not isinstance(bound_settings, BoundSettings):
-        raise ValueError(f"bound_settings must be a BoundSettings or None, got {type(bound_settings).__name__}")
+    epsilon, delta, parties, runs, target_success, value_sensitivity, value_variance, min_alpha, alphas = (
+        _checked(procedure, epsilon, delta, parties, runs, target_success, value_sensitivity, value_variance,
+                 min_alpha, alphas, solver, bound_settings))
     bound_passes = check_int("bound_passes", bound_passes, 1, 2)
     tight_runs = check_bool("tight_runs", tight_runs)
     rho, threat = _threat(collusion, observed_fraction)
@@ -474,36 +461,9 @@ def calibrate(
     sims = simulate_runs(parties, base, seeds, rho=rho, observed_fraction=observed_fraction, solver=solver,
                          nominal=nominal, bound_settings=bound_settings, progress=progress,
                          quantile=None if tight_runs or bound_passes == 2 else quantile)
-
-    def choose(sims: list[_Run]) -> tuple[dict[str, float], list[dict[str, float]], list[str]]:
-        candidates, n_o = alpha_grid(sims, procedure, mu_target, quantile, parties=parties, rho=rho,
-                                     dropout=dropout, alphas=alphas, min_alpha=min_alpha)
-        rows = [evaluate_alpha(a, sims, procedure=procedure, mu_target=mu_target, n_o=n_o, quantile=quantile,
-                               parties=parties, value_sensitivity=value_sensitivity,
-                               value_variance=value_variance) for a in candidates]
-        best, notes = pick_alpha(rows, procedure, quantile, runs=runs, epsilon=epsilon, delta=delta,
-                                 local_dp_sigma=value_sensitivity / mu_target)
-        return best, rows, notes
-
-    charged = sum(s.charged is not None for s in sims)
-    rebounded = 0
-    # Charged runs may be looser than alone: those that set sigma_delta at the chosen sigma_star, or cannot
-    # be made private there, are bounded again alone and the choice is made again (each pass at least one run:
-    # at most R passes). If no choice can be made (the paper's alpha, every run infeasible), all of them are.
-    while True:
-        try:
-            best, rows, notes = choose(sims)
-        except ValueError:
-            again = [r for r, s in enumerate(sims) if s.charged is not None]
-            if not again:
-                raise
-        else:
-            again = _loose_and_binding(sims, best, mu_target, value_sensitivity)
-        if not again:
-            break
-        for r in again:
-            _bound_again(sims[r], nominal, bound_settings)
-        rebounded += len(again)
+    selection = _Selection(procedure, mu_target, quantile, parties, rho, dropout, alphas, min_alpha, runs, epsilon,
+                           delta, value_sensitivity, value_variance)
+    best, rows, notes, charged, rebounded = _choose_charged(sims, selection, nominal, bound_settings)
     bounded = [r for r, s in enumerate(sims) if s.profile.method in ("bound", "cascade")]
     passes = 1
     if bounded and bound_passes == 2 and math.isfinite(best["sigma_delta"]):
@@ -512,7 +472,7 @@ def calibrate(
         at = (best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity)
         for r in bounded:
             _bound_again(sims[r], at, bound_settings)
-        best, rows, notes = choose(sims)
+        best, rows, notes = selection.choose(sims)
     if bounded:
         notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r}, "
                      f"bounded {'twice' if passes == 2 else 'once'})")
@@ -530,6 +490,78 @@ def calibrate(
         run_seeds=[(int(a), int(b)) for a, b in seeds],
         notes=notes,
     )
+
+
+def _checked(procedure, epsilon, delta, parties, runs, target_success, value_sensitivity, value_variance,
+             min_alpha, alphas, solver, bound_settings) -> tuple:
+    """:func:`calibrate`'s arguments, each checked (``ValueError`` naming it) and normalized."""
+    if procedure not in ("exact", "paper"):
+        raise ValueError(f"procedure must be 'exact' or 'paper', got {procedure!r}")
+    if alphas is not None:
+        alphas = tuple(alpha_candidates([], 1.0, 1.0, 1.0, alphas=alphas))  # each checked
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    if bound_settings is not None and not isinstance(bound_settings, BoundSettings):
+        raise ValueError(f"bound_settings must be a BoundSettings or None, got {type(bound_settings).__name__}")
+    return (check_epsilon("epsilon", epsilon), check_delta("delta", delta), check_parties("parties", parties),
+            check_runs("runs", runs), check_probability("target_success", target_success, zero=False),
+            check_scale("value_sensitivity", value_sensitivity, zero=False),
+            check_real("value_variance", value_variance, 0.0, MAX_SCALE),
+            check_real("min_alpha", min_alpha, 0.0, MAX_ALPHA), alphas)
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """How :func:`calibrate` picks alpha on its simulated runs (:func:`alpha_grid`, :func:`evaluate_alpha`,
+    :func:`pick_alpha`)."""
+
+    procedure: str
+    mu_target: float
+    quantile: float
+    parties: int
+    rho: float
+    dropout: DropoutModel | None
+    alphas: tuple[float, ...] | None
+    min_alpha: float
+    runs: int
+    epsilon: float
+    delta: float
+    value_sensitivity: float
+    value_variance: float
+
+    def choose(self, sims: list[_Run]) -> tuple[dict[str, float], list[dict[str, float]], list[str]]:
+        candidates, n_o = alpha_grid(sims, self.procedure, self.mu_target, self.quantile, parties=self.parties,
+                                     rho=self.rho, dropout=self.dropout, alphas=self.alphas, min_alpha=self.min_alpha)
+        rows = [evaluate_alpha(a, sims, procedure=self.procedure, mu_target=self.mu_target, n_o=n_o,
+                               quantile=self.quantile, parties=self.parties, value_sensitivity=self.value_sensitivity,
+                               value_variance=self.value_variance) for a in candidates]
+        best, notes = pick_alpha(rows, self.procedure, self.quantile, runs=self.runs, epsilon=self.epsilon,
+                                 delta=self.delta, local_dp_sigma=self.value_sensitivity / self.mu_target)
+        return best, rows, notes
+
+
+def _choose_charged(sims: list[_Run], selection: _Selection, nominal: tuple[float, float],
+                    bound_settings: BoundSettings | None) -> tuple[dict, list, list[str], int, int]:
+    """The choice on runs some of which were charged (bounded only above a level): those that set sigma_delta
+    at the chosen sigma_star, or cannot be made private there, are bounded again alone and the choice is made
+    again (each pass at least one run: at most R passes). If no choice can be made (the paper's alpha, every
+    run infeasible), all of them are. Returns ``(best, rows, notes, charged runs, runs bounded again)``."""
+    charged = sum(s.charged is not None for s in sims)
+    rebounded = 0
+    while True:
+        try:
+            best, rows, notes = selection.choose(sims)
+        except ValueError:
+            again = [r for r, s in enumerate(sims) if s.charged is not None]
+            if not again:
+                raise
+        else:
+            again = _loose_and_binding(sims, best, selection.mu_target, selection.value_sensitivity)
+        if not again:
+            return best, rows, notes, charged, rebounded
+        for r in again:
+            _bound_again(sims[r], nominal, bound_settings)
+        rebounded += len(again)
 
 
 def _bound_again(run: _Run, nominal: tuple[float, float], bound_settings: BoundSettings | None) -> None:
