@@ -451,124 +451,135 @@ def _solve(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
 def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
               progress: Callable[[str], None] | None, cascade: bool, pool: ThreadPoolExecutor | None,
               threads: int, charged_mu: float | None = None) -> SensitivityBound:
-    nH = ms.nH
-    # mu^2 charged anyway (0: none): no party is tightened below it
-    charged = 0.0 if charged_mu is None else float(charged_mu) ** 2
-    # global bounds (inf: not computed) and local bounds (inf: no local tier)
-    X, E = np.full(nH, np.inf), np.full(nH, np.inf)
-    Xc, Ec = np.full(nH, np.inf), np.full(nH, np.inf)
-    its = np.zeros(nH, dtype=np.int64)
-    op = _Operator(ms, s_star, s_delta, st)
-    states: dict[int, np.ndarray] = {}
+    solver = _BoundSolver(ms, st, s_star, s_delta, progress, cascade, pool, charged_mu)
+    everyone = np.arange(ms.nH)
+    if not cascade:
+        solver.run(everyone, st.iterations)
+        if progress:
+            progress(f"bound: {ms.nH} parties x {st.iterations} iterations; max mu "
+                     f"{math.sqrt(solver.current().max()):.5g}")
+    else:
+        solver.cascade(threads)
+    solver.refine(refined_only=False)
+    return solver.result()
 
-    # iterates kept for refinement: about 1 GB of float32 (at least 256 parties, at most 2048)
-    keep = int(np.clip(2.5e8 / max(ms.U, 1), max(4 * st.batch, 256), 2048))
 
-    local_dy: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}  # cascade: (support, u, a) per party
-    tier: LocalTier | None = None
+class _BoundSolver:
+    """The state of one bound: each honest party's global bound ``(X, E)`` (inf: not computed), its local
+    bound ``(Xc, Ec)`` (the cascade's; inf: none), the search iterations spent on it, and the iterates kept
+    to continue from. Its steps: :meth:`run` (global solves of some parties), :meth:`cascade` (local bounds
+    of everyone, then global solves down from the largest), :meth:`refine` (more iterations near the top)."""
 
-    def start(part: np.ndarray) -> np.ndarray:
-        if tier is not None and st.local_start:
-            return _local_start(tier.G, local_dy, part)
-        return _warm_start(ms, part)
+    def __init__(self, ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float,
+                 progress: Callable[[str], None] | None, cascade: bool, pool: ThreadPoolExecutor | None,
+                 charged_mu: float | None) -> None:
+        nH = ms.nH
+        self.ms, self.st, self.s_star, self.s_delta = ms, st, s_star, s_delta
+        self.progress, self.is_cascade, self.pool = progress, cascade, pool
+        # mu^2 charged anyway (0: none): no party is tightened below it
+        self.charged = 0.0 if charged_mu is None else float(charged_mu) ** 2
+        self.X, self.E = np.full(nH, np.inf), np.full(nH, np.inf)
+        self.Xc, self.Ec = np.full(nH, np.inf), np.full(nH, np.inf)
+        self.its = np.zeros(nH, dtype=np.int64)
+        self.op = _Operator(ms, s_star, s_delta, st)
+        self.states: dict[int, np.ndarray] = {}
+        # iterates kept for refinement: about 1 GB of float32 (at least 256 parties, at most 2048)
+        self.keep = int(np.clip(2.5e8 / max(ms.U, 1), max(4 * st.batch, 256), 2048))
+        self.local_dy: dict[int, tuple[np.ndarray, np.ndarray, float]] = {}  # cascade: (support, u, a) per party
+        self.tier: LocalTier | None = None
+        self.change = np.full(nH, np.inf)  # relative decrease of each party's bound at its last refinement
+        self.tolerance = st.cascade_tolerance if cascade else st.tolerance
 
-    def run(parties: np.ndarray, iterations: int, early: bool = False) -> None:
-        # batches either continue from kept iterates or restart (from the warm start, ordered by the
-        # iterations already done), never a mix: a mixed batch would redo the continuing ones
-        kept = np.array([int(p) in states for p in parties], dtype=bool)
+    def current(self) -> np.ndarray:
+        """The best bound of each party at the nominal sigmas."""
+        s2, d2 = self.s_star**2, self.s_delta**2
+        return np.minimum(self.X / s2 + self.E / d2, self.Xc / s2 + self.Ec / d2)
+
+    def _start(self, part: np.ndarray) -> np.ndarray:
+        if self.tier is not None and self.st.local_start:
+            return _local_start(self.tier.G, self.local_dy, part)
+        return _warm_start(self.ms, part)
+
+    def _batches(self, parties: np.ndarray) -> list[np.ndarray]:
+        """Batches that either continue from kept iterates or restart (from the warm start, ordered by the
+        iterations already done), never a mix: a mixed batch would redo the continuing ones."""
+        kept = np.array([int(p) in self.states for p in parties], dtype=bool)
         fresh = parties[~kept]
-        parties = np.concatenate([parties[kept], fresh[np.argsort(its[fresh], kind="stable")]])
-        n_kept = int(kept.sum())
-        cuts = sorted({*range(0, n_kept, st.batch), *range(n_kept, parties.size, st.batch)})
+        parties = np.concatenate([parties[kept], fresh[np.argsort(self.its[fresh], kind="stable")]])
+        n_kept, batch = int(kept.sum()), self.st.batch
+        cuts = sorted({*range(0, n_kept, batch), *range(n_kept, parties.size, batch)})
+        return [parties[k: stop] for k, stop in zip(cuts, [*cuts[1:], parties.size])]
+
+    def run(self, parties: np.ndarray, iterations: int, early: bool = False) -> None:
+        """``iterations`` more search iterations for ``parties``, in batches on the pool."""
         # the charge-aware early stop: a party's first global solve ends once its estimated bound is
         # below stop_factor x the largest refined bound (parties already refined get every iteration)
-        refined = its > 0
-        aim = max(float(current()[refined].max(initial=0.0)), charged)
-        stop_at = st.stop_factor**2 * aim if early and aim > 0 else None
-        jobs = [parties[k: stop] for k, stop in zip(cuts, [*cuts[1:], parties.size])]
+        aim = max(float(self.current()[self.its > 0].max(initial=0.0)), self.charged)
+        stop_at = self.st.stop_factor**2 * aim if early and aim > 0 else None
 
         def prepare(part: np.ndarray) -> tuple:  # in this thread: which kept iterates a batch starts from
-            if all(int(p) in states for p in part):
-                return part, [states[int(p)] for p in part], iterations
-            return part, None, int(its[part].max()) + iterations
+            if all(int(p) in self.states for p in part):
+                return part, [self.states[int(p)] for p in part], iterations
+            return part, None, int(self.its[part].max()) + iterations
 
         def solve(job: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             part, kept_x, todo = job
-            x0 = np.column_stack(kept_x) if kept_x is not None else start(part)
-            b = op.w * ms.apply_P(ms.target(part))
-            below = None if stop_at is None else np.where(its[part] == 0, stop_at, -np.inf)
-            x = _cg(op, b, x0, todo, below)
-            Xb, Eb = _evaluate(ms, x, part)
+            x0 = np.column_stack(kept_x) if kept_x is not None else self._start(part)
+            b = self.op.w * self.ms.apply_P(self.ms.target(part))
+            below = None if stop_at is None else np.where(self.its[part] == 0, stop_at, -np.inf)
+            x = _cg(self.op, b, x0, todo, below)
+            Xb, Eb = _evaluate(self.ms, x, part)
             return part, x, Xb, Eb
 
         # every batch prepared here first, then solved on the threads as they free up, the results taken
         # in order: the same for any timing (a batch continuing from kept iterates holds them until solved)
-        prepared = [prepare(part) for part in jobs]
+        prepared = [prepare(part) for part in self._batches(parties)]
+        pool = self.pool
         results = pool.map(solve, prepared) if pool is not None and len(prepared) > 1 else map(solve, prepared)
         for part, x, Xb, Eb in results:
-            X[part], E[part] = Xb, Eb
-            its[part] = np.maximum(its[part], 0) + iterations
+            self.X[part], self.E[part] = Xb, Eb
+            self.its[part] = np.maximum(self.its[part], 0) + iterations
             for j, p in enumerate(part):
-                states[int(p)] = x[:, j]
-            if len(states) > keep:  # keep the iterates of the parties with the largest bounds
-                f = current()
-                for p in sorted(states, key=lambda q: f[q])[: len(states) - keep]:
-                    del states[p]
+                self.states[int(p)] = x[:, j]
+            if len(self.states) > self.keep:  # keep the iterates of the parties with the largest bounds
+                f = self.current()
+                for p in sorted(self.states, key=lambda q: f[q])[: len(self.states) - self.keep]:
+                    del self.states[p]
 
-    def current() -> np.ndarray:  # the best bound of each party at the nominal sigmas
-        return np.minimum(X / s_star**2 + E / s_delta**2, Xc / s_star**2 + Ec / s_delta**2)
-
-    change = np.full(nH, np.inf)  # relative decrease of each party's bound at its last refinement
-    tolerance = st.cascade_tolerance if cascade else st.tolerance
-
-    def refine(refined_only: bool) -> None:
-        # more iterations for the parties within refine_band of the largest bound, until they settle
+    def refine(self, refined_only: bool) -> None:
+        """More iterations for the parties within refine_band of the largest bound, until they settle."""
+        st, its = self.st, self.its
         while True:
-            f = current()
+            f = self.current()
             refined = its > 0
             top = f[refined].max(initial=0.0) if refined_only else f.max()
-            band = (f >= st.refine_band**2 * top) & (f > charged) & (its < st.max_iterations) & (change > tolerance)
-            if cascade:  # refine the parties near the top; a local-only party only once it is above them
+            band = ((f >= st.refine_band**2 * top) & (f > self.charged) & (its < st.max_iterations)
+                    & (self.change > self.tolerance))
+            if self.is_cascade:  # refine the parties near the top; a local-only party only once it is above them
                 band &= refined if refined_only else refined | (f > f[refined].max(initial=0.0))
             pick = np.flatnonzero(band)
             if pick.size == 0:
                 break
             before = f[pick].copy()
-            run(pick, st.refine_iterations)
-            after = current()[pick]
-            change[pick] = (before - after) / np.maximum(before, 1e-300) / 2  # of mu, not mu^2
-            if progress:
-                refined_top = float(current()[its > 0].max(initial=0.0))  # the cascade's local-only parties aside
-                progress(f"bound: refined {pick.size} part{'y' if pick.size == 1 else 'ies'}; largest refined mu "
-                         f"{math.sqrt(refined_top):.5g}")
+            self.run(pick, st.refine_iterations)
+            after = self.current()[pick]
+            self.change[pick] = (before - after) / np.maximum(before, 1e-300) / 2  # of mu, not mu^2
+            if self.progress:
+                refined_top = float(self.current()[its > 0].max(initial=0.0))  # the local-only parties aside
+                self.progress(f"bound: refined {pick.size} part{'y' if pick.size == 1 else 'ies'}; largest "
+                              f"refined mu {math.sqrt(refined_top):.5g}")
 
-    everyone = np.arange(nH)
-    if not cascade:
-        run(everyone, st.iterations)
-        if progress:
-            progress(f"bound: {nH} parties x {st.iterations} iterations; max mu {math.sqrt(current().max()):.5g}")
-    else:
-        tier = _local_tier(ms, op, st, s_star, s_delta)
-        step = max(st.local_batch, 1)
-        parts = [everyone[k: k + step] for k in range(0, nH, step)]
-        # the compiled kernels release the GIL: batches run side by side, results come back in order
-        side_by_side = pool is not None and tier.engine == "compiled"
-        results = pool.map(tier.bounds_and_dy, parts) if side_by_side else map(tier.bounds_and_dy, parts)
-        for index, (part, (Xb, Eb, dys)) in enumerate(zip(parts, results)):
-            Xc[part], Ec[part] = Xb, Eb
-            if st.local_start:
-                local_dy.update(zip(part.tolist(), dys))
-            if progress and (index + 1) % max(1000 // step, 1) == 0:
-                progress(f"cascade: local bounds of {part[-1] + 1} / {nH} parties")
-        if progress:
-            progress(f"cascade: local bounds done; max local mu {math.sqrt(float(current().max())):.5g}")
-        # refine in descending order of the local bound, until the next local bound is at most the
-        # largest refined one: every party left has min(local, global) below the charged maximum.
-        # The first chunk is refined at once, so that the early stop of the others aims at (nearly)
-        # the final maximum, not at a first, higher estimate of it.
-        fc = Xc / s_star**2 + Ec / s_delta**2
+    def cascade(self, threads: int) -> None:
+        """Local bounds for every party, then global solves in descending order of the local bound, until
+        the next local bound is at most the largest refined one: every party left then has min(local,
+        global) below the charged maximum."""
+        self._local_bounds()
+        st, nH, progress = self.st, self.ms.nH, self.progress
+        # the first chunk is refined at once, so that the early stop of the others aims at (nearly) the
+        # final maximum, not at a first, higher estimate of it
+        fc = self.Xc / self.s_star**2 + self.Ec / self.s_delta**2
         order = np.argsort(-fc, kind="stable")
-        top, pos = (charged if charged > 0 else -np.inf), 0
+        top, pos = (self.charged if self.charged > 0 else -np.inf), 0
         while pos < nH:
             # the first batch alone (it sets the maximum the others stop early at), then one per thread
             width = st.batch if pos == 0 else st.batch * threads
@@ -576,24 +587,43 @@ def _solve_in(ms: MessageSpace, st: BoundSettings, s_star: float, s_delta: float
             chunk = chunk[fc[chunk] > top]
             if chunk.size == 0:
                 break
-            run(chunk, st.iterations, early=st.stop_factor > 0)
+            self.run(chunk, st.iterations, early=st.stop_factor > 0)
             if pos == 0:
-                refine(refined_only=True)
+                self.refine(refined_only=True)
                 if progress:
                     progress(f"cascade: the {chunk.size} largest local bounds refined globally; their max mu "
-                             f"{math.sqrt(float(current()[its > 0].max())):.5g}")
-            top = max(top, float(current()[its > 0].max()))
+                             f"{math.sqrt(float(self.current()[self.its > 0].max())):.5g}")
+            top = max(top, float(self.current()[self.its > 0].max()))
             pos += width
         if progress:
-            progress(f"cascade: local bound for {nH} parties, global bound for {int((its > 0).sum())}; "
-                     f"max mu {math.sqrt(current().max()):.5g}")
-    refine(refined_only=False)
-    # each party keeps the smaller of its two bounds at the nominal sigmas (both are sound for all)
-    use_local = Xc / s_star**2 + Ec / s_delta**2 < X / s_star**2 + E / s_delta**2
-    Xo, Eo = np.where(use_local, Xc, X), np.where(use_local, Ec, E)
-    k = ms.natural
-    return SensitivityBound(ms.honest, Xo[k], Eo[k], (s_star, s_delta), its[k],
-                            method="cascade" if cascade else "bound")
+            progress(f"cascade: local bound for {nH} parties, global bound for {int((self.its > 0).sum())}; "
+                     f"max mu {math.sqrt(self.current().max()):.5g}")
+
+    def _local_bounds(self) -> None:
+        ms, st, progress, nH = self.ms, self.st, self.progress, self.ms.nH
+        self.tier = tier = _local_tier(ms, self.op, st, self.s_star, self.s_delta)
+        step = max(st.local_batch, 1)
+        parts = [np.arange(nH)[k: k + step] for k in range(0, nH, step)]
+        # the compiled kernels release the GIL: batches run side by side, results come back in order
+        side_by_side = self.pool is not None and tier.engine == "compiled"
+        results = self.pool.map(tier.bounds_and_dy, parts) if side_by_side else map(tier.bounds_and_dy, parts)
+        for index, (part, (Xb, Eb, dys)) in enumerate(zip(parts, results)):
+            self.Xc[part], self.Ec[part] = Xb, Eb
+            if st.local_start:
+                self.local_dy.update(zip(part.tolist(), dys))
+            if progress and (index + 1) % max(1000 // step, 1) == 0:
+                progress(f"cascade: local bounds of {part[-1] + 1} / {nH} parties")
+        if progress:
+            progress(f"cascade: local bounds done; max local mu {math.sqrt(float(self.current().max())):.5g}")
+
+    def result(self) -> SensitivityBound:
+        """Each party keeps the smaller of its two bounds at the nominal sigmas (both are sound for all)."""
+        s2, d2 = self.s_star**2, self.s_delta**2
+        use_local = self.Xc / s2 + self.Ec / d2 < self.X / s2 + self.E / d2
+        Xo, Eo = np.where(use_local, self.Xc, self.X), np.where(use_local, self.Ec, self.E)
+        k = self.ms.natural
+        return SensitivityBound(self.ms.honest, Xo[k], Eo[k], (self.s_star, self.s_delta), self.its[k],
+                                method="cascade" if self.is_cascade else "bound")
 
 
 def bound_bytes(parties: int, iterations: int, settings: BoundSettings | None = None) -> float:
