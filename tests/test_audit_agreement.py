@@ -63,7 +63,7 @@ def test_a_flower_rounds_trace_reproduces_its_charge(tmp_path, task_identity):
     assert refused == [True] and strategy.rounds[1].refused
     # and rounds that released their finals, one of them lost (the charge counts the finals that arrived)
     lost = IncaStrategy(**settings, seed=seed, ledger_path=tmp_path / "l2.json", trace_dir=tmp_path / "t2",
-                        max_noise_inflation=math.inf)
+                        max_noise_inflation=math.inf, exchange_timeout=0.3)  # the silent node's exchanges time out
     lost.start(InProcessGrid(flower_apps.client, 6, drop=lambda rnd, commit, party: party == 2 and commit == 4),
                initial, num_rounds=2)
     assert _check(sorted((tmp_path / "t2").iterdir()), lost.ledger) == [False, False]
