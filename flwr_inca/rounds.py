@@ -32,8 +32,10 @@ from .privacy.prefix import RoundPrefix, prefix_ceilings
 from .privacy.rounds import RoundCertificate, certification_seeds
 from .privacy.session import RoundCharge, RoundSession
 from .protocol.config import IncaConfig
+from .protocol.engine import sample_trace
 from .protocol.schedules import InjectionSchedule
 from .protocol.trace import ExecutionTrace
+from .protocol.utility import noise_std
 from .settings import MixingConfig, PrivacyTarget
 
 __all__ = ["IncaRound", "IncaRounds", "ReproducedCharge", "reproduce_charge", "round_target", "trace_privacy"]
@@ -120,6 +122,32 @@ class IncaRounds:
         return IncaConfig(sigma_star=s_star, sigma_delta=s_delta, iterations=mix.iterations,
                           neighbors=min(mix.neighbors, n - 1), schedule=mix.schedule, topology=mix.topology,
                           dropout=mix.dropout, dissemination=mix.dissemination)
+
+    def update_noise(self, n: int, runs: int = 5) -> float:
+        """The std per coordinate of the noise in a round's averaged update among ``n`` parties (the mean
+        over ``runs`` sampled executions: the central noise and what dropouts leave uncancelled)."""
+        seeds = np.random.SeedSequence(self.seed, spawn_key=(2, int(n))).generate_state(runs, dtype=np.uint64)
+        config = self.config(n)
+        return float(np.mean([noise_std(sample_trace(n, config, seed=int(s))) for s in seeds]))
+
+    def usefulness_warning(self, n: int, dimension: int, update_norm: float, rounds: int) -> str:
+        """A warning ("" if none) when the noise would drown the updates: the noise of a round's averaged update
+        (norm ``sqrt(d)`` times its std) against the largest norm an averaged update can have
+        (``update_norm``, e.g. ``clip_norm``), compared with the ``sqrt(rounds)`` by which ``rounds`` rounds
+        average noise away. Says how many parties (the noise of the average falls as 1/n at a fixed
+        per-round target) or how much more budget would bring it within reach."""
+        noise = self.update_noise(n)
+        ratio = math.sqrt(dimension) * noise / update_norm
+        reach = math.sqrt(max(rounds, 1))
+        if not ratio > reach:
+            return ""
+        factor = ratio / reach
+        return (f"with {n} parties, the noise of each round's averaged update (std {noise:.3g} per coordinate over "
+                f"d = {dimension}, norm about {math.sqrt(dimension) * noise:.3g}) is {ratio:.3g} times the largest "
+                f"averaged update (norm {update_norm:g}), more than the {reach:.3g} that {rounds} round(s) can "
+                f"average away: the model will learn little. About {math.ceil(n * factor)} parties, or a budget "
+                f"about {factor:.3g} times larger, would bring it within reach (docs/results.md, \"Where IncA "
+                "pays off\")")
 
     def local_bound(self, n: int) -> float:
         """``S / sigma_star``: what any round of ``n`` parties can cost, whatever its execution (everything

@@ -51,10 +51,10 @@ FAST = dict(rounds=3, backend="inline", calibration_runs=2, iterations=5, lr=2.0
 FAST_CONFIG = {k: v for k, v in FAST.items() if k != "progress"}
 
 
-def run(config=None, parts=PARTS, **kw):
+def run(config=None, parts=PARTS, progress=False, **kw):
     opts = {k: v for k, v in FAST.items() if k != "progress"}
     opts.update(kw)
-    return simulate(MODEL, parts, (XT, YT), config or SimulationConfig(**opts), progress=False)
+    return simulate(MODEL, parts, (XT, YT), config or SimulationConfig(**opts), progress=progress)
 
 
 @pytest.fixture(scope="module")
@@ -804,3 +804,15 @@ def test_an_availability_table_too_short_is_refused_before_training():
     table = np.ones((2, PARTS.clients), dtype=bool)
     with pytest.raises(ValueError, match=r"the table covers 2 round\(s\), fewer than rounds = 3"):
         run(availability=AvailabilityTable(table), max_epsilon=None, mode="fedavg")
+
+
+def test_the_run_announces_its_ledger_and_warns_when_the_noise_would_drown_the_updates(tmp_path, capsys):
+    """Before round 1: the ledger's absolute path (a resumed budget said loudly) and, for IncA, a warning
+    (also in the history's notes) when the noise of a round's average exceeds what the rounds can average
+    away. A budget large enough for these clients says nothing."""
+    small = run(rounds=2, max_epsilon=0.05, privacy_unit="party", output_dir=str(tmp_path / "a"), progress=True)
+    err = capsys.readouterr().err
+    assert f"ledger {(tmp_path / 'a' / 'inca_ledger.json').resolve()} (new)" in err
+    assert "WARNING: with" in err and any(n.startswith("warning: with") for n in small.notes)
+    roomy = run(rounds=2, max_epsilon=500.0, privacy_unit="party", output_dir=str(tmp_path / "b"), progress=True)
+    assert not any("learn little" in n for n in roomy.notes) and "learn little" not in capsys.readouterr().err

@@ -796,3 +796,24 @@ def test_a_ledger_that_cannot_be_written_starts_no_round(monkeypatch, task_ident
         arrays, metrics = _round(strategy, grid)
     assert arrays is None and "cannot be written" in strategy.rounds[1].failed
     assert grid.commits(1) == [] and strategy.ledger.rounds == 0  # not one mixing request left the server
+
+
+def test_a_federation_too_small_for_its_budget_is_warned_before_round_1(task_identity, caplog):
+    """The README's swap on a few nodes trains nothing (the noise drowns the updates): before round 1 the
+    strategy says so, with how many nodes or how much more budget would do; a roomy setting says nothing."""
+    from flwr.app import ConfigRecord as Config
+
+    def first_round_log(dim, **settings):
+        strategy = IncaStrategy(iterations=3, ledger_path=None, seed=1, min_available_nodes=N, min_train_nodes=N,
+                                fraction_evaluate=0.0, **settings)
+        strategy.num_rounds = 10
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="flwr"):
+            strategy.configure_train(1, ArrayRecord([np.zeros(dim, np.float32)]), Config(), _grid())
+        return [m for m in caplog.messages if "learn little" in m]
+
+    (warning,) = first_round_log(7850, round_epsilon=1.0, clip_norm=1.0)
+    assert f"with {N} parties" in warning and "d = 7850" in warning and "parties, or a budget about" in warning
+    needed = int(warning.split("About ")[1].split(" parties")[0])
+    assert needed > 10 * N
+    assert first_round_log(4, round_epsilon=50.0, clip_norm=1.0) == []

@@ -213,6 +213,7 @@ class IncaStrategy(FedAvg):
         self._inca: IncaRounds | None = None
         self._pending: dict[int, _Pending] = {}
         self._ended: set[int] = set()  # nodes told that the run is over
+        self._warned = False  # the usefulness check was made (before round 1)
         self.offenders = Offenders(self.relay.max_offences)  # offences by node id; barred nodes are not sampled
 
     # ----------------------------------------------------------------------------- IncA's rounds
@@ -320,6 +321,9 @@ class IncaStrategy(FedAvg):
             return messages
         self._bind_ledger(grid)
         n = max(len(messages), 2)
+        if not self.rounds and not self._warned:  # before round 1: would the noise drown the updates?
+            self._warned = True
+            self._warn_if_useless(n, flatten_arrays(arrays)[0].size)
         try:
             self.session.admit(server_round, predicted_mu=lambda: self.inca.predicted_mu(n))
         except BudgetExhausted as stop:
@@ -332,6 +336,16 @@ class IncaStrategy(FedAvg):
             msg.content[INCA_KEY] = inca
         self._pending[server_round] = _Pending(grid, arrays, time.time())
         return messages
+
+    def _warn_if_useless(self, n: int, dimension: int) -> None:
+        rounds = self.privacy.budget_rounds or self.num_rounds or 1
+        try:
+            why = self.inca.usefulness_warning(n, max(dimension, 1), self.privacy.clip_norm, rounds)
+        except Exception as exc:  # noqa: BLE001 - a warning never stops training
+            why = ""
+            log(DEBUG, "IncA: the usefulness check failed: %s", exc)
+        if why:
+            log(WARNING, "IncA: %s", why)
 
     def _bind_ledger(self, grid: Grid) -> None:
         """Claim the ledger for this training (``ledger_owner``, or the Flower app) before the first round:

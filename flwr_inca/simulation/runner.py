@@ -157,6 +157,7 @@ class _Run:
             self.history.notes.append(f"resumed ledger {self.ledger.path}: {self.ledger.rounds} round(s) already "
                                       f"spent, epsilon = {self.ledger.epsilon():.4g}")
         self.report = _StderrProgress() if progress is True else (progress or None)
+        self._announce(progress is True)
         self.first_round = 1
         self.charges: dict[int, RoundCharge] = {}  # what the session charged, by round
         if previous is not None:
@@ -190,6 +191,30 @@ class _Run:
                                    sample_rate=plan.sample_rate, batch_size=config.batch_size,
                                    local_steps=config.local_steps, local_epochs=config.local_epochs,
                                    seed=config.seed)
+
+    def _announce(self, to_stderr: bool) -> None:
+        """Before round 1: where the budget lives (a resumed one said loudly), and whether the noise would
+        drown the updates (IncA: the history's notes keep both)."""
+        lines = []
+        ledger = self.ledger
+        if ledger is not None and ledger.path is not None:
+            where = ledger.path.resolve()
+            lines.append(f"ledger {where}: resumes {ledger.rounds} round(s) already spent, epsilon = "
+                         f"{ledger.epsilon():.4g} (a fresh budget needs another output_dir / ledger_path)"
+                         if ledger.rounds else f"ledger {where} (new)")
+        rounds = getattr(self.mixer, "rounds", None)
+        if rounds is not None and hasattr(rounds, "usefulness_warning"):
+            config, plan = self.config, self.plan
+            norm = plan.value_sensitivity * config.batch_size if config.privacy_unit == "record" else \
+                config.privacy.clip_norm  # the largest averaged update: lr C (record level), or the clip
+            why = rounds.usefulness_warning(_expected_participants(config, self.partitions.clients),
+                                            self.spec.dimension, norm, config.privacy.budget_rounds or config.rounds)
+            if why:
+                self.history.notes.append(f"warning: {why}")
+                lines.append(f"WARNING: {why}")
+        if to_stderr:
+            for line in lines:
+                print(f"[flwr-inca simulate] {line}", file=sys.stderr, flush=True)
 
     def _resume_from(self, previous: History) -> None:
         """Continue ``previous``: its records and model, the availability replayed to its last round."""
