@@ -301,7 +301,15 @@ def cmd_audit(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: cannot read trace {args.trace}: {exc}", file=sys.stderr)
         return 2
-    kw = {"value_sensitivity": args.value_sensitivity, "delta": args.delta}
+    chosen = [args.corrupted, args.collusion, args.observed_fraction, args.adversarial, args.seed, args.delta,
+              args.value_sensitivity]
+    if isinstance(trace.meta.get("privacy"), dict) and all(v is None for v in chosen):
+        return _audit_round(trace, args)  # a trace of a training: its round as it was certified and charged
+    kw = {"value_sensitivity": 1.0 if args.value_sensitivity is None else args.value_sensitivity,
+          "delta": 1e-5 if args.delta is None else args.delta}
+    args.collusion = 0.1 if args.collusion is None else args.collusion
+    args.seed = 0 if args.seed is None else args.seed
+    args.delta, args.value_sensitivity = kw["delta"], kw["value_sensitivity"]
     progress = None if args.json else _status("audit")  # a bound at n = 100,000 takes minutes
     if args.adversarial is not None:
         res = adversarial_collusion(trace, args.adversarial, seed=args.seed, finals=finals, **kw)
@@ -356,6 +364,34 @@ def cmd_audit(args: argparse.Namespace) -> int:
     rows = [[i, cert.mu[i], cert.party_epsilon(i), structure.exposure[i].explain(trace.iterations)]
             for i in cert.weakest[: args.top]]
     print(_table(rows, ["party", "mu", "epsilon", "why"]))
+    return 0
+
+
+def _audit_round(trace, args: argparse.Namespace) -> int:
+    """A training's round from its trace alone: its certificate and charge recomputed as training made them
+    (same adversaries, finals and rounding), against what training recorded."""
+    from .rounds import reproduce_charge
+
+    again = reproduce_charge(trace)
+    if args.json:
+        print(dumps({"round": again.round, "certified_mu": again.certified_mu, "charged_mu": again.charged_mu,
+                     "recorded_mu": again.recorded_mu, "agrees": again.agrees, "epsilon": again.epsilon_round,
+                     "delta": again.delta, "accountant": again.accountant, "method": again.method,
+                     "refused": again.refused, "delivered_iterations": again.delivered}))
+    else:
+        stopped = (f"; refused by the budget after {again.delivered} iteration(s), finals not collected"
+                   if again.refused else "")
+        print(f"round {again.round}, recomputed from the trace as training certified it{stopped}: mu = "
+              f"{again.certified_mu:.6g} ({again.method}), charged {again.charged_mu:.6g} -> epsilon of this round "
+              f"alone {again.epsilon_round:.6g} at delta = {again.delta:g} ({again.accountant} accountant)")
+        if again.recorded_mu is not None:
+            verdict = "the same" if again.agrees else "DIFFERENT: the trace or the package changed since"
+            print(f"training charged mu = {again.recorded_mu:.6g}: {verdict}")
+        print("(options such as --corrupted or --collusion audit the trace against another adversary)")
+    if not again.agrees:
+        print(f"error: {args.trace}: the recomputed charge {again.charged_mu!r} differs from the recorded "
+              f"{again.recorded_mu!r}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -800,23 +836,31 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser(
         "audit", help="certify a recorded execution trace",
         description="Certify an execution that happened (an inca-trace/1 file, e.g. from "
-                    "IncaStrategy(trace_dir=...)): each honest party's mu and epsilon against the given "
-                    "adversary, the weakest parties and why.",
-        epilog="examples:\n  flwr-inca audit trace.json --collusion 0.1 --seed 4\n"
+                    "IncaStrategy(trace_dir=...) or flwr-inca simulate --save-traces). Without options, a "
+                    "training's trace is certified as training certified it (its adversaries, sensitivity, "
+                    "finals and rounding): the round's mu and epsilon, checked against what was charged. "
+                    "With an adversary option: each honest party's mu and epsilon against it, the weakest "
+                    "parties and why.",
+        epilog="examples:\n  flwr-inca audit traces/round-0001.json            # as training charged it\n"
+               "  flwr-inca audit trace.json --collusion 0.1 --seed 4\n"
                "  flwr-inca audit trace.json --corrupted 3,7,9 --json",
         formatter_class=_HelpFormatter)
     a.add_argument("trace", help="inca-trace/1 JSON file")
     g = a.add_mutually_exclusive_group()
     g.add_argument("--corrupted", help="comma-separated corrupted parties, e.g. 3,7,9 (default: a random set, --collusion)")
-    g.add_argument("--collusion", type=_collusion, default=0.1, help="random corrupted fraction, in [0, 1)")
+    g.add_argument("--collusion", type=_collusion, default=None,
+                   help="random corrupted fraction, in [0, 1) (default 0.1; a training's trace: its own threat)")
     g.add_argument("--observed-fraction", type=_fraction,
                    help="Eavesdrop DP: fraction of intercepted messages, in [0, 1] (instead of --collusion)")
     g.add_argument("--adversarial", type=_collusion, metavar="FRACTION",
                    help="search for the corrupted set (of this fraction) that hurts the weakest party (instead of --collusion)")
-    a.add_argument("--seed", type=_seed, default=0, help="seed of the random corrupted set or intercepted messages")
-    a.add_argument("--delta", type=_delta, default=1e-5, help="delta at which epsilon is reported, in (0, 1)")
-    a.add_argument("--value-sensitivity", type=_scale, default=1.0,
-                   help="size of a change of one party's value, in the trace's value units, > 0")
+    a.add_argument("--seed", type=_seed, default=None,
+                   help="seed of the random corrupted set or intercepted messages (default 0)")
+    a.add_argument("--delta", type=_delta, default=None,
+                   help="delta at which epsilon is reported, in (0, 1) (default 1e-5; a training's trace: its own)")
+    a.add_argument("--value-sensitivity", type=_scale, default=None,
+                   help="size of a change of one party's value, in the trace's value units, > 0 (default 1; a "
+                        "training's trace: its own)")
     a.add_argument("--top", type=_positive_int, default=5, help="weakest parties to list (>= 1)")
     a.add_argument("--json", action="store_true",
                    help='print {"mu": {party: mu}, "max_mu", "epsilon", "delta", "threat", "corrupted", '

@@ -16,12 +16,30 @@ from flwr_inca.protocol.trace import ExecutionTrace
 from flwr_inca.rounds import reproduce_charge
 
 
+def _audit_json(path) -> dict:
+    """``flwr-inca audit TRACE --json``, no other option, in process."""
+    import contextlib
+    import io
+    import json
+
+    from flwr_inca.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["audit", str(path), "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
 def _check(traces, ledger: PrivacyLedger) -> list[bool]:
-    """Each saved trace's recomputed charge is its ledger entry's, bit for bit; returns which were refused."""
+    """Each saved trace's recomputed charge is its ledger entry's, bit for bit, through the API and through
+    ``flwr-inca audit TRACE`` without options; returns which rounds were refused."""
     entries = {int(e.note.split(":")[0].split()[1]): e for e in ledger.entries}
     refused = []
     for path in traces:
         again = reproduce_charge(ExecutionTrace.load(path))
+        printed = _audit_json(path)
+        assert (printed["charged_mu"], printed["epsilon"], printed["agrees"]) == (again.charged_mu,
+                                                                                 again.epsilon_round, True)
         entry = entries[again.round]
         assert again.agrees and again.charged_mu == entry.mu, (path.name, again, entry)
         certified = entry.mu if entry.certified_mu is None else entry.certified_mu
@@ -87,6 +105,23 @@ def test_a_simulated_rounds_trace_reproduces_its_charge(tmp_path):
     ledger = PrivacyLedger(tmp_path / "out" / "inca_ledger.json", delta=1e-5)
     _check(traces, ledger)
     assert math.isfinite(ledger.epsilon())
+
+
+def test_an_edited_trace_is_reported_as_disagreeing(tmp_path, capsys):
+    import json
+
+    from flwr_inca.cli import main
+
+    pytest.importorskip("torch")
+    test_a_simulated_rounds_trace_reproduces_its_charge(tmp_path)
+    path = sorted((tmp_path / "out" / "traces").iterdir())[0]
+    data = json.loads(path.read_text())
+    data["meta"]["privacy"]["charged_mu"] *= 0.5  # what a hand edit of the record would look like
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["audit", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "DIFFERENT" in out and "differs from the recorded" in err and err.count("\n") == 1
 
 
 def test_a_trace_without_training_settings_says_what_to_give(tmp_path):
