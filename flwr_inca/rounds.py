@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._checks import check_int, check_real
 from .privacy.budget_check import predicted_round_mu, prediction_seeds
 from .privacy.calibration import NoiseCalibrator
 from .privacy.conversions import mu_for_epsilon
 from .privacy.plan import round_mu
 from .privacy.prefix import RoundPrefix, prefix_ceilings
+from .privacy.ledger import PrivacyLedger
 from .privacy.rounds import RoundCertificate, certification_seeds
 from .privacy.session import RoundCharge, RoundSession
 from .protocol.config import IncaConfig
@@ -38,7 +40,8 @@ from .protocol.trace import ExecutionTrace
 from .protocol.utility import noise_std
 from .settings import MixingConfig, PrivacyTarget
 
-__all__ = ["IncaRound", "IncaRounds", "ReproducedCharge", "reproduce_charge", "round_target", "trace_privacy"]
+__all__ = ["IncaRound", "IncaRounds", "ReproducedCharge", "budget_share", "reproduce_charge", "round_target",
+           "trace_privacy"]
 
 
 def round_target(privacy: PrivacyTarget, rounds: int, sample_rate: float | None = None,
@@ -68,6 +71,33 @@ def trace_privacy(privacy: PrivacyTarget, round: int, *, certification_seed: int
             "certified_mu": None if charge is None else charge.certified_mu,
             "charge_method": None if charge is None else charge.method,
             "ledger_epsilon": None if charge is None else charge.epsilon}
+
+
+def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1.0) -> float | None:
+    """The per-round mu (charged) that spends exactly what ``ledger`` has left of its ``max_epsilon`` over
+    ``rounds_left`` more rounds at ``sample_rate`` (None: no budget, or nothing left). The exact
+    accountant composes Gaussian rounds in closed form (mu_total^2 = sum mu_r^2); the others are searched
+    (bisection on the accountant's own composition, to 1e-6 relative), so the share never exceeds what is
+    left."""
+    budget = ledger.max_epsilon
+    rounds_left = check_int("rounds_left", rounds_left)
+    if budget is None or ledger.epsilon() >= budget:
+        return None
+    if ledger.accountant.name == "exact" and sample_rate == 1.0:
+        total = mu_for_epsilon(budget, ledger.delta)
+        spent = sum(c.mu**2 for c in ledger.costs())
+        return math.sqrt(max(total**2 - spent, 0.0) / rounds_left) or None
+
+    def fits(mu: float) -> bool:
+        return ledger.epsilon_after(mu, sample_rate, rounds=rounds_left) <= budget
+
+    low, high = 0.0, 1.0
+    while fits(high) and high < 1e6:
+        low, high = high, 2 * high
+    while high - low > 1e-6 * high:
+        mid = (low + high) / 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low or None
 
 
 class IncaRounds:
@@ -103,8 +133,9 @@ class IncaRounds:
                 schedule=mixing.schedule, runs=privacy.calibration_runs, target_success=privacy.calibration_success,
                 seed=self.seed if calibration_seed is None else int(calibration_seed), progress=log)
         self.schedule = InjectionSchedule.resolve(mixing.schedule, mixing.iterations)
-        self._ceilings: dict[int, np.ndarray] = {}
-        self._predicted: dict[tuple[int, int], float] = {}
+        self.planned_target = mu_target  # the target before any retargeting (the budget's share)
+        self._ceilings: dict[tuple[int, float | None], np.ndarray] = {}
+        self._predicted: dict[tuple[int, int], tuple[float, float | None]] = {}  # (mu, the target it was made at)
 
     # ------------------------------------------------------------------------------ noise
     def sigmas(self, n: int) -> tuple[float, float]:
@@ -158,14 +189,42 @@ class IncaRounds:
     # ------------------------------------------------------------------------------ before a round
     def ceilings(self, n: int) -> np.ndarray:
         """(T+1,) the most the messages of iterations 1..t can reveal on any execution of ``n`` parties,
-        t = 0..T (:func:`~flwr_inca.privacy.prefix.prefix_ceilings`; cached per n)."""
-        if n not in self._ceilings:
+        t = 0..T (:func:`~flwr_inca.privacy.prefix.prefix_ceilings`; cached per n and target)."""
+        key = (int(n), self.mu_target)
+        if key not in self._ceilings:
             s_star, s_delta = self.sigmas(n)
             ceilings = prefix_ceilings(self.schedule, s_star, s_delta, self.value_sensitivity)
             if self.mixing.certification == "local-bound":
                 ceilings = np.minimum(ceilings, self.local_bound(n))
-            self._ceilings[n] = ceilings
-        return self._ceilings[n]
+            self._ceilings[key] = ceilings
+        return self._ceilings[key]
+
+    # ------------------------------------------------------------------------------ spending the budget
+    def retarget(self, mu_target: float) -> None:
+        """Calibrate the next rounds for the per-round target ``mu_target`` (per unit of sensitivity). The
+        calibration is scale-free (both sigmas scale by the same factor), so this costs no new calibration,
+        and a prediction made at another target scales with it exactly."""
+        if not self.mixing.calibrated:
+            raise ValueError("retarget: the sigmas are given, not calibrated for a target")
+        self.mu_target = check_real("mu_target", mu_target, 0.0, low_open=True)
+
+    def spend_what_is_left(self, ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1.0) -> float | None:
+        """Retarget for the share of what ``ledger`` has left over ``rounds_left`` rounds, when the noise is
+        calibrated for the budget's share and ``spend_budget`` is on (:func:`budget_share`; the share is
+        charged rounded up, so the target is it less the resolution); returns the new target, or None when
+        nothing changed."""
+        priv = self.privacy
+        if not (self.mixing.calibrated and priv.round_epsilon is None and priv.spend_budget):
+            return None
+        share = budget_share(ledger, max(int(rounds_left), 1), sample_rate)
+        if share is None:
+            return None
+        self.retarget(share / (1.0 + priv.mu_resolution))
+        return self.mu_target
+
+    def _scale_free(self) -> bool:
+        return (self.mixing.calibrated and self.calibrator.settings["procedure"] == "exact"
+                and self.mixing.certification == "exact")
 
     def predicted_mu(self, n: int, runs: int | None = None) -> float:
         """A round of ``n`` parties' predicted cost: the worst certified mu over ``runs`` (default
@@ -174,16 +233,20 @@ class IncaRounds:
         ``certification="local-bound"``. Cached per (n, runs)."""
         runs = self.privacy.budget_check_runs if runs is None else int(runs)
         key = (int(n), runs)
-        if key not in self._predicted:
-            if self.mixing.certification == "local-bound":
-                self._predicted[key] = self.local_bound(n)
-            else:
-                priv = self.privacy
-                self._predicted[key] = predicted_round_mu(
-                    n, self.config(n), prediction_seeds(self.seed, n), runs, threat_draws=priv.threat_draws,
-                    collusion=priv.collusion, observed_fraction=priv.observed_fraction,
-                    value_sensitivity=self.value_sensitivity)
-        return self._predicted[key]
+        cached = self._predicted.get(key)
+        if cached is not None and (cached[1] == self.mu_target or self._scale_free()):
+            mu, made_at = cached  # the certificate of a view scales as S / sigma: exactly with the target
+            return mu if made_at == self.mu_target else mu * self.mu_target / made_at
+        if self.mixing.certification == "local-bound":
+            mu = self.local_bound(n)
+        else:
+            priv = self.privacy
+            mu = predicted_round_mu(
+                n, self.config(n), prediction_seeds(self.seed, n), runs, threat_draws=priv.threat_draws,
+                collusion=priv.collusion, observed_fraction=priv.observed_fraction,
+                value_sensitivity=self.value_sensitivity)
+        self._predicted[key] = (mu, self.mu_target)
+        return mu
 
     # ------------------------------------------------------------------------------ certificates
     def prefix(self, trace: ExecutionTrace, round: int) -> RoundPrefix:

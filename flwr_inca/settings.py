@@ -76,6 +76,10 @@ class PrivacyTarget:
             skipped, charged what it revealed; training stops after this many refusals in a row.
         mu_resolution: each charge is rounded *up* to this relative grid (at most 0.5% more by default),
             so that the PRV accountant composes few distinct rounds; 0 charges exactly.
+        spend_budget: with the noise calibrated for the budget (no ``round_epsilon``), calibrate each round
+            for what is left of ``max_epsilon`` over the rounds left (:func:`flwr_inca.rounds.budget_share`):
+            rounds that certified below their target leave more to the later ones, so the budget is spent,
+            never exceeded. False: every round is calibrated for the same planned share.
     """
 
     max_epsilon: float | None = None
@@ -95,6 +99,7 @@ class PrivacyTarget:
     budget_check_runs: int = 10
     max_consecutive_refusals: int = 3
     mu_resolution: float = 0.005
+    spend_budget: bool = True
 
     def __post_init__(self) -> None:
         if self.max_epsilon is not None:
@@ -120,6 +125,7 @@ class PrivacyTarget:
         check_rounds("max_consecutive_refusals (rounds refused by the budget in a row before training stops)",
                      self.max_consecutive_refusals)
         check_real("mu_resolution", self.mu_resolution, 0.0, 1.0, high_open=True)
+        check_bool("spend_budget", self.spend_budget)
         accountant = create_accountant(self.accountant_name)  # unknown names and missing extras fail now
         try:  # fail now, not after a round has spent privacy
             accountant.check_sample_rate(self.sample_rate)

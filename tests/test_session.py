@@ -190,3 +190,30 @@ def test_on_real_executions_the_charge_is_never_below_what_was_delivered(seed):
             if charge.delivered < T:
                 nxt = charge.delivered + 1
                 assert min(ceilings[nxt - 1], prefix.through(nxt).mu) > budget_mu * (1 - 1e-9)
+
+
+# ---------------------------------------------------------------------------- spending the budget
+def test_the_budget_share_spends_exactly_what_is_left():
+    from flwr_inca.rounds import budget_share
+
+    budget = _budget(1.0)
+    ledger = PrivacyLedger(None, delta=DELTA, max_epsilon=budget)
+    assert budget_share(ledger, 4) == pytest.approx(0.5, rel=1e-8)  # sqrt(1 / 4)
+    ledger.spend(0.3)  # a round that certified below its share: the others get more
+    share = budget_share(ledger, 3)
+    assert share == pytest.approx(math.sqrt((1 - 0.09) / 3), rel=1e-8) and share > 0.5
+    assert ledger.epsilon_after(share, rounds=3) <= budget * (1 + 1e-9)
+    ledger.spend(5.0, force=True)
+    assert budget_share(ledger, 2) is None  # nothing left
+    assert budget_share(PrivacyLedger(None, delta=DELTA), 2) is None  # no budget
+
+
+def test_the_budget_share_of_subsampled_rounds_never_exceeds_what_is_left():
+    pytest.importorskip("opacus")
+    from flwr_inca.rounds import budget_share
+
+    ledger = PrivacyLedger(None, delta=DELTA, max_epsilon=2.0, accountant="opacus-prv")
+    ledger.spend(0.5, sample_rate=0.05)
+    share = budget_share(ledger, 10, sample_rate=0.05)
+    assert ledger.epsilon_after(share, 0.05, rounds=10) <= 2.0
+    assert ledger.epsilon_after(share * 1.01, 0.05, rounds=10) > 2.0 * 0.999  # and spends (nearly) all of it

@@ -816,3 +816,12 @@ def test_the_run_announces_its_ledger_and_warns_when_the_noise_would_drown_the_u
     assert "WARNING: with" in err and any(n.startswith("warning: with") for n in small.notes)
     roomy = run(rounds=2, max_epsilon=500.0, privacy_unit="party", output_dir=str(tmp_path / "b"), progress=True)
     assert not any("learn little" in n for n in roomy.notes) and "learn little" not in capsys.readouterr().err
+
+
+def test_rounds_are_calibrated_for_what_is_left_so_the_budget_is_spent(tmp_path):
+    """Rounds certify below their target (calibration covers its worst runs): with spend_budget the later
+    rounds are calibrated for what is left, so more of the budget is used, and never more than all of it."""
+    kw = dict(rounds=4, max_epsilon=2.0, privacy_unit="party", iterations=4, dropout=PermanentDropout(0.2))
+    spent = run(**kw).epsilon
+    kept = run(**kw, spend_budget=False).epsilon
+    assert kept < spent <= 2.0

@@ -48,7 +48,7 @@ from flwr.supercore import log
 
 from .._checks import check_int, check_real
 from .node import RoundSecrets, draw_noise_ahead, handle_exchange
-from .shared import END_ACTION, INCA_KEY, MIX_ACTION, clip, flatten_arrays, unflatten_arrays
+from .shared import END_ACTION, INCA_KEY, MIX_ACTION, clip, flatten_arrays
 from .storage import DirectoryStore, check_private_root, remove_stale_runs
 from .wire import FIELD, MissingRoster, decode_request, encode_reply, pack_roster, unpack_roster
 

@@ -29,7 +29,7 @@ from ..protocol.party import IncaParty, Incoming, PartyNoise, PartyState
 from .crypto import KeyPair, PayloadRejected, associated_data, open_sealed, pair_key, seal
 from .relay import Outgoing, Rejection, Reply, Request
 from .shared import RoundParams
-from .storage import DirectoryStore, MemoryStore, NodeStore, StoredNoise
+from .storage import NodeStore, StoredNoise
 
 __all__ = ["RoundSecrets", "draw_noise_ahead", "handle_exchange", "choose_neighbors", "state_limit"]
 

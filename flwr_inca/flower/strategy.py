@@ -321,6 +321,10 @@ class IncaStrategy(FedAvg):
             return messages
         self._bind_ledger(grid)
         n = max(len(messages), 2)
+        if self.privacy.max_epsilon is not None:  # calibrated for what is left of the budget (spend_budget)
+            planned = self.privacy.budget_rounds or self.num_rounds or server_round
+            self.ledger.refresh()
+            self.inca.spend_what_is_left(self.ledger, planned - server_round + 1, self.privacy.sample_rate)
         if not self.rounds and not self._warned:  # before round 1: would the noise drown the updates?
             self._warned = True
             self._warn_if_useless(n, flatten_arrays(arrays)[0].size)

@@ -164,6 +164,10 @@ class Mixer(ABC):
             return opened.settle(cost)
         return opened.refuse()
 
+    def spend_what_is_left(self, ledger, rounds_left: int, sample_rate: float) -> None:
+        """Before a round: calibrate for what is left of the budget over the rounds left (mechanisms whose
+        noise follows a per-round target; default: nothing changes)."""
+
     def predicted_cost(self, participants: int, runs: int) -> float | None:
         """What a deployment predicts, before a round of ``participants`` starts, that the round will cost
         (GDP mu), from ``runs`` simulated executions (no value): the round session's admission
@@ -354,6 +358,10 @@ class IncaMixer(Mixer):
 
     def inca_config(self, participants: int) -> IncaConfig:
         return self.rounds.config(participants)
+
+    def spend_what_is_left(self, ledger, rounds_left: int, sample_rate: float) -> None:
+        """IncA's rounds calibrated for what is left of the budget (:meth:`IncaRounds.spend_what_is_left`)."""
+        self.rounds.spend_what_is_left(ledger, rounds_left, sample_rate)
 
     # ------------------------------------------------------------------------ round
     def certificate(self, trace: ExecutionTrace, round: int, finals: list[int] | None = None) -> RoundCertificate:
