@@ -172,6 +172,10 @@ class MixingConfig:
             every round charged ``S / sigma_star``, sound for any execution, at the local-DP level.
         certify_every: (simulator) certify every this many rounds; rounds in between are charged the
             largest certified mu so far (a prediction, marked as such).
+        simulated_noise: (simulator) ``"aggregate"`` (default): a round's update drawn from its exact
+            distribution (with exact dissemination it is linear in the values and Gaussian in the noise, with
+            coefficients the execution determines: d random numbers per round); ``"messages"``: every
+            message's noise drawn, as parties would (T n d numbers; the path replays and audits use).
         min_finalists: a round fails (model kept, cost charged) if fewer final messages arrive.
         max_noise_inflation: (Flower) a round fails if lost final messages make the update's noise more
             than this factor larger than with every final.
@@ -190,6 +194,7 @@ class MixingConfig:
     precision: str = "float32"
     certification: str = "exact"
     certify_every: int = 1
+    simulated_noise: str = "aggregate"
     min_finalists: int = 2
     max_noise_inflation: float = 2.0
     max_update_norm: float | None = None
@@ -210,6 +215,8 @@ class MixingConfig:
         if self.certification == "local-bound" and self.sigma_star == 0:
             raise ValueError("certification='local-bound' needs sigma_star > 0 (mu = S / sigma_star)")
         check_rounds("certify_every", self.certify_every)
+        if self.simulated_noise not in ("aggregate", "messages"):
+            raise ValueError(f"simulated_noise must be 'aggregate' or 'messages', got {self.simulated_noise!r}")
         check_int("min_finalists", self.min_finalists, 1, MAX_PARTIES)
         check_real("max_noise_inflation", self.max_noise_inflation, 1.0, finite=False)
         if self.max_update_norm is not None:

@@ -53,6 +53,7 @@ from ..protocol.config import IncaConfig
 from ..protocol.engine import replay, sample_trace
 from ..protocol.noise import NoiseSource
 from ..protocol.trace import ExecutionTrace
+from ..protocol.utility import output_coefficients
 from ..rounds import IncaRounds
 from ..settings import MixingConfig, PrivacyTarget
 from . import seeding
@@ -379,7 +380,7 @@ class IncaMixer(Mixer):
         trace = sample_trace(participants, config, seeding.seed_of(self.context.seed, seeding.TRACE, round))
         info: dict[str, Any] = {"sigma_star": config.sigma_star, "sigma_delta": config.sigma_delta,
                                 "finalists": int(trace.steps[-1].online.size)}
-        if self.noise_ahead_bytes > 0:  # the round's noise is drawn while it is certified and trained
+        if self.noise_ahead_bytes > 0 and not self._aggregate:  # drawn while the round is certified and trained
             info["noise_ahead"] = NoiseAhead(self._noise_seed(round), trace, self.context.dimension,
                                              np.dtype(self.context.precision), self.noise_ahead_bytes)
         sampled = time.perf_counter()
@@ -421,9 +422,16 @@ class IncaMixer(Mixer):
     def _noise_seed(self, round: int) -> int:
         return seeding.seed_of(self.context.seed, seeding.NOISE, round)
 
+    @property
+    def _aggregate(self) -> bool:
+        return self.mixing.simulated_noise == "aggregate" and self.mixing.dissemination == "exact"
+
     def mix(self, updates: np.ndarray, plan: RoundPlan, noise: NoiseSource | None = None) -> np.ndarray:
-        """IncA on the updates, replaying the planned execution. ``noise`` replaces the simulated
-        noise (e.g. ``PartyNoise.explicit(...)`` to reproduce a Flower round)."""
+        """IncA on the updates: with ``simulated_noise="aggregate"``, the round's update drawn from its exact
+        distribution (:meth:`aggregate`); otherwise (or with explicit ``noise``, e.g.
+        ``PartyNoise.explicit(...)`` to reproduce a Flower round) every message of the planned execution."""
+        if noise is None and self._aggregate:
+            return self.aggregate(updates, plan)
         ahead = plan.info.pop("noise_ahead", None)
         try:
             result = replay(plan.trace, updates, self._noise_seed(plan.round), dissemination=self.mixing.dissemination,
@@ -432,6 +440,23 @@ class IncaMixer(Mixer):
             if ahead is not None:
                 ahead.close()
         return result.estimate
+
+    def aggregate(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
+        """The round's update drawn from its exact distribution: with exact dissemination the estimate is
+        ``(b . (x + eta*) + a . eta) / sum(b)`` for the execution's coefficients ``(b, a)``
+        (:func:`~flwr_inca.protocol.utility.output_coefficients`), i.e. the b-weighted mean of the updates plus
+        Gaussian noise of std ``sqrt(s*^2 |b|^2 + sD^2 |a|^2) / sum(b)`` per coordinate, independent across
+        coordinates: d random numbers instead of every message's (tests/test_simulation.py checks both paths
+        give the same distribution). NaN when no finalist carries a value."""
+        trace = plan.trace
+        b, a = output_coefficients(trace)
+        total = b.sum()
+        if not total > 0:
+            return np.full(updates.shape[1], np.nan, dtype=updates.dtype)
+        mean = (b / total) @ updates.astype(np.float64, copy=False)
+        std = math.sqrt(trace.sigma_star**2 * float(b @ b) + trace.sigma_delta**2 * float(np.sum(a * a))) / total
+        rng = seeding.stream(self.context.seed, seeding.NOISE, plan.round)
+        return (mean + std * rng.standard_normal(updates.shape[1])).astype(updates.dtype)
 
     def abandon(self, plan: RoundPlan) -> None:
         ahead = plan.info.pop("noise_ahead", None)
