@@ -408,7 +408,7 @@ def test_with_the_local_bound_the_prediction_is_the_bound_every_round_is_charged
 def test_bad_policy_settings_are_refused_naming_the_parameter(bad):
     with pytest.raises(ValueError, match=r"budget_check_runs .*must be an integer in \[1, 100000\], got"):
         SimulationConfig(budget_check_runs=bad)
-    with pytest.raises(ValueError, match=r"max_consecutive_refusals .*must be an integer >= 1, got"):
+    with pytest.raises(ValueError, match=r"max_consecutive_refusals .*must be an integer in \[1, 100000\], got"):
         SimulationConfig(max_consecutive_refusals=bad)
 
 

@@ -229,7 +229,7 @@ def test_certification_draws_are_seeded_per_round_and_reproducible():
 
 @pytest.mark.parametrize("schedule_seed", [1, 2, 3])
 def test_lost_final_messages_fail_the_round_when_they_leave_noise_uncancelled(schedule_seed):
-    from flwr_inca.flower.strategy import lost_finals_check
+    from flwr_inca.flower.round import lost_finals_check
 
     # the decision is checked against a brute-force noise std (literal Algorithm 2 with unit impulses)
     trace = _trace(n=8, T=4, seed=schedule_seed, dropout=TemporaryDropout(0.2))

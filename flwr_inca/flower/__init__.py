@@ -6,7 +6,8 @@ Requires the ``flower`` extra (``pip install "flwr-inca[flower]"``).
 from .client import IncaClient
 from .config import MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig
 from .offenders import Offenders
-from .strategy import IncaBudgetExhausted, IncaStrategy, RoundRecord
+from .round import RoundRecord
+from .strategy import IncaBudgetExhausted, IncaStrategy
 
 __all__ = ["IncaStrategy", "IncaClient", "IncaBudgetExhausted", "Offenders", "RoundRecord", "PrivacyTarget",
            "MixingConfig", "RelayConfig", "PersistenceConfig"]

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from logging import DEBUG, ERROR, INFO, WARNING
 from typing import Any
 
@@ -44,19 +44,23 @@ from flwr.supercore import log
 
 from .._checks import check_int
 from ..privacy.ledger import LedgerOwnerError, PrivacyLedger
-from ..privacy.prefix import padded_trace
-from ..privacy.session import BudgetExhausted, RoundCharge, RoundSession
-from ..protocol.trace import ExecutionTrace
-from ..protocol.utility import noise_std
-from ..rounds import IncaRound, IncaRounds, round_target, trace_privacy
+from ..privacy.session import BudgetExhausted, RoundSession
+from ..rounds import IncaRounds, round_target, trace_privacy
 from ..settings import build_groups
 from .config import CONFIG_GROUPS, MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig
 from .offenders import Offenders
-from .relay import RoundRelay, collect_finals, run_iterations
-from .shared import INCA_KEY, RoundParams, flatten_arrays, unflatten_arrays
-from .transport import Joined, MixingExchange, end_run, join_round
+from .round import (
+    RelayedRound,
+    RoundRecord,
+    check_flower_mixing,
+    lost_finals_check,
+    round_metrics,
+    update_check,
+)
+from .shared import INCA_KEY, flatten_arrays, unflatten_arrays
+from .transport import Joined, end_run, join_round
 
-__all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord", "lost_finals_check"]
+__all__ = ["IncaBudgetExhausted", "IncaStrategy", "RoundRecord"]
 
 class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExhausted):
     """Training stops: the next round is predicted not to fit ``max_epsilon`` (raised by
@@ -74,55 +78,12 @@ class IncaBudgetExhausted(PrivacyBudgetExhausted, BudgetExhausted):
 
 
 @dataclass
-class RoundRecord:
-    """What happened in one IncA round (kept in ``IncaStrategy.rounds``)."""
-
-    round: int
-    roster: list[int]  # node ids; party i of the trace is roster[i]
-    trace: ExecutionTrace | None = None
-    update: np.ndarray | None = None  # the averaged update applied to the model (float64)
-    finalists: list[int] = field(default_factory=list)
-    charge: RoundCharge | None = None  # what the round session charged (None: the round did not start)
-    failed: str = ""  # why the round failed or was refused, if it was
-    client_metrics: dict[int, MetricRecord] = field(default_factory=dict)  # by node id (if forwarded)
-    noise_std: float = math.nan  # of the update, per coordinate (inf without finals)
-    seconds: float = 0.0
-    excluded: dict[int, str] = field(default_factory=dict)  # sampled nodes that did not join, and why
-    post_charge_errors: list[str] = field(default_factory=list)  # what failed after the round was charged
-    offenders: dict[int, str] = field(default_factory=dict)  # nodes that deviated in the round, and how
-
-    @property
-    def mu(self) -> float:
-        return self.charge.mu if self.charge is not None else 0.0
-
-    @property
-    def epsilon(self) -> float:
-        return self.charge.epsilon if self.charge is not None else math.nan
-
-    @property
-    def refused(self) -> bool:
-        return self.charge is not None and self.charge.refused
-
-
-@dataclass
 class _Pending:
     """What ``configure_train`` keeps for ``aggregate_train`` of the same round."""
 
     grid: Grid
     arrays: ArrayRecord
     started: float
-
-
-@dataclass
-class _Mixed:
-    """A round's relayed mixing: the relay, its exchanges and the round's privacy."""
-
-    relay: RoundRelay
-    params: RoundParams
-    exchange: MixingExchange
-    privacy: IncaRound
-    stopped: str = ""  # why the round was refused ("" if its finals were collected)
-    error: str = ""  # the error that failed the round ("" if none)
 
 
 class IncaStrategy(FedAvg):
@@ -185,7 +146,7 @@ class IncaStrategy(FedAvg):
         self.mixing: MixingConfig = groups["mixing"]
         self.relay: RelayConfig = groups["relay"]
         self.persistence: PersistenceConfig = groups["persistence"]
-        _check_flower_mixing(self.mixing)
+        check_flower_mixing(self.mixing)
         if self.mixing.calibrated and self.privacy.round_epsilon is None and self.privacy.max_epsilon is None:
             raise ValueError("give sigma_star and sigma_delta, or a budget to calibrate them for: max_epsilon "
                              "(the total, shared by the rounds) or round_epsilon (per round)")
@@ -387,11 +348,16 @@ class IncaStrategy(FedAvg):
             record.failed = f"only {len(record.roster)} node(s) joined (min_finalists = {minimum})"
             log(ERROR, "IncA round %d failed: %s; the global model is unchanged", server_round, record.failed)
             return None, None
-        mixed = self._mix(record, pending.grid, joined, vector.size)
+        mixed = RelayedRound(record, pending.grid, joined, vector.size, inca=self.inca, session=self.session,
+                             mixing=self.mixing, relay=self.relay, payload_hook=self.relay_payload)
+        if mixed.open(self.ledger.path):
+            mixed.run()
+            mixed.charge()
+        else:
+            mixed = None
         new_arrays = None
         if mixed is not None:
-            self._record_charge(record, mixed)
-            if not (mixed.stopped or mixed.error or record.failed):
+            if mixed.released:
                 new_arrays = self._after_charge(record, "applying the update", None, self._apply, record, mixed,
                                                 vector, spec, pending.arrays)
             self._after_charge(record, "saving the trace", None, self._save_trace, record)
@@ -402,99 +368,22 @@ class IncaStrategy(FedAvg):
         forwarded = self._after_charge(record, "aggregating the nodes' train metrics", None, self._train_metrics,
                                        joined)
         record.seconds = time.time() - pending.started
-        metrics = self._after_charge(record, "computing IncA's metrics", MetricRecord(), self._round_metrics,
-                                     record, mixed)
+        metrics = self._after_charge(record, "computing IncA's metrics", MetricRecord(), round_metrics, record,
+                                     mixed, self.ledger.epsilon(), self.session.refusals)
         self.train_metrics_serverapp[server_round] = metrics
         self._log_round(record)
         if record.charge is not None and record.charge.stop:
             raise IncaBudgetExhausted(self.session.stop(record.charge), pending.arrays)
         return new_arrays, forwarded
 
-    def _mix(self, record: RoundRecord, grid: Grid, joined: Joined, d: int) -> _Mixed | None:
-        """Run the round's mixing through the relay, asking the round session before each step leaves:
-        iterations 1..T (the guard), then the final messages (the pre-final rule). None: the round did not
-        start (the ledger could not be written)."""
-        server_round, roster = record.round, joined.roster
-        n, mix = len(roster), self.mixing
-        s_star, s_delta = self.inca.sigmas(n)
-        schedule = self.inca.schedule
-        params = RoundParams(server_round, mix.iterations, min(mix.neighbors, n - 1), s_star, s_delta,
-                             schedule, roster, [joined.keys[node] for node in roster], mix.precision)
-        relay = RoundRelay(n, mix.iterations, d, schedule, s_star, s_delta, mix.precision,
-                           neighbors=params.neighbors, roster=roster)  # commits checked: k peers, weights 1/(k+1)
-        exchange = MixingExchange(grid, params, timeout=self.relay.exchange_timeout,
-                                  poll_interval=self.relay.poll_interval, payload_hook=self.relay_payload)
-        try:
-            privacy = self.inca.start(self.session, server_round, n, trace_through=lambda t: _trace_through(relay, t))
-        except OSError as exc:  # nothing may leave before the reservation is written: the round does not start
-            record.failed = (f"the privacy ledger {self.ledger.path} cannot be written "
-                             f"({exc.strerror or exc}): the round was not started")
-            log(ERROR, "IncA round %d failed: %s", server_round, record.failed)
-            return None
-        if privacy.guarded:
-            log(INFO, "IncA round %d runs guarded: its no-finals ceiling does not fit the budget left, so each "
-                "iteration's messages are delivered only if what they reveal fits", server_round)
-        mixed = _Mixed(relay, params, exchange, privacy)
-
-        def progress(u: int, total: int) -> None:
-            online = len(relay.online[u]) if u <= mix.iterations else len(relay.finals)
-            what = f"iteration {u}/{mix.iterations}" if u <= mix.iterations else "final report"
-            log(DEBUG, "\t> IncA %s: %d/%d nodes", what, online, n)
-
-        try:
-            delivered = run_iterations(relay, exchange, progress=progress, may_deliver=privacy.may_deliver)
-            if delivered < mix.iterations:
-                blocked = privacy.open.blocked
-                mixed.stopped = (f"the messages of iteration {delivered + 1} would reveal mu = {blocked.mu:.4g}, "
-                                 "more than the budget left: they were not delivered (budget guard)")
-            elif not privacy.may_collect_finals(relay.trace(meta={"round": server_round})):
-                mixed.stopped = (f"its final messages would reveal mu = {privacy.prefinal.mu:.4g} (certified "
-                                 "before them), more than the budget left: they were not collected")
-            else:
-                collect_finals(relay, exchange, final_retries=self.relay.final_retries, progress=progress)
-        except Exception as exc:  # noqa: BLE001 - the round fails, charged its reservation; training goes on
-            mixed.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            if privacy.charge is None:
-                privacy.fail(f"mixing failed ({mixed.error})")
-        except BaseException as exc:  # interrupted: charge the reservation (a bound on what left), then stop
-            if privacy.charge is None:
-                privacy.fail(f"mixing interrupted ({type(exc).__name__})")
-            raise
-        return mixed
-
-    def _record_charge(self, record: RoundRecord, mixed: _Mixed) -> None:
-        """Charge the round (exactly what it revealed) and record its trace. Nothing after the charge may
-        lose it: an error while certifying charges the round's reservation, a bound on what was revealed."""
-        relay, privacy, server_round = mixed.relay, mixed.privacy, record.round
-        if mixed.error:
-            record.charge = privacy.charge
-            record.failed = f"the round failed ({mixed.error}); charged its reservation"
-            return
-        try:
-            if mixed.stopped:
-                record.charge = privacy.refuse()
-                record.failed = mixed.stopped
-                record.trace = _stopped_trace(relay, privacy.delivered, server_round)
-            else:
-                record.finalists = sorted(relay.finals)
-                record.trace = relay.trace(meta={"round": server_round})
-                record.charge = privacy.settle(record.finalists)
-        except Exception as exc:  # noqa: BLE001 - a certificate that failed: the reservation is the charge
-            record.charge = privacy.charge or privacy.fail(f"not certified ({type(exc).__name__}: {exc})")
-            record.failed = record.failed or f"the round could not be certified ({type(exc).__name__}: {exc})"
-            log(ERROR, "IncA round %d: %s; charged its reservation (mu = %.4g)", server_round, record.failed,
-                record.charge.mu)
-        if record.charge.unsettled:
-            log(ERROR, "IncA round %d: %s; its reservation (mu = %.4g, at least its cost) stays charged",
-                server_round, record.charge.unsettled, self.ledger.entries[record.charge.entry - 1].mu)
-
-    def _apply(self, record: RoundRecord, mixed: _Mixed, vector: np.ndarray, spec,
+    def _apply(self, record: RoundRecord, mixed: RelayedRound, vector: np.ndarray, spec,
                arrays: ArrayRecord) -> ArrayRecord | None:
         """The new model from the final messages, or None (the round fails, the model is kept): too few
         finals, too much uncancelled noise, or an update that is not finite or exceeds the guard."""
         relay = mixed.relay
         estimate = relay.estimate()
-        record.noise_std, lost_finals = self._noise_check(record.trace, record.finalists, record.roster)
+        record.noise_std, lost_finals = lost_finals_check(record.trace, record.finalists, record.roster,
+                                                          self.mixing.max_noise_inflation)
         if estimate is None or len(relay.finals) < self.mixing.min_finalists:
             record.failed = (f"only {len(relay.finals)} final message(s) reported "
                              f"(min_finalists = {self.mixing.min_finalists})")
@@ -507,9 +396,6 @@ class IncaStrategy(FedAvg):
         record.update = estimate
         return unflatten_arrays(vector + estimate, spec, keep=arrays)
 
-    def _noise_check(self, trace: ExecutionTrace, finalists: list[int], roster: list[int]) -> tuple[float, str]:
-        return lost_finals_check(trace, finalists, roster, self.mixing.max_noise_inflation)
-
     def update_norm_bound(self, noise_std: float, d: int) -> float:
         """The largest L2 norm an averaged update may have (``max_update_norm``, or its default: 10 times
         ``clip_norm`` plus the expected norm ``sqrt(d) * noise_std`` of the update's noise)."""
@@ -520,16 +406,7 @@ class IncaStrategy(FedAvg):
     def update_check(self, update: np.ndarray, noise_std: float) -> str:
         """Why the averaged update ``update`` (whose noise std per coordinate is ``noise_std``) must not be
         applied ("" if it may be): not finite, or its L2 norm above :meth:`update_norm_bound`."""
-        if not np.all(np.isfinite(update)):
-            return "the averaged update is not finite"
-        with np.errstate(over="ignore"):
-            norm = float(np.linalg.norm(update))
-        bound = self.update_norm_bound(noise_std, update.size)
-        if not norm <= bound:
-            return (f"the averaged update has L2 norm {norm:.4g} > max_update_norm = {bound:.4g} (an honest "
-                    f"round stays far below: updates are clipped to {self.privacy.clip_norm:g}); a node may "
-                    "have sent a corrupted final message")
-        return ""
+        return update_check(update, self.update_norm_bound(noise_std, update.size), self.privacy.clip_norm)
 
     # ----------------------------------------------------------------------------- after the charge
     def _after_charge(self, record: RoundRecord, what: str, default: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -552,30 +429,6 @@ class IncaStrategy(FedAvg):
             priv, record.round, certification_seed=self.seed, value_sensitivity=priv.sensitivity,
             sample_rate=priv.sample_rate, accountant=self.ledger.accountant.name, charge=record.charge)
         record.trace.save(self.persistence.trace_path / f"round-{record.round:04d}.json")
-
-    def _round_metrics(self, record: RoundRecord, mixed: _Mixed | None) -> MetricRecord:
-        """IncA's server-side metrics of a round (``train_metrics_serverapp``)."""
-        n = len(record.roster)
-        charge = record.charge
-        metrics = MetricRecord({
-            "inca-epsilon": float(charge.epsilon) if charge else float(self.ledger.epsilon()),
-            "inca-mu": float(charge.mu) if charge else 0.0, "inca-parties": n,
-            "inca-finalists": len(record.finalists), "inca-round-failed": int(bool(record.failed)),
-            "inca-round-refused": int(record.refused), "inca-excluded-nodes": len(record.excluded),
-            "inca-post-charge-errors": len(record.post_charge_errors),
-            "inca-consecutive-refusals": self.session.refusals, "inca-noise-std": float(record.noise_std),
-            "inca-offenders": len(record.offenders)})
-        if mixed is not None:
-            relay, counters = mixed.relay, mixed.exchange.counters
-            metrics.update({
-                "inca-online-fraction": float(np.mean([len(o) / n for o in relay.online[1:]])),
-                "inca-delivered-iterations": int(mixed.privacy.delivered),
-                "inca-rejected-payloads": relay.rejected_payloads, "inca-errors": counters["errors"],
-                "inca-timeouts": counters["timeouts"], "inca-malformed-replies": counters["malformed"],
-                "inca-invalid-replies": relay.invalid_replies, "inca-restores": relay.restores,
-                "inca-sigma-star": float(mixed.params.sigma_star), "inca-sigma-delta": float(mixed.params.sigma_delta),
-                "inca-guarded": int(mixed.privacy.guarded)})
-        return metrics
 
     def _log_round(self, record: RoundRecord) -> None:
         """One INFO line per round; the round's other metrics at DEBUG."""
@@ -611,52 +464,6 @@ class IncaStrategy(FedAvg):
         """Hook on every peer payload the relay forwards, just before it leaves (identity; subclasses may
         observe it)."""
         return payload
-
-
-def lost_finals_check(trace: ExecutionTrace, finalists: list[int], roster: list[int],
-                      max_noise_inflation: float) -> tuple[float, str]:
-    """The update's noise std per coordinate when only ``finalists``' final messages arrived, and why the
-    round must fail ("" if it need not): lost final messages whose share of the cancelling noise leaves
-    the update's noise more than ``max_noise_inflation`` times the noise with every final. ``roster``:
-    the node id of each party (for the message)."""
-    if not finalists:
-        return math.inf, ""
-    noise = noise_std(trace, finalists)
-    missing = sorted(set(trace.steps[-1].online.tolist()) - set(finalists))
-    if not missing:
-        return noise, ""
-    full = noise_std(trace)
-    tiny = 1e-12 * max(trace.sigma_star, trace.sigma_delta, 1e-300)  # round-off of exact cancellation
-    if noise + tiny <= max_noise_inflation * (full + tiny):
-        return noise, ""
-    return noise, (f"the final messages of node(s) {[roster[i] for i in missing]} were lost: the update's noise "
-                   f"std is {noise:.3g} per coordinate instead of {full:.3g} "
-                   f"(max_noise_inflation = {max_noise_inflation})")
-
-
-def _check_flower_mixing(mixing: MixingConfig) -> None:
-    """The settings a Flower deployment cannot honour, named (the simulator's alone)."""
-    unsupported = {"topology": "random", "dissemination": "exact", "certification": "exact", "certify_every": 1}
-    for name, supported in unsupported.items():
-        if getattr(mixing, name) != supported:
-            raise ValueError(f"IncaStrategy supports {name}={supported!r} only (got {getattr(mixing, name)!r}): "
-                             "that setting is the simulator's")
-
-
-def _trace_through(relay: RoundRelay, t: int) -> ExecutionTrace:
-    """The trace of ``relay``'s iterations 1..``t`` as committed, the later ones exchanging nothing: its
-    prefix certificates through ``t`` are those of the round however it continues."""
-    steps = [relay.step(u) for u in range(1, t + 1)]
-    return padded_trace(relay.n, steps, relay.T, relay.schedule, relay.sigma_star, relay.sigma_delta)
-
-
-def _stopped_trace(relay: RoundRelay, delivered: int, server_round: int) -> ExecutionTrace:
-    """The trace of a refused round: the iterations whose messages were committed, the later ones exchanging
-    nothing (``meta["delivered-iterations"]`` says where the delivered ones end; no final was asked for)."""
-    trace = _trace_through(relay, min(delivered + 1, relay.T))
-    trace.meta.update({"round": server_round, "finalists": [], "finals-collected": False,
-                       "delivered-iterations": delivered})
-    return trace
 
 
 def _default_ledger_owner(grid: Grid) -> str:
