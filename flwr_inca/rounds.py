@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,11 +37,11 @@ from .protocol.config import IncaConfig
 from .protocol.engine import sample_trace
 from .protocol.schedules import InjectionSchedule
 from .protocol.trace import ExecutionTrace
-from .protocol.utility import noise_std
+from .protocol.utility import noise_std, output_coefficients
 from .settings import MixingConfig, PrivacyTarget
 
-__all__ = ["IncaRound", "IncaRounds", "ReproducedCharge", "budget_share", "reproduce_charge", "round_target",
-           "trace_privacy"]
+__all__ = ["IncaRound", "IncaRounds", "IterationChoice", "ReproducedCharge", "budget_share", "choose_iterations",
+           "dropout_noise_share", "reproduce_charge", "round_target", "trace_privacy"]
 
 
 def round_target(privacy: PrivacyTarget, rounds: int, sample_rate: float | None = None,
@@ -100,6 +100,54 @@ def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1
     return low or None
 
 
+ITERATION_CANDIDATES = (10, 20, 40, 80)  # what iterations="auto" chooses from
+
+
+@dataclass(frozen=True)
+class IterationChoice:
+    """What ``iterations="auto"`` chose: ``iterations``, and for each candidate T tried, the share of the
+    update's noise variance that dropouts leave uncancelled, relative to the central noise."""
+
+    iterations: int
+    shares: dict[int, float]
+    aim: float
+
+    def describe(self, neighbors: int) -> str:
+        tried = ", ".join(f"T = {t}: {share:.3g}" for t, share in self.shares.items())
+        return (f"iterations='auto' chose T = {self.iterations} ({self.iterations * neighbors + 1} messages per "
+                f"party per round): uncancelled-dropout noise over central noise {tried} (aim: at most "
+                f"{self.aim:g})")
+
+
+def dropout_noise_share(config: IncaConfig, n: int, seed: int, runs: int = 4) -> float:
+    """The noise variance that dropouts leave uncancelled in a round's update, over its central noise
+    variance (``sigma_delta^2 |a|^2 / sigma_star^2 |b|^2`` for the execution's output coefficients, mean over
+    ``runs`` sampled executions at ``config``): 0 without dropouts."""
+    central = uncancelled = 0.0
+    for s in np.random.SeedSequence(seed, spawn_key=(3, n)).generate_state(runs, dtype=np.uint64):
+        b, a = output_coefficients(sample_trace(n, config, seed=int(s)))
+        central += config.sigma_star**2 * float(b @ b)
+        uncancelled += config.sigma_delta**2 * float(np.sum(a * a))
+    return uncancelled / central if central > 0 else math.inf
+
+
+def choose_iterations(privacy: PrivacyTarget, mixing: MixingConfig, n: int, *, mu_target: float,
+                      value_sensitivity: float, seed: int) -> IterationChoice:
+    """``iterations="auto"``: the fewest candidate T (10, 20, 40, 80, at most ``max_iterations``) whose
+    calibrated noise leaves at most ``dropout_noise_share`` of the central noise uncancelled under the
+    expected dropouts (:func:`dropout_noise_share`); the largest allowed when none does. Each candidate is
+    calibrated for ``n`` parties at the round target, as the rounds will be."""
+    candidates = [t for t in ITERATION_CANDIDATES if t <= mixing.max_iterations] or [mixing.max_iterations]
+    shares: dict[int, float] = {}
+    for T in candidates:
+        fixed = replace(mixing, iterations=T)
+        rounds = IncaRounds(privacy, fixed, seed=seed, value_sensitivity=value_sensitivity, mu_target=mu_target)
+        shares[T] = dropout_noise_share(rounds.config(n), n, seed)
+        if shares[T] <= mixing.dropout_noise_share:
+            return IterationChoice(T, shares, mixing.dropout_noise_share)
+    return IterationChoice(candidates[-1], shares, mixing.dropout_noise_share)
+
+
 class IncaRounds:
     """How a training's IncA rounds are calibrated, predicted and certified.
 
@@ -122,6 +170,8 @@ class IncaRounds:
         if mixing.calibrated and mu_target is None:
             raise ValueError("give sigma_star and sigma_delta, or a budget (max_epsilon or round_epsilon) to "
                              "calibrate them for")
+        if mixing.automatic:
+            raise ValueError("IncaRounds needs the iterations chosen: see choose_iterations (iterations='auto')")
         self.privacy, self.mixing, self.seed = privacy, mixing, int(seed)
         self.value_sensitivity, self.mu_target = float(value_sensitivity), mu_target
         self.log = log

@@ -26,6 +26,7 @@ from ._checks import (
     check_delta,
     check_epsilon,
     check_int,
+    check_iterations,
     check_probability,
     check_real,
     check_rounds,
@@ -158,7 +159,13 @@ class MixingConfig:
     """The IncA execution of each round, and when a round fails (keeping the model).
 
     Attributes:
-        iterations: mixing iterations T per round (one peer exchange each, plus the final report).
+        iterations: mixing iterations T per round (one peer exchange each, plus the final report), or
+            ``"auto"``: the fewest of 10, 20, 40, 80 (at most ``max_iterations``) whose noise left uncancelled
+            by the expected dropouts is at most ``dropout_noise_share`` of the central noise
+            (:func:`flwr_inca.rounds.choose_iterations`; needs calibrated noise). The noise that dropouts
+            leave uncancelled falls as T grows, because calibration then needs less cancelling noise.
+        max_iterations: the communication budget of ``"auto"``: at most this many iterations.
+        dropout_noise_share: ``"auto"``'s aim: uncancelled-dropout noise variance over central noise variance.
         neighbors: out-neighbours k each party picks per iteration.
         sigma_star, sigma_delta: noise levels in value units; both None (default): calibrated for the
             per-round target of the :class:`PrivacyTarget`.
@@ -183,7 +190,7 @@ class MixingConfig:
             None: 10 * (``clip_norm`` + the expected norm of the update's noise); ``math.inf``: no guard.
     """
 
-    iterations: int = 10
+    iterations: int | str = 10
     neighbors: int = 1
     sigma_star: float | None = None
     sigma_delta: float | None = None
@@ -198,12 +205,20 @@ class MixingConfig:
     min_finalists: int = 2
     max_noise_inflation: float = 2.0
     max_update_norm: float | None = None
+    max_iterations: int = 80
+    dropout_noise_share: float = 0.25
 
     def __post_init__(self) -> None:
         if (self.sigma_star is None) != (self.sigma_delta is None):
             raise ValueError("give both sigma_star and sigma_delta, or neither (then they are calibrated)")
+        check_iterations("max_iterations", self.max_iterations)
+        check_real("dropout_noise_share", self.dropout_noise_share, 0.0, 1e6, low_open=True)
+        if self.iterations == "auto" and not self.calibrated:
+            raise ValueError("iterations='auto' chooses T by calibrating the noise: give iterations, or leave "
+                             "sigma_star and sigma_delta to calibration")
         # validates iterations, neighbors, sigmas, schedule, topology, dropout and dissemination
-        IncaConfig(iterations=self.iterations, neighbors=self.neighbors, schedule=self.schedule,
+        iterations = self.max_iterations if self.iterations == "auto" else self.iterations
+        IncaConfig(iterations=iterations, neighbors=self.neighbors, schedule=self.schedule,
                    topology=self.topology, dropout=self.dropout, dissemination=self.dissemination,
                    sigma_star=0.0 if self.sigma_star is None else self.sigma_star,
                    sigma_delta=0.0 if self.sigma_delta is None else self.sigma_delta)
@@ -226,6 +241,11 @@ class MixingConfig:
     def calibrated(self) -> bool:
         """True when the noise is calibrated for the privacy target (no sigmas given)."""
         return self.sigma_star is None
+
+    @property
+    def automatic(self) -> bool:
+        """True when the iterations are chosen for the expected dropouts (``iterations="auto"``)."""
+        return self.iterations == "auto"
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import DEBUG, ERROR, INFO, WARNING
 from typing import Any
 
@@ -45,7 +45,7 @@ from flwr.supercore import log
 from .._checks import check_int
 from ..privacy.ledger import LedgerOwnerError, PrivacyLedger
 from ..privacy.session import BudgetExhausted, RoundSession
-from ..rounds import IncaRounds, round_target, trace_privacy
+from ..rounds import IncaRounds, choose_iterations, round_target, trace_privacy
 from ..settings import build_groups
 from .config import CONFIG_GROUPS, MixingConfig, PersistenceConfig, PrivacyTarget, RelayConfig
 from .offenders import Offenders
@@ -182,15 +182,27 @@ class IncaStrategy(FedAvg):
     def inca(self) -> IncaRounds:
         """How this training's rounds are calibrated, predicted and certified (:class:`IncaRounds`)."""
         if self._inca is None:
-            rounds = self.privacy.budget_rounds or self.num_rounds
-            if self.mixing.calibrated and self.privacy.round_epsilon is None and rounds is None:
-                raise ValueError("the rounds the budget is shared by are unknown: give budget_rounds (or "
-                                 "round_epsilon), or train with strategy.start(num_rounds=...)")
-            target = round_target(self.privacy, rounds or 1) if self.mixing.calibrated else None
+            if self.mixing.automatic:
+                raise ValueError("iterations='auto' is chosen when the first round starts (for its number of "
+                                 "nodes)")
             self._inca = IncaRounds(self.privacy, self.mixing, seed=self.seed,
-                                    value_sensitivity=self.privacy.sensitivity, mu_target=target,
+                                    value_sensitivity=self.privacy.sensitivity, mu_target=self._round_target(),
                                     log=lambda line: log(INFO, "IncA: %s", line))
         return self._inca
+
+    def _round_target(self) -> float | None:
+        rounds = self.privacy.budget_rounds or self.num_rounds
+        if self.mixing.calibrated and self.privacy.round_epsilon is None and rounds is None:
+            raise ValueError("the rounds the budget is shared by are unknown: give budget_rounds (or "
+                             "round_epsilon), or train with strategy.start(num_rounds=...)")
+        return round_target(self.privacy, rounds or 1) if self.mixing.calibrated else None
+
+    def _choose_iterations(self, n: int) -> None:
+        """``iterations="auto"``: T chosen for ``n`` nodes and the expected dropouts, once, and logged."""
+        choice = choose_iterations(self.privacy, self.mixing, n, mu_target=self._round_target(),
+                                   value_sensitivity=self.privacy.sensitivity, seed=self.seed)
+        self.mixing = replace(self.mixing, iterations=choice.iterations)
+        log(INFO, "IncA: %s", choice.describe(self.mixing.neighbors))
 
     # ----------------------------------------------------------------------------- summary and start
     def summary(self) -> None:
@@ -282,6 +294,8 @@ class IncaStrategy(FedAvg):
             return messages
         self._bind_ledger(grid)
         n = max(len(messages), 2)
+        if self.mixing.automatic:
+            self._choose_iterations(n)
         if self.privacy.max_epsilon is not None:  # calibrated for what is left of the budget (spend_budget)
             planned = self.privacy.budget_rounds or self.num_rounds or server_round
             self.ledger.refresh()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -54,7 +54,7 @@ from ..protocol.engine import replay, sample_trace
 from ..protocol.noise import NoiseSource
 from ..protocol.trace import ExecutionTrace
 from ..protocol.utility import output_coefficients
-from ..rounds import IncaRounds
+from ..rounds import IncaRounds, choose_iterations
 from ..settings import MixingConfig, PrivacyTarget
 from . import seeding
 from .noise import NoiseAhead
@@ -307,6 +307,7 @@ class IncaMixer(Mixer):
         self.calibrator = calibrator  # shared between runs (e.g. a study's); None: the run's own
         self.noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
         self.rounds: IncaRounds | None = None
+        self.notes: list[str] = []  # what the mixer chose before round 1 (the history keeps them)
         self._worst_certified = 0.0
 
     @classmethod
@@ -337,11 +338,18 @@ class IncaMixer(Mixer):
         super().prepare(context)
         if self.mixing.calibrated and context.mu_round is None:
             raise ValueError("inca needs sigma_star and sigma_delta, or a budget (max_epsilon) to calibrate them")
+        n = max(2, int(context.participants))
+        if self.mixing.automatic:  # T for the expected participants and dropouts, chosen once
+            choice = choose_iterations(self.privacy, self.mixing, n, mu_target=context.mu_round,
+                                       value_sensitivity=context.value_sensitivity,
+                                       seed=self.threat_seed(context.seed))
+            self.mixing = replace(self.mixing, iterations=choice.iterations)
+            self.notes.append(choice.describe(self.mixing.neighbors))
         self.rounds = IncaRounds(self.privacy, self.mixing, seed=self.threat_seed(context.seed),
                                  value_sensitivity=context.value_sensitivity, mu_target=context.mu_round,
                                  calibration_seed=seeding.seed_of(context.seed, seeding.CALIBRATION),
                                  calibrator=self.calibrator)
-        self.rounds.sigmas(max(2, int(context.participants)))  # calibrated once, before round 1
+        self.rounds.sigmas(n)  # calibrated once, before round 1
 
     @property
     def calibration(self) -> Calibration | None:

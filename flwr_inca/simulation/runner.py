@@ -153,6 +153,7 @@ class _Run:
         self._prepare_backend(model_fn)
         self.history = History(config.to_dict(), self.plan.to_dict(), self.mixer.describe(),
                                self.backend.describe(), dataset or partitions.name)
+        self.history.notes.extend(getattr(self.mixer, "notes", []))
         if self.ledger is not None and self.ledger.rounds and previous is None:
             self.history.notes.append(f"resumed ledger {self.ledger.path}: {self.ledger.rounds} round(s) already "
                                       f"spent, epsilon = {self.ledger.epsilon():.4g}")
