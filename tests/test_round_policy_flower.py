@@ -20,6 +20,7 @@ import functools
 
 import numpy as np
 import pytest
+from synthetic import Outlier
 
 pytest.importorskip("flwr")
 pytest.importorskip("ray")
@@ -35,7 +36,7 @@ from flwr_inca.flower.wire import FIELD, peek_request  # noqa: E402
 from flwr_inca.privacy import PrivacyLedger  # noqa: E402
 from flwr_inca.privacy.certificate import certify  # noqa: E402
 from flwr_inca.privacy.prefix import prefix_view  # noqa: E402
-from flwr_inca.privacy.rounds import RoundCertificate, certification_seeds, certification_views  # noqa: E402
+from flwr_inca.privacy.rounds import certification_seeds, certification_views  # noqa: E402
 from flwr_inca.rounds import IncaRounds  # noqa: E402
 
 pytestmark = pytest.mark.flower
@@ -44,21 +45,6 @@ T, BUDGET, GUARD_BUDGET, ROOMY = 4, 1.3, 0.02, 60.0
 SETTINGS = {"iterations": T, "sigma_star": 1.0, "sigma_delta": 20.0, "clip_norm": 1.0, "max_epsilon": BUDGET,
             "fraction_evaluate": 0.0, "min_available_nodes": NODES, "min_train_nodes": NODES,
             "exchange_timeout": 120, "ledger_owner": "test-round-policy"}
-
-
-class _Outlier:
-    """A round's certificates, its cost with every final ``factor`` times the real one; without them, as it
-    is."""
-
-    def __init__(self, real, factor):
-        self.real, self.factor = real, factor
-
-    def with_finals(self, finals=None):
-        cert = self.real.with_finals(finals)
-        return RoundCertificate(cert.mu * self.factor, cert.methods) if finals is None else cert
-
-    def through(self, iterations):
-        return self.real.through(iterations)
 
 
 class ScriptedRounds(IncaRounds):
@@ -74,7 +60,7 @@ class ScriptedRounds(IncaRounds):
 
     def prefix(self, trace, round):
         real = super().prefix(trace, round)
-        return _Outlier(real, 60.0) if round in self.outliers else real
+        return Outlier(real, 60.0) if round in self.outliers else real
 
 
 class ScriptedStrategy(IncaStrategy):

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 import pytest
+from synthetic import script_outliers
 
 torch = pytest.importorskip("torch")
 
@@ -29,7 +30,7 @@ from synthetic import CLASSES, FEATURES, linear_task  # noqa: E402
 from flwr_inca.privacy import PrivacyLedger  # noqa: E402
 from flwr_inca.privacy.certificate import certify  # noqa: E402
 from flwr_inca.privacy.prefix import prefix_view  # noqa: E402
-from flwr_inca.privacy.rounds import RoundCertificate, certification_seeds, certification_views  # noqa: E402
+from flwr_inca.privacy.rounds import certification_seeds, certification_views  # noqa: E402
 from flwr_inca.privacy.session import RoundSession, charge_resolution  # noqa: E402
 from flwr_inca.protocol import PermanentDropout  # noqa: E402
 from flwr_inca.protocol.trace import ExecutionTrace  # noqa: E402
@@ -101,25 +102,8 @@ def _exact(trace, rnd, *, seed=0, finals=None, through=None, collusion=0.1, draw
     return max(certify(trace, v, value_sensitivity=2.0).max_mu for v in views)
 
 
-class _Outlier:
-    """A round's certificates, its cost with every final ``factor`` times the real one (an outlier execution);
-    what it reveals without them, as it is."""
-
-    def __init__(self, real, factor):
-        self.real, self.factor = real, factor
-
-    def with_finals(self, finals=None):
-        cert = self.real.with_finals(finals)
-        return RoundCertificate(cert.mu * self.factor, cert.methods) if finals is None else cert
-
-    def through(self, iterations):
-        return self.real.through(iterations)
-
-
 def _script_outliers(monkeypatch, rounds, factor=60.0):
-    real = IncaRounds.prefix
-    monkeypatch.setattr(IncaRounds, "prefix", lambda self, trace, rnd: (
-        _Outlier(real(self, trace, rnd), factor) if rnd in rounds else real(self, trace, rnd)))
+    return script_outliers(monkeypatch, rounds, factor)
 
 
 def _predict(monkeypatch, factor, calls=None):

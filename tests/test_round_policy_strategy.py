@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 import pytest
+from synthetic import script_outliers
 
 pytest.importorskip("flwr")
 
@@ -36,7 +37,7 @@ from flwr_inca.privacy import PrivacyLedger  # noqa: E402
 from flwr_inca.privacy.budget_check import prediction_seeds  # noqa: E402
 from flwr_inca.privacy.certificate import certify  # noqa: E402
 from flwr_inca.privacy.prefix import prefix_view  # noqa: E402
-from flwr_inca.privacy.rounds import RoundCertificate, certification_seeds, certification_views  # noqa: E402
+from flwr_inca.privacy.rounds import certification_seeds, certification_views  # noqa: E402
 from flwr_inca.privacy.session import RoundSession  # noqa: E402
 from flwr_inca.protocol import PermanentDropout, sample_trace  # noqa: E402
 from flwr_inca.rounds import IncaRounds  # noqa: E402
@@ -111,26 +112,8 @@ def _exact(strategy, trace, rnd, *, finals=None, through=None) -> float:
     return max(certify(trace, v, value_sensitivity=priv.sensitivity).max_mu for v in views)
 
 
-class _Outlier:
-    """A round's certificates, its cost with every final ``factor`` times the real one (an outlier execution);
-    what it reveals without them, as it is."""
-
-    def __init__(self, real, factor):
-        self.real, self.factor = real, factor
-
-    def with_finals(self, finals=None):
-        cert = self.real.with_finals(finals)
-        return RoundCertificate(cert.mu * self.factor, cert.methods) if finals is None else cert
-
-    def through(self, iterations):
-        return self.real.through(iterations)
-
-
 def _script_outliers(monkeypatch, rounds, factor=1e3):
-    real = IncaRounds.prefix
-    monkeypatch.setattr(IncaRounds, "prefix", lambda self, trace, rnd: (
-        _Outlier(real(self, trace, rnd), factor) if rnd in rounds else real(self, trace, rnd)))
-    return real
+    return script_outliers(monkeypatch, rounds, factor)
 
 
 def _predict(monkeypatch, factor):

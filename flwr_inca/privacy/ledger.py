@@ -260,11 +260,7 @@ class PrivacyLedger:
         ``max_epsilon`` unless ``force``; ``OSError`` (nothing changed) if the file cannot be written."""
         mu = _check_mu(mu)
         with self._lock():
-            self._reload()
-            k = self._index(entry)
-            old = self._entries[k]
-            if not old.reserved:
-                raise ValueError(f"ledger entry {entry} is already settled")
+            k, old = self._reservation(entry)
             if mu <= old.mu:
                 return self.epsilon()
             eps = self.epsilon_if(entry, mu)
@@ -283,11 +279,7 @@ class PrivacyLedger:
         mu = _check_mu(mu)
         certified_mu = _check_certified(certified_mu, mu, "certified_mu")
         with self._lock():
-            self._reload()
-            k = self._index(entry)
-            old = self._entries[k]
-            if not old.reserved:
-                raise ValueError(f"ledger entry {entry} is already settled")
+            k, old = self._reservation(entry)
             eps = self.epsilon_if(entry, mu)
             self._rewrite(k, replace(old, mu=mu, epsilon=eps, status=CHARGED, certified_mu=certified_mu,
                                      note=old.note if note is None else str(note), method=method))
@@ -351,6 +343,14 @@ class PrivacyLedger:
                                 None if method is None else str(method), certified_mu, status, self.run)
             self._rewrite(len(self._entries), entry)
         return entry.round, eps
+
+    def _reservation(self, entry: int) -> tuple[int, LedgerEntry]:
+        """Re-read the file (under the lock) and return the index and state of reservation ``entry``."""
+        self._reload()
+        k = self._index(entry)
+        if not self._entries[k].reserved:
+            raise ValueError(f"ledger entry {entry} is already settled")
+        return k, self._entries[k]
 
     def _rewrite(self, k: int, entry: LedgerEntry) -> None:
         """Put ``entry`` at index ``k`` (k == len: append), re-chain from there and save; on any failure
