@@ -452,14 +452,14 @@ def test_baseline_inputs_are_checked_like_run_incas():
     import torch
 
     from flwr_inca.baselines.base import as_values
-    from flwr_inca.protocol.engine import _as_values
+    from flwr_inca.protocol.engine import as_values as engine_values
 
     for bad in (np.zeros(0), np.zeros((1, 2)), np.array(["a", "b"]), np.zeros((2, 2, 2)),
                 np.array([[0.0, np.inf], [1.0, 2.0]])):
         with pytest.raises(ValueError) as ours:
             as_values(bad)
         with pytest.raises(ValueError) as engine:
-            _as_values(bad)
+            engine_values(bad)
         assert str(ours.value) == str(engine.value)
     values, scalar = as_values(torch.tensor([0.5, 0.25, 1.0], dtype=torch.bfloat16))  # no NumPy dtype
     assert scalar and values.dtype == np.float64 and values[:, 0].tolist() == [0.5, 0.25, 1.0]
