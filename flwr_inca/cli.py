@@ -577,9 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--local-epochs", type=int, default=None, help="party level: local epochs (default: 1, or --local-steps)")
     s.add_argument("--epsilon", type=_optional_epsilon, default=1.0, help="total budget over the rounds, or 'none'")
     s.add_argument("--delta", type=float, default=1e-5, help="delta of the budget, in (0, 1)")
-    s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp", "prv", "rdp", "gdp"],
+    s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp"],
                    default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
-                                      "party level; prv, rdp, gdp: deprecated old names)")
+                                      "party level)")
     s.add_argument("--iterations", "-T", type=_positive_int, default=10, help="IncA mixing iterations per round")
     s.add_argument("--neighbors", "-k", type=_positive_int, default=1, help="peers per mixing iteration")
     s.add_argument("--topology", default="random", help="topology of the mixing (as IncaConfig's topology=)")

@@ -2,10 +2,33 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
+# Pin BLAS/OpenMP threads for the whole test session, before NumPy (or torch, or SciPy) is imported:
+# on a loaded machine, libraries that start one spinning thread per core can turn a one-second BLAS call
+# into minutes (Opacus's noise search did). Set in os.environ, so every subprocess a test starts (Flower's
+# SuperLink and app processes, Ray workers, `python -c` helpers) inherits the same limits.
+# FLWR_INCA_TEST_THREADS overrides the count (default 1).
+TEST_THREADS = os.environ.get("FLWR_INCA_TEST_THREADS", "1")
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS", "BLIS_NUM_THREADS")
+for _name in THREAD_VARIABLES:
+    os.environ[_name] = TEST_THREADS
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _blas_threads_pinned():
+    """The same limit through threadpoolctl, for thread pools already started (a library imported before
+    this file), and torch's intra-op threads (torch reads OMP_NUM_THREADS only when it starts them)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=int(TEST_THREADS)):
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(TEST_THREADS))
+        yield
 
 
 @pytest.fixture
