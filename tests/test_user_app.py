@@ -1,0 +1,172 @@
+"""A user's own Flower app, run as the README's "Use IncA in your Flower project" section says, the way a
+user runs it: the app's files are the section's (``# <path>`` on their first line), the command is the
+section's ``flwr run`` line, run by ``bash`` in the app's folder with a fresh shell's environment (its own
+HOME, so its own ~/.flwr; the virtual environment's bin first on PATH, as after ``activate``). ``flwr run``
+then starts Flower's local SuperLink in the background, as on a user's machine; it listens on a free port
+(``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT``, not the default one another session may use) and is stopped by its
+process group id afterwards, found by the HOME it was started with.
+
+Also what the section says of Flower's own dependency installation: when it fails, ``flwr run`` still
+exits with status 0, and the run's status says ``finished:failed``; the section's status check exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("flwr")
+
+pytestmark = [pytest.mark.deployment, pytest.mark.flower, pytest.mark.timeout(300)]
+
+README = Path(__file__).parent.parent / "README.md"
+BIN = Path(sys.executable).parent
+VARIABLE = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 "
+
+
+def _section() -> str:
+    text = README.read_text()
+    start = text.index("## Use IncA in your Flower project")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _app_files(section: str) -> dict[str, str]:
+    """The section's code blocks that name a file on their first line (``# my_app/server_app.py``)."""
+    files = {}
+    for block in re.findall(r"```(?:toml|python)\n(.*?)```", section, flags=re.DOTALL):
+        first, _, rest = block.partition("\n")
+        name = first.removeprefix("# ").strip()
+        if first.startswith("# ") and name.endswith((".toml", ".py")) and " " not in name:
+            files[name] = block
+    return files
+
+
+def _bash_lines(section: str) -> list[str]:
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL):
+        lines += [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    return lines
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _superlinks_of(home: Path) -> list[int]:
+    """Process ids of the ``flower-superlink`` processes started with this HOME (their log file is in it)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(b"flower-superlink" in part for part in cmdline) and any(str(home).encode() in part
+                                                                           for part in cmdline):
+                pids.append(int(entry.name))
+    return pids
+
+
+def _stop(pid: int, deadline_s: float = 60.0) -> None:
+    """Stop a process that `flwr run` started in its own session (group id = its pid), and its group."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:  # not our child: wait for it to be gone
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def user(tmp_path):
+    """A user's folder with the section's app, and a fresh shell's environment; afterwards the local
+    SuperLink that ``flwr run`` started is stopped."""
+    if shutil.which("flower-superlink", path=str(BIN)) is None:
+        pytest.skip("flower-superlink is not installed in this environment")
+    files = _app_files(_section())
+    assert {"pyproject.toml", "my_app/server_app.py", "my_app/client_app.py"} <= set(files), sorted(files)
+    app, home = tmp_path / "my-app", tmp_path / "home"
+    home.mkdir()
+    for name, content in files.items():
+        (app / name).parent.mkdir(parents=True, exist_ok=True)
+        (app / name).write_text(content)
+    keep = ("LANG", "LC_ALL", "TMPDIR", "FLWR_INCA_STATE_DIR", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+            "MKL_NUM_THREADS")  # the session's node-state root and pinned threads
+    env = {name: os.environ[name] for name in keep if name in os.environ}
+    env.update({"HOME": str(home), "PATH": f"{BIN}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
+                "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
+                "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()), "FLWR_TELEMETRY_ENABLED": "0"})
+    try:
+        yield app, env
+    finally:
+        for pid in _superlinks_of(home):
+            _stop(pid)
+
+
+def _shell(command: str, app: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=app, env=env, capture_output=True, text=True,
+                          timeout=280, check=False)
+
+
+def _run_id(done: subprocess.CompletedProcess) -> str:
+    match = re.search(r"Successfully started run (\d+)", done.stdout + done.stderr)
+    assert match, f"flwr run did not start a run:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return match.group(1)
+
+
+def _status_check(run_id: str, app: Path, env: dict) -> tuple[int, dict]:
+    """The section's script check of a run's outcome (its exit status), and the run's row of `flwr ls`."""
+    (check,) = [line for line in _bash_lines(_section()) if line.startswith("flwr ls --run-id")]
+    status = _shell(check.split("#")[0].replace('"$RUN_ID"', run_id), app, env).returncode
+    listed = _shell(f"flwr ls --run-id {run_id} --format json", app, env)
+    (row,) = json.loads(listed.stdout[listed.stdout.index("{"):])["runs"]
+    return status, row
+
+
+def test_the_readme_app_runs_with_flwr_run_in_a_fresh_shell(user):
+    app, env = user
+    (command,) = [line for line in _bash_lines(_section()) if line.startswith(VARIABLE + "flwr run .")]
+    done = _shell(command, app, env)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    run_id = _run_id(done)
+    assert "Starting local SuperLink" in out  # a fresh shell: flwr run started it, with the variable
+    assert re.search(r"Federation .* \(4 simulated SuperNodes\)", out), out[-4000:]
+    # it trained: two rounds mixed by IncA among the 4 nodes, each certified and charged
+    assert len(re.findall(r"IncA: epsilon = [\d.]+ \(round mu = [\d.]+\), 4/4 finals", out)) == 2, out[-4000:]
+    assert "IncA model: [" in out and "num_releases=2" in out
+    status, row = _status_check(run_id, app, env)
+    assert row["status"] == "finished:completed" and status == 0, row
+
+
+def test_flower_exits_0_when_its_dependency_installation_fails_and_the_status_says_so(user):
+    """What the section says of Flower's own installation (runtime dependency installation on: the
+    command without the variable). It fails here whether or not an index is reachable (uv offline, no
+    cache); `flwr run` exits 0 all the same, so only the run's status tells."""
+    app, env = user
+    (command,) = [line for line in _bash_lines(_section()) if line.startswith(VARIABLE + "flwr run .")]
+    done = _shell(command.removeprefix(VARIABLE), app, {**env, "UV_OFFLINE": "1", "UV_NO_CACHE": "1"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]  # Flower's behaviour: if this changes, update the README
+    assert "Runtime installation of app dependencies failed" in out, out[-4000:]
+    status, row = _status_check(_run_id(done), app, env)
+    assert row["status"] == "finished:failed" and "uv sync failed" in row["status-details"], row
+    assert status == 1  # the section's check tells
