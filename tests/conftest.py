@@ -31,6 +31,19 @@ def _blas_threads_pinned():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _pythonpath_restored():
+    """Flower's simulation engine, run in this process, sets PYTHONPATH to this process's sys.path (for
+    its Ray workers) and leaves it: later tests' subprocesses would import from there (the checkout
+    instead of an installed wheel, say). Each test gets the session's PYTHONPATH back."""
+    before = os.environ.get("PYTHONPATH")
+    yield
+    if before is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = before
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)

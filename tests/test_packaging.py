@@ -11,6 +11,8 @@ with its dependencies from the package index.
 from __future__ import annotations
 
 import email
+import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -84,18 +86,18 @@ def _check_metadata(wheel: Path) -> None:
 
 
 def _check_installed(python: Path, venv: Path, modules: str) -> None:
-    """The installed wheel (not the checkout) imports ``modules``, and its console script runs."""
-    code = f"import {modules}; print(flwr_inca.__file__)"
-    where = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                           cwd=venv.parent)  # not the checkout's folder, which `python -c` would import from
+    """The installed wheel (not the checkout) imports ``modules``, and its console script runs: in another
+    folder than the checkout's (``python -c`` imports from the current one), without PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300, check=False,
+                            cwd=venv.parent, env=env)
+    where = run([str(python), "-c", f"import {modules}; print(flwr_inca.__file__)"])
     assert where.returncode == 0, where.stderr[-3000:]
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
     cli = venv / "bin" / "flwr-inca"
-    version = subprocess.run([str(cli), "--version"], capture_output=True, text=True, timeout=120, check=False,
-                             cwd=venv.parent)
+    version = run([str(cli), "--version"])
     assert version.returncode == 0 and version.stdout.startswith(f"flwr-inca {flwr_inca.__version__}"), version
-    demo = subprocess.run([str(cli), "mean", "-n", "10", "-T", "5", "--dim", "2", "--runs", "2", "--json"],
-                          capture_output=True, text=True, timeout=300, check=False, cwd=venv.parent)
+    demo = run([str(cli), "mean", "-n", "10", "-T", "5", "--dim", "2", "--runs", "2", "--json"])
     assert demo.returncode == 0 and '"mse_inca"' in demo.stdout, demo.stderr[-3000:]
 
 
@@ -108,8 +110,10 @@ def test_the_release_builds_with_complete_metadata_and_the_wheel_runs_from_a_fre
     _check_metadata(wheel)
     venv = tmp_path / "venv"
     python = _fresh_venv(venv, borrow_packages=True)
+    # --force-reinstall: pip also sees the borrowed environment's flwr-inca (this checkout, same version)
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                              "--no-index", str(wheel)], capture_output=True, text=True, timeout=300, check=False)
+                              "--no-index", "--force-reinstall", str(wheel)], capture_output=True, text=True,
+                             timeout=300, check=False)
     assert install.returncode == 0, install.stderr[-3000:]
     _check_installed(python, venv, "flwr_inca, flwr_inca.flower, flwr_inca.simulation")
 
