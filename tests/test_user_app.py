@@ -7,7 +7,8 @@ then starts Flower's local SuperLink in the background, as on a user's machine; 
 process group id afterwards, found by the HOME it was started with.
 
 Also what the section says of Flower's own dependency installation: when it fails, ``flwr run`` still
-exits with status 0, and the run's status says ``finished:failed``; the section's status check exits 1.
+exits with status 0, and the run's status says ``finished:failed`` (the section's status check exits 1);
+the variable is read only by a new local SuperLink, and the section's command stops the running one.
 """
 
 from __future__ import annotations
@@ -157,16 +158,34 @@ def test_the_readme_app_runs_with_flwr_run_in_a_fresh_shell(user):
     assert row["status"] == "finished:completed" and status == 0, row
 
 
-def test_flower_exits_0_when_its_dependency_installation_fails_and_the_status_says_so(user):
-    """What the section says of Flower's own installation (runtime dependency installation on: the
-    command without the variable). It fails here whether or not an index is reachable (uv offline, no
-    cache); `flwr run` exits 0 all the same, so only the run's status tells."""
+def _listening(port: str) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", int(port))) == 0
+
+
+def test_a_failed_dependency_installation_exits_0_and_the_variable_needs_a_new_superlink(user):
+    """What the section says of Flower's own dependency installation, as a user meets it: the command
+    without the variable (installation on) fails here whether or not an index is reachable (uv offline, no
+    cache), yet `flwr run` exits 0, and only the run's status (the section's check) tells; setting the
+    variable then changes nothing while that local SuperLink runs; the section's command stops it."""
     app, env = user
     (command,) = [line for line in _bash_lines(_section()) if line.startswith(VARIABLE + "flwr run .")]
-    done = _shell(command.removeprefix(VARIABLE), app, {**env, "UV_OFFLINE": "1", "UV_NO_CACHE": "1"})
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]  # Flower's behaviour: if this changes, update the README
-    assert "Runtime installation of app dependencies failed" in out, out[-4000:]
-    status, row = _status_check(_run_id(done), app, env)
-    assert row["status"] == "finished:failed" and "uv sync failed" in row["status-details"], row
-    assert status == 1  # the section's check tells
+    offline = {**env, "UV_OFFLINE": "1", "UV_NO_CACHE": "1"}
+    for attempt, run in enumerate([command.removeprefix(VARIABLE), command]):
+        done = _shell(run, app, offline)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-4000:]  # Flower's behaviour: if this changes, update the README
+        assert ("Starting local SuperLink" in out) == (attempt == 0)  # the second run uses the running one
+        assert "Runtime installation of app dependencies failed" in out, out[-4000:]
+        status, row = _status_check(_run_id(done), app, env)
+        assert row["status"] == "finished:failed" and "uv sync failed" in row["status-details"], row
+        assert status == 1  # the section's check tells
+    port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+    (stop,) = [line for line in _bash_lines(_section()) if line.startswith("kill ") and "lsof" in line]
+    if shutil.which("lsof") is None:
+        pytest.skip("lsof is not installed: the section's command to stop the SuperLink was not run")
+    assert _listening(port) and _shell(stop.split("#")[0], app, env).returncode == 0
+    deadline = time.monotonic() + 60
+    while _listening(port) and time.monotonic() < deadline:  # until it has stopped listening
+        time.sleep(0.1)
+    assert not _listening(port)
