@@ -31,3 +31,26 @@ def test_every_test_has_a_deadline(request):
     assert deadline and float(deadline) > 0
     assert request.config.getini("timeout_method") == "signal"  # fixtures' cleanup still runs
     assert os.environ["OMP_NUM_THREADS"] == TEST_THREADS
+
+
+def test_a_hang_fails_with_its_stack_and_the_fixtures_clean_up(tmp_path):
+    """With the project's settings, a test past its deadline fails (not the session), its stack is shown,
+    and its fixtures' cleanup runs (what stops SuperLinks and Ray clusters)."""
+    (tmp_path / "test_hang.py").write_text(
+        "import threading, pytest\n"
+        "@pytest.fixture\n"
+        "def resource(tmp_path_factory):\n"
+        "    yield\n"
+        f"    open({str(tmp_path / 'cleaned')!r}, 'w').close()\n"
+        "@pytest.mark.timeout(1)\n"
+        "def test_hangs(resource):\n"
+        "    threading.Event().wait()  # a wait that never ends\n"
+        "def test_after():\n"
+        "    pass\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-c", os.path.join(root, "pyproject.toml"),
+                          "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path / "test_hang.py")],
+                         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-3000:]
+    assert "Timeout (>1.0s)" in out.stdout and "threading.Event().wait()" in out.stdout, out.stdout[-3000:]
+    assert "1 failed, 1 passed" in out.stdout and (tmp_path / "cleaned").exists()
