@@ -189,3 +189,27 @@ def test_a_failed_dependency_installation_exits_0_and_the_variable_needs_a_new_s
     while _listening(port) and time.monotonic() < deadline:  # until it has stopped listening
         time.sleep(0.1)
     assert not _listening(port)
+
+
+NETWORK_VARIABLES = ("SSL_CERT_FILE", "SSL_CERT_DIR", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy",
+                     "https_proxy", "no_proxy", "UV_INDEX_URL", "UV_DEFAULT_INDEX", "UV_EXTRA_INDEX_URL")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_flowers_own_installation_takes_flwr_inca_from_the_built_wheel(user, tmp_path):
+    """The section's route for Flower's own dependency installation (online: everything but flwr-inca comes
+    from the package index into the run's fresh environment): the wheel built from the checkout, found
+    through UV_FIND_LINKS, set for the `flwr run` that starts the local SuperLink."""
+    import flwr_inca
+    from test_packaging import _build, _source_copy
+
+    app, env = user
+    _, wheel = _build(_source_copy(tmp_path), tmp_path / "wheels", isolation=False)
+    network = {name: os.environ[name] for name in NETWORK_VARIABLES if name in os.environ}
+    (command,) = [line for line in _bash_lines(_section()) if line.startswith(VARIABLE + "flwr run .")]
+    done = _shell(command.removeprefix(VARIABLE), app, {**env, **network, "UV_FIND_LINKS": str(wheel.parent)})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "App dependencies installed successfully" in out, out[-4000:]
+    assert re.search(rf"Installed: \[.*flwr-inca=={re.escape(flwr_inca.__version__)}", out), out[-4000:]
+    assert "IncA model: [" in out and "num_releases=2" in out, out[-4000:]
