@@ -167,8 +167,8 @@ def deployment_runs(tmp_path_factory):
         first = dep.flwr_run(out, **common, **{"num-server-rounds": 1, "nodes": NODES, "kill-partition": 0,
                                                "kill-round": KILL_ROUND, "kill-commit": KILL_COMMIT})
         deadline = time.monotonic() + 400
-        (reached,) = _wait_for("node 0 to reach the mixing exchange", lambda: list(out.glob("reached-node-*")),
-                               deadline, dep)
+        (reached,) = _wait_for("node 0 to reach the mixing exchange",
+                               lambda: list(out.glob("reached-node-*")), deadline, dep)
         dep.kill("supernode-0")
         (out / reached.name.replace("reached-", "dead-")).touch()  # the ServerApp's grid: it is gone
         summary1 = _wait_for("the first run's summary", lambda: _read(out / f"run-{first}.json"), deadline, dep)

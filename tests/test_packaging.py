@@ -54,12 +54,12 @@ def _build(src: Path, out: Path, isolation: bool) -> tuple[Path, Path]:
 def _fresh_venv(path: Path, borrow_packages: bool) -> Path:
     """A new virtual environment (its python); with ``borrow_packages``, this environment's packages are
     importable after its own (a .pth line), so the wheel's dependencies need no download."""
-    subprocess.run([sys.executable, "-m", "venv", *([] if not borrow_packages else ["--without-pip"]), str(path)],
-                   check=True, timeout=300)
+    options = ["--without-pip"] if borrow_packages else []
+    subprocess.run([sys.executable, "-m", "venv", *options, str(path)], check=True, timeout=300)
     python = path / "bin" / "python"
     if borrow_packages:
-        purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                 capture_output=True, text=True, check=True).stdout.strip()
+        code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        purelib = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
         Path(purelib, "borrowed-test-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
@@ -96,7 +96,8 @@ def _check_installed(python: Path, venv: Path, modules: str) -> None:
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
     cli = venv / "bin" / "flwr-inca"
     version = run([str(cli), "--version"])
-    assert version.returncode == 0 and version.stdout.startswith(f"flwr-inca {flwr_inca.__version__}"), version
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.startswith(f"flwr-inca {flwr_inca.__version__}"), version.stdout
     demo = run([str(cli), "mean", "-n", "10", "-T", "5", "--dim", "2", "--runs", "2", "--json"])
     assert demo.returncode == 0 and '"mse_inca"' in demo.stdout, demo.stderr[-3000:]
 

@@ -20,7 +20,8 @@ def test_blas_and_openmp_threads_are_pinned_here_and_in_subprocesses():
                                                                      for p in pools}
     code = ("import os, numpy, threadpoolctl; print(sorted({p['num_threads'] for p in "
             "threadpoolctl.threadpool_info()}), [os.environ.get(v) for v in %r])" % (THREAD_VARIABLES,))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
     assert out.stdout.strip() == f"[{int(TEST_THREADS)}] {[TEST_THREADS] * len(THREAD_VARIABLES)}"
     assert np.ones((64, 64)) @ np.ones(64) is not None
 
@@ -49,7 +50,8 @@ def test_a_hang_fails_with_its_stack_and_the_fixtures_clean_up(tmp_path):
         "    pass\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-m", "pytest", "-c", os.path.join(root, "pyproject.toml"),
-                          "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path / "test_hang.py")],
+                          "--rootdir", str(tmp_path), "-p", "no:cacheprovider",
+                          str(tmp_path / "test_hang.py")],
                          capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)
     assert out.returncode == 1, out.stdout[-3000:]
     assert "Timeout (>1.0s)" in out.stdout and "threading.Event().wait()" in out.stdout, out.stdout[-3000:]

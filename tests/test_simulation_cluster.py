@@ -171,10 +171,11 @@ def test_simulate_joins_the_cluster_that_RAY_ADDRESS_names(ray_cluster, tmp_path
     data.mkdir()
     _write_idx(data, np.random.default_rng(0))
     env = dict(os.environ, RAY_ADDRESS=address)
-    run = subprocess.run([str(Path(sys.executable).parent / "flwr-inca"), "simulate", "--clients", "4",
-                          "--rounds", "1", "--data-dir", str(data), "--sigma-star", "0.5", "--sigma-delta", "2",
-                          "--epsilon", "none", "--iterations", "3", "--num-actors", "2", "--out", str(out),
-                          "--json"], env=env, capture_output=True, text=True, timeout=280, check=False)
+    command = ["simulate", "--clients", "4", "--rounds", "1", "--data-dir", str(data), "--sigma-star", "0.5",
+               "--sigma-delta", "2", "--epsilon", "none", "--iterations", "3", "--num-actors", "2",
+               "--out", str(out), "--json"]
+    run = subprocess.run([str(Path(sys.executable).parent / "flwr-inca"), *command], env=env,
+                         capture_output=True, text=True, timeout=280, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     history = json.loads((out / "history.json").read_text())
     port = address.rsplit(":", 1)[1]
@@ -188,5 +189,6 @@ def test_an_unreachable_RAY_ADDRESS_is_named_before_ray_starts(monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-    with pytest.raises(ConnectionError, match=rf"RAY_ADDRESS='127.0.0.1:{port}': no Ray cluster answers there"):
+    message = rf"RAY_ADDRESS='127.0.0.1:{port}': no Ray cluster answers there"
+    with pytest.raises(ConnectionError, match=message):
         connect_ray(None, num_cpus=2)

@@ -9,7 +9,8 @@ import pytest
 from flwr_inca.cli import build_parser
 
 # words that only make sense to whoever wrote the text: where it was measured, what it was asked in
-OUTSIDE_WORDS = re.compile(r"\b(issues?|here|sessions?|attempts?|branch|the lead)\b|< ?\d+ ?min", re.IGNORECASE)
+OUTSIDE_WORDS = re.compile(r"\b(issues?|here|sessions?|attempts?|branch|the lead)\b|< ?\d+ ?min",
+                           re.IGNORECASE)
 DEPRECATED_ACCOUNTANTS = {"prv", "rdp", "gdp"}
 
 

@@ -61,7 +61,8 @@ class DeadNodesAnswered(Grid):
                                        reply_to=sent))
         return replies
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def send_and_receive(self, messages: Iterable[Message], *,
+                         timeout: float | None = None) -> Iterable[Message]:
         pending = set(self.push_messages(messages))
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
@@ -95,7 +96,8 @@ def main(grid: Grid, context: Context) -> None:
     stopped = None
     try:
         arrays = strategy.start(grid=DeadNodesAnswered(grid, out), initial_arrays=initial,
-                                num_rounds=int(cfg["num-server-rounds"]), timeout=float(cfg["join-timeout"])).arrays
+                                num_rounds=int(cfg["num-server-rounds"]),
+                                timeout=float(cfg["join-timeout"])).arrays
     except IncaBudgetExhausted as stop:
         arrays = stop.arrays
         stopped = {"round": stop.server_round, "epsilon": stop.epsilon, "predicted": stop.predicted_epsilon}
