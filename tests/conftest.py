@@ -19,6 +19,20 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# the deadline of tests that start Ray or Flower's simulation engine, unless they set their own: process
+# starts dominate them, and they slow down most on a loaded machine (the default, for every other test, is
+# pyproject.toml's `timeout`)
+RAY_TEST_DEADLINE_S = 300
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        starts_ray = item.get_closest_marker("flower") is not None or "local_ray" in fixtures
+        if starts_ray and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(RAY_TEST_DEADLINE_S))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _blas_threads_pinned():
     """The same limit through threadpoolctl, for thread pools already started (a library imported before

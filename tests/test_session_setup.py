@@ -56,3 +56,10 @@ def test_a_hang_fails_with_its_stack_and_the_fixtures_clean_up(tmp_path):
     assert out.returncode == 1, out.stdout[-3000:]
     assert "Timeout (>1.0s)" in out.stdout and "threading.Event().wait()" in out.stdout, out.stdout[-3000:]
     assert "1 failed, 1 passed" in out.stdout and (tmp_path / "cleaned").exists()
+
+
+@pytest.mark.flower
+def test_tests_that_start_ray_get_the_longer_deadline(request):
+    from conftest import RAY_TEST_DEADLINE_S
+
+    assert request.node.get_closest_marker("timeout").args[0] == RAY_TEST_DEADLINE_S
