@@ -908,9 +908,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-epsilon", type=_optional_epsilon, default=1.0,
                    help="total privacy budget over the rounds, or 'none'")
     s.add_argument("--delta", type=_delta, default=1e-5, help="delta of the budget, in (0, 1)")
-    s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp", "prv", "rdp", "gdp"],
+    s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp"],
                    default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
-                                      "party level; prv, rdp, gdp: deprecated old names)")
+                                      "party level)")
     s.add_argument("--iterations", "-T", type=_iterations, default=10,
                    help=f"IncA mixing iterations per round, in [1, {MAX_ITERATIONS}]")
     s.add_argument("--neighbors", "-k", type=_neighbors, default=1, help="peers per mixing iteration")

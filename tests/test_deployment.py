@@ -3,12 +3,16 @@
 ``tests/deploy_app`` submitted with ``flwr run``, one SuperNode killed with SIGKILL in the middle of a
 round's mixing, and a second ``flwr run`` that resumes the privacy ledger.
 
-The kill is deterministic: the node of partition 0 writes a marker file when it receives the mixing
-request of (round 2, commit 2) and blocks there; the test then SIGKILLs its SuperNode's process group
-(the SuperNode and the ClientApp process it started). Every process started here is stopped by its
-process group id in a ``finally``.
+Every wait is on an event, with a deadline far beyond what a loaded machine needs: the node of partition
+0 writes a marker file when it receives the mixing request of (round 1, commit 2) and blocks there; the
+test then SIGKILLs its SuperNode's process group (the SuperNode and the ClientApp process it started),
+reaps it, and says so in a second file, on which the ServerApp's grid answers the killed node's messages
+with the error Flower's SuperLink returns for a node whose heartbeats lapsed (the SuperLink itself would
+wait 30-60 s). The live nodes are never timed out (300 s exchange deadline): under load they answer
+late, not never, so the round's outcome does not depend on the machine's speed. Every process started
+here is stopped by its process group id in a ``finally``.
 
-It runs in the default suite; alone with ``python -m pytest -m deployment`` (57-76 s here).
+It runs in the default suite; alone with ``python -m pytest -m deployment``.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ import pytest
 
 pytest.importorskip("flwr")
 
-# 57-76 s on a shared 2-core machine (most of it Flower starting a ClientApp process per message, and the
-# killed node's exchange timeout): in the default suite (CI); alone with `pytest -m deployment`
-pytestmark = [pytest.mark.deployment, pytest.mark.flower]
+# most of its time is Flower starting a ClientApp process per message; the deadline covers both runs (the
+# module's fixture runs in the first test's setup) on a heavily loaded machine
+pytestmark = [pytest.mark.deployment, pytest.mark.flower, pytest.mark.timeout(600)]
 
 APP = Path(__file__).parent / "deploy_app"
 NODES, ITERATIONS, KILL_ROUND, KILL_COMMIT = 4, 2, 1, 2
@@ -73,7 +77,7 @@ class Deployment:
     def superlink(self) -> None:
         self.start("superlink", "flower-superlink", "--insecure", "--host", "127.0.0.1",
                    "--port", str(self.port), "--database", str(self.root / "state.db"))
-        _wait_for("the SuperLink's port", self._listening, time.monotonic() + 60, self)
+        _wait_for("the SuperLink's port", self._listening, time.monotonic() + 120, self)
 
     def _listening(self) -> bool:
         with socket.socket() as s:
@@ -86,13 +90,13 @@ class Deployment:
                           "--node-config", f"partition-id={partition} num-partitions={NODES}")
 
     def kill(self, name: str) -> None:
-        """SIGKILL the process group of ``name`` (started by us: its group id is its pid)."""
+        """SIGKILL the process group of ``name`` (started by us: its group id is its pid), and reap it."""
         proc = self.procs[name]
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
 
     def stop_all(self) -> None:
         for name, proc in reversed(list(self.procs.items())):
@@ -113,7 +117,7 @@ class Deployment:
         overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
         done = subprocess.run([str(BIN / "flwr"), "run", str(APP), "inca-test", "--format", "json",
                                "--run-config", overrides], env=self.env, cwd=self.root, capture_output=True,
-                              text=True, timeout=120, check=False)
+                              text=True, timeout=300, check=False)
         assert done.returncode == 0, f"flwr run failed:\n{done.stdout}\n{done.stderr}"
         payload = json.loads(done.stdout[done.stdout.index("{"):])
         assert payload["success"], payload
@@ -162,9 +166,11 @@ def deployment_runs(tmp_path_factory):
             dep.supernode(partition)
         first = dep.flwr_run(out, **common, **{"num-server-rounds": 1, "nodes": NODES, "kill-partition": 0,
                                                "kill-round": KILL_ROUND, "kill-commit": KILL_COMMIT})
-        deadline = time.monotonic() + 300
-        _wait_for("node 0 to reach the mixing exchange", lambda: list(out.glob("reached-*")), deadline, dep)
+        deadline = time.monotonic() + 400
+        (reached,) = _wait_for("node 0 to reach the mixing exchange",
+                               lambda: list(out.glob("reached-node-*")), deadline, dep)
         dep.kill("supernode-0")
+        (out / reached.name.replace("reached-", "dead-")).touch()  # the ServerApp's grid: it is gone
         summary1 = _wait_for("the first run's summary", lambda: _read(out / f"run-{first}.json"), deadline, dep)
         first_seconds = time.monotonic() - started
         # a new run of the same app on the same ledger, with a budget that one more round would exceed only
@@ -176,7 +182,7 @@ def deployment_runs(tmp_path_factory):
         second = dep.flwr_run(out, **common, **{"num-server-rounds": 1, "nodes": NODES - 1,
                                                 "fraction-train": 0.01, "max-epsilon": budget["max_epsilon"]})
         summary2 = _wait_for("the second run's summary", lambda: _read(out / f"run-{second}.json"),
-                             time.monotonic() + 120, dep)
+                             time.monotonic() + 300, dep)
         alive = {name: proc.poll() is None for name, proc in dep.procs.items()}
     finally:
         dep.stop_all()
@@ -214,7 +220,9 @@ def test_a_node_killed_during_mixing_is_a_dropout_and_the_round_completes(deploy
     online = one["online"]  # (T + 1) x n
     assert [row[killed] for row in online] == [1] * KILL_COMMIT + [0] * (ITERATIONS + 1 - KILL_COMMIT)
     assert sorted(one["finalists"]) == [1, 2, 3]
-    assert one["metrics"]["inca-timeouts"] >= ITERATIONS + 1 - KILL_COMMIT
+    # the killed node's exchange of commit 2 ended with the SuperLink's error (offline at T, it is asked
+    # for no final); no live node was timed out, however slowly it answered
+    assert one["metrics"]["inca-errors"] == 1 and one["metrics"]["inca-timeouts"] == 0
     assert all(math.isfinite(v) for v in first["model"]) and any(v != 0 for v in first["model"])
     assert not deployment_runs["alive"]["supernode-0"]
     assert all(alive for name, alive in deployment_runs["alive"].items() if name != "supernode-0")

@@ -120,6 +120,7 @@ def _results(tmp_path, unit="record"):
 
 
 @pytest.mark.flower
+@pytest.mark.timeout(300)  # two runs of Flower's simulation engine (Ray); a deadline for a loaded machine
 def test_example_runs_offline_on_digits_and_a_spent_budget_keeps_earlier_results(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("FLWR_INCA_MNIST_DIR", raising=False)
     monkeypatch.setitem(sys.modules, "datasets", None)
@@ -206,6 +207,7 @@ def test_the_log_states_the_users_settings_and_explains_the_derived_ones():
 
 
 @pytest.mark.flower
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(not MNIST.exists(), reason="MNIST IDX files not available: set FLWR_INCA_MNIST_DIR to the "
                     "directory of the 4 IDX .gz files (default ../shared/data/mnist)")
 def test_example_runs_on_mnist(tmp_path, monkeypatch):

@@ -1,8 +1,10 @@
 """A real Ray cluster: ``ray start --head --num-cpus 2`` as a separate process (non-default ports, its
-own temp dir), a simulation that joins it with ``ray_address="auto"`` from another process, and the
-same history as the run in this process. The cluster is stopped through its process group (all of
-its processes were started by it), also when the test fails."""
+own temp dir), shared by the tests of this module: a simulation that joins it with ``ray_address="auto"``
+from another process gives the same history as the run in this process, and ``flwr-inca simulate`` joins
+the cluster that ``RAY_ADDRESS`` names, as ``ray.init`` does. The cluster is stopped through its process
+group (all of its processes were started by it), also when a test fails."""
 
+import gzip
 import json
 import os
 import signal
@@ -42,20 +44,22 @@ def _free_port_block(size: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-def _wait_for(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+def _wait_for(port: int, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    """Until the head's GCS accepts connections (the event), or ``ray start`` exits; ``timeout`` is only
+    a generous deadline for a machine under load."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}")
+            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 return
         except OSError:
-            time.sleep(0.5)
-    raise TimeoutError("the Ray head did not come up")
+            time.sleep(0.2)
+    raise TimeoutError(f"the Ray head did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_cluster():
     base = _free_port_block(80)
     temp = tempfile.mkdtemp(prefix="rw10-", dir="/tmp")  # short: Ray's socket paths have a length limit
@@ -96,10 +100,11 @@ def ray_cluster():
         "--temp-dir",
         temp,
     ]
-    log = open(Path(temp) / "ray-start.log", "w")
+    log_path = Path(temp) / "ray-start.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_for(base, proc)
+        _wait_for(base, proc, log_path)
         yield f"127.0.0.1:{base}", temp
     finally:
         try:
@@ -127,6 +132,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(300)
 def test_cluster_run_matches_the_in_process_run(ray_cluster):
     address, _ = ray_cluster
     env = dict(os.environ, RAY_ADDRESS=address)  # what "auto" finds (not a cluster of someone else)
@@ -142,3 +148,47 @@ def test_cluster_run_matches_the_in_process_run(ray_cluster):
     assert np.array_equal(np.array(remote["params"], dtype=np.float32), local.parameters)
     assert remote["accuracy"] == local.column("accuracy")
     assert remote["mu"] == local.column("mu") and remote["epsilon"] == local.column("epsilon")
+
+
+def _write_idx(directory: Path, rng: np.random.Generator) -> None:
+    """A tiny MNIST-shaped IDX dataset (the command's --data-dir), so that nothing is downloaded."""
+    for split, n in [("train", 120), ("t10k", 40)]:
+        images = rng.integers(0, 256, (n, 784)).astype(np.uint8)
+        labels = rng.integers(0, 10, n).astype(np.uint8)
+        with gzip.open(directory / f"{split}-images-idx3-ubyte.gz", "wb") as fh:
+            fh.write((2051).to_bytes(4, "big") + n.to_bytes(4, "big") + (28).to_bytes(4, "big")
+                     + (28).to_bytes(4, "big") + images.tobytes())
+        with gzip.open(directory / f"{split}-labels-idx1-ubyte.gz", "wb") as fh:
+            fh.write((2049).to_bytes(4, "big") + n.to_bytes(4, "big") + labels.tobytes())
+
+
+@pytest.mark.timeout(300)
+def test_simulate_joins_the_cluster_that_RAY_ADDRESS_names(ray_cluster, tmp_path):
+    """``RAY_ADDRESS=host:port flwr-inca simulate`` (no --ray-address) joins that cluster, as ``ray.init``
+    does, instead of asking Ray for a local one of --num-actors CPUs (which Ray refuses)."""
+    address, _ = ray_cluster
+    data, out = tmp_path / "mnist", tmp_path / "out"
+    data.mkdir()
+    _write_idx(data, np.random.default_rng(0))
+    env = dict(os.environ, RAY_ADDRESS=address)
+    command = ["simulate", "--clients", "4", "--rounds", "1", "--data-dir", str(data), "--sigma-star", "0.5",
+               "--sigma-delta", "2", "--epsilon", "none", "--iterations", "3", "--num-actors", "2",
+               "--out", str(out), "--json"]
+    run = subprocess.run([str(Path(sys.executable).parent / "flwr-inca"), *command], env=env,
+                         capture_output=True, text=True, timeout=280, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    history = json.loads((out / "history.json").read_text())
+    port = address.rsplit(":", 1)[1]
+    assert history["backend"].endswith(f":{port})"), history["backend"]  # it ran on that cluster
+
+
+def test_an_unreachable_RAY_ADDRESS_is_named_before_ray_starts(monkeypatch):
+    from flwr_inca.simulation.backend import connect_ray
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    message = rf"RAY_ADDRESS='127.0.0.1:{port}': no Ray cluster answers there"
+    with pytest.raises(ConnectionError, match=message):
+        connect_ray(None, num_cpus=2)

@@ -75,7 +75,7 @@ class BoundSettings:
         dense_limit: largest number of honest parties for a dense factorization of the party graph.
         blas_threads: BLAS threads while solving (None: leave as configured). The products are thin
             (T+1 rows) and memory-bound; one thread avoids oversubscription next to other work (on
-            this project's 2-core machine two threads were 2x slower when another process was busy).
+            a 2-core machine two threads were 2x slower when another process was busy).
         global_iterations: cascade only: CG iterations of the shared global ``dy`` of the local tier.
         local_iterations: cascade only: iterations of each party's local search (CGLS, or CG on its
             normal equations when compiled). 40: at calibration's sigma_delta / sigma_star = 10 and

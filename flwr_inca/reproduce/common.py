@@ -85,7 +85,7 @@ def write_csv(result: FigureResult, path: Path) -> None:
 def single_blas_thread(enabled: bool = True) -> Iterator[None]:
     """Limit BLAS/LAPACK to one thread while the reproduction runs.
 
-    The certificates factor many small matrices (hundreds of rows); on a shared 2-core machine
+    The certificates factor many small matrices (hundreds of rows); on a busy 2-core machine
     OpenBLAS's worker threads then mostly wait for each other (benchmarks/RESULTS.md has the side by
     side). Needs ``threadpoolctl`` (installed with scikit-learn); without it nothing changes.
     """

@@ -160,31 +160,49 @@ def _import_ray():
     return ray
 
 
-def _check_reachable(address: str) -> None:
-    """Fail fast, naming the parameter, if ``host:port`` does not accept connections."""
+RAY_ADDRESS_VARIABLE = "RAY_ADDRESS"
+
+
+def ray_address_to_join(address: str | None) -> tuple[str | None, str]:
+    """The cluster to join, as ``ray.init`` finds it, and the name of where the address came from (for
+    messages): a non-empty ``RAY_ADDRESS`` replaces ``address`` None or ``"auto"``; ``"local"`` means
+    a new local Ray (None)."""
+    name = "ray_address"
+    from_environment = os.environ.get(RAY_ADDRESS_VARIABLE, "")
+    if from_environment and (address is None or address == "auto"):
+        address, name = from_environment, RAY_ADDRESS_VARIABLE
+    return (None if address == "local" else address), name
+
+
+def _check_reachable(address: str, name: str = "ray_address") -> None:
+    """Fail fast, naming the parameter (or variable) ``name``, if ``host:port`` does not accept
+    connections."""
     if address == "auto" or "://" in address:
         return
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"ray_address must be 'auto' or 'host:port', got {address!r}")
+        raise ValueError(f"{name} must be 'auto' or 'host:port', got {address!r}")
     try:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=5):
             pass
     except OSError as exc:
+        unset = "unset RAY_ADDRESS" if name == RAY_ADDRESS_VARIABLE else "leave ray_address=None"
         raise ConnectionError(
-            f"ray_address={address!r}: no Ray cluster answers there ({exc}); start one "
-            "with `ray start --head` or leave ray_address=None for a local Ray"
+            f"{name}={address!r}: no Ray cluster answers there ({exc}); start one "
+            f"with `ray start --head` or {unset} for a local Ray"
         ) from None
 
 
 def connect_ray(address: str | None, num_cpus: int | None = None):
-    """Ray, initialized: reuses a running session, else starts a local one (``address`` None) or
-    joins the cluster at ``address``."""
+    """Ray, initialized: reuses a running session, else starts a local one (``address`` None and no
+    ``RAY_ADDRESS``) or joins the cluster at ``address`` (else at ``RAY_ADDRESS``, as ``ray.init``
+    does: then Ray's resources are the cluster's and ``num_cpus`` is not used)."""
     # Ray >= 2.50 warns about a future change of its GPU-visibility default; we use no accelerator
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     ray = _import_ray()
+    address, name = ray_address_to_join(address)
     if address is not None:
-        _check_reachable(address)
+        _check_reachable(address, name)
     if ray.is_initialized():
         return ray
     kwargs: dict[str, Any] = {
@@ -200,7 +218,7 @@ def connect_ray(address: str | None, num_cpus: int | None = None):
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError) as exc:
-        where = "a local Ray" if address is None else f"ray_address={address!r}"
+        where = "a local Ray" if address is None else f"{name}={address!r}"
         raise ConnectionError(f"could not start or join {where}: {exc}") from None
     return ray
 

@@ -836,9 +836,9 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
         **parser_options)
     s.add_argument("dataset", choices=["mnist"], help="the study to run")
     s.add_argument("--grid", choices=["default", "full", "tiny"], default="default",
-                   help="default: the reduced grid (n = 1000, IID, 1 seed; < 30 min here); full: the issue's grid "
-                        "(n in {100, 1000}, IID and Dirichlet(0.5), every epsilon x gamma, 3 seeds, 27 tuning "
-                        "settings; many hours); tiny: a seconds-long smoke test")
+                   help="default: the reduced grid (n = 1000, IID, 1 seed; about 25 minutes on 2 CPU cores); "
+                        "full: the whole grid (n in {100, 1000}, IID and Dirichlet(0.5), every epsilon x gamma, "
+                        "3 seeds, 27 tuning settings; many hours); tiny: a seconds-long smoke test")
     s.add_argument("--data-dir", default=None, help="directory of the MNIST IDX files (else FLWR_INCA_MNIST_DIR)")
     s.add_argument("--out", default="study-mnist", help="output directory")
     s.add_argument("--clients", type=_ints, help="override the grid's n values, e.g. 100,1000")

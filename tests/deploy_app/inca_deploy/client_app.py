@@ -4,7 +4,7 @@ when a chosen node reaches a chosen mixing exchange (then blocks there until the
 from __future__ import annotations
 
 import os
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,15 +18,16 @@ from flwr_inca.flower.wire import FIELD, peek_request
 
 def stop_here(msg: Message, context: Context, call_next):
     """In the mixing exchange of (kill-round, kill-commit), the node of partition kill-partition writes
-    ``<out-dir>/reached-<pid>`` and blocks: the test SIGKILLs its SuperNode in the middle of mixing."""
+    ``<out-dir>/reached-node-<node id>`` and blocks: the test SIGKILLs its SuperNode in the middle of
+    mixing."""
     cfg = context.run_config
     if msg.metadata.message_type == f"train.{MIX_ACTION}" \
             and int(context.node_config["partition-id"]) == int(cfg["kill-partition"]):
         rnd, commit, _ = peek_request(msg.content.config_records[INCA_KEY][FIELD])
         if (rnd, commit) == (int(cfg["kill-round"]), int(cfg["kill-commit"])):
-            marker = Path(str(cfg["out-dir"])) / f"reached-{os.getpid()}"
-            marker.write_text(f"{rnd} {commit}\n")
-            time.sleep(600)  # killed long before
+            marker = Path(str(cfg["out-dir"])) / f"reached-node-{context.node_id}"
+            marker.write_text(f"{rnd} {commit} {os.getpid()}\n")
+            threading.Event().wait()  # until the test kills this process
     return call_next(msg, context)
 
 
