@@ -776,26 +776,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="<command>", title="commands")
 
-    def protocol_args(sp: argparse.ArgumentParser, parties: int) -> None:
-        sp.add_argument("--parties", "-n", type=_parties, default=parties,
-                        help=f"number of parties n, in [2, {MAX_PARTIES:.0e}]")
-        sp.add_argument("--iterations", "-T", type=_iterations, default=20,
-                        help=f"mixing iterations T, in [1, {MAX_ITERATIONS}]")
-        sp.add_argument("--neighbors", "-k", type=_neighbors, default=1,
-                        help="out-neighbours each party sends to per iteration")
-        sp.add_argument("--epsilon", type=_epsilon, default=1.0, help="target epsilon of the (epsilon, delta)-DP "
-                        f"guarantee, in [{MIN_EPSILON:g}, {MAX_EPSILON:g}]")
-        sp.add_argument("--delta", type=_delta, default=1e-5, help="target delta, in (0, 1)")
-        sp.add_argument("--collusion", type=_collusion, default=0.1,
-                        help="fraction rho of colluding (corrupted) parties the guarantee holds against, in [0, 1)")
-        sp.add_argument("--dropout", type=parse_dropout, default="permanent:0.1",
-                        help="parties going offline during mixing: none | permanent:<gamma> | temporary:<p> | "
-                             "markov:<rate>[,<corr>]")
-        sp.add_argument("--runs", type=_runs, default=20,
-                        help=f"simulated runs the calibration takes the worst case over, in [1, {MAX_RUNS:.0e}]")
-        sp.add_argument("--seed", type=_seed, default=0, help="seed of the data, the runs and the adversary draw")
-        sp.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    for add in (_add_mean_parser, _add_calibrate_parser, _add_audit_parser, _add_simulate_parser):
+        add(sub)
+    add_reproduce_parser(sub)
+    add_attack_parser(sub)
+    add_study_parser(sub, formatter_class=_HelpFormatter)
+    return p
 
+
+def _protocol_args(sp: argparse.ArgumentParser, parties: int) -> None:
+    sp.add_argument("--parties", "-n", type=_parties, default=parties,
+                    help=f"number of parties n, in [2, {MAX_PARTIES:.0e}]")
+    sp.add_argument("--iterations", "-T", type=_iterations, default=20,
+                    help=f"mixing iterations T, in [1, {MAX_ITERATIONS}]")
+    sp.add_argument("--neighbors", "-k", type=_neighbors, default=1,
+                    help="out-neighbours each party sends to per iteration")
+    sp.add_argument("--epsilon", type=_epsilon, default=1.0, help="target epsilon of the (epsilon, delta)-DP "
+                    f"guarantee, in [{MIN_EPSILON:g}, {MAX_EPSILON:g}]")
+    sp.add_argument("--delta", type=_delta, default=1e-5, help="target delta, in (0, 1)")
+    sp.add_argument("--collusion", type=_collusion, default=0.1,
+                    help="fraction rho of colluding (corrupted) parties the guarantee holds against, in [0, 1)")
+    sp.add_argument("--dropout", type=parse_dropout, default="permanent:0.1",
+                    help="parties going offline during mixing: none | permanent:<gamma> | temporary:<p> | "
+                         "markov:<rate>[,<corr>]")
+    sp.add_argument("--runs", type=_runs, default=20,
+                    help=f"simulated runs the calibration takes the worst case over, in [1, {MAX_RUNS:.0e}]")
+    sp.add_argument("--seed", type=_seed, default=0, help="seed of the data, the runs and the adversary draw")
+    sp.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+
+
+def _add_mean_parser(sub) -> None:
     m = sub.add_parser(
         "mean", help="privately average random vectors among simulated parties (demo)",
         description="Demo: n simulated parties hold random vectors in the L2 ball of radius --clip and "
@@ -805,7 +815,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  flwr-inca mean\n"
                "  flwr-inca mean --parties 1000 --dim 100 --epsilon 0.5 --dropout temporary:0.2",
         formatter_class=_HelpFormatter)
-    protocol_args(m, 100)
+    _protocol_args(m, 100)
     m.add_argument("--dim", "-d", type=_positive_int, default=10, help="dimension of each party's vector")
     m.add_argument("--clip", type=_scale, default=1.0, help="L2 norm bound C of the vectors (sensitivity 2C), > 0")
     m.add_argument("--sigma-star", type=_sigma, default=None,
@@ -814,6 +824,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip calibration: std of the cancelling noise (give with --sigma-star; default: calibrated)")
     m.set_defaults(func=cmd_mean)
 
+
+def _add_calibrate_parser(sub) -> None:
     c = sub.add_parser(
         "calibrate", help="noise levels for a target (epsilon, delta)",
         description="Choose sigma_star and sigma_delta so that every simulated run meets (--epsilon, "
@@ -822,7 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  flwr-inca calibrate --parties 200 --epsilon 0.2 --collusion 0.1 "
                "--dropout permanent:0.1 --runs 100",
         formatter_class=_HelpFormatter)
-    protocol_args(c, 200)
+    _protocol_args(c, 200)
     c.add_argument("--observed-fraction", type=_fraction, default=None,
                    help="Eavesdrop DP: fraction of messages intercepted, in [0, 1] (replaces --collusion; default: not used)")
     c.add_argument("--procedure", choices=["exact", "paper", "both"], default="both",
@@ -833,6 +845,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of simulated runs that must meet the target (exact procedure), in (0, 1]")
     c.set_defaults(func=cmd_calibrate)
 
+
+def _add_audit_parser(sub) -> None:
     a = sub.add_parser(
         "audit", help="certify a recorded execution trace",
         description="Certify an execution that happened (an inca-trace/1 file, e.g. from "
@@ -867,6 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
                         '"finals", "finals_recorded"}')
     a.set_defaults(func=cmd_audit)
 
+
+def _add_simulate_parser(sub) -> None:
     s = sub.add_parser(
         "simulate", help="simulate decentralized training on MNIST (Ray, thousands of clients)",
         description="Train a model on MNIST among --clients simulated clients with IncA (or a trusted "
@@ -942,10 +958,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "--rounds may be larger); without it an --out that holds a run is refused")
     s.add_argument("--json", action="store_true", help="print a JSON summary instead of progress")
     s.set_defaults(func=cmd_simulate)
-    add_reproduce_parser(sub)
-    add_attack_parser(sub)
-    add_study_parser(sub, formatter_class=_HelpFormatter)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
