@@ -390,6 +390,37 @@ def test_worst_case_search_equals_bisecting_every_run():
             assert row["success_fraction"] == finite.size / need.size
 
 
+def test_baselines_and_privacy_calibrate_share_one_alpha_selection(monkeypatch):
+    """The baselines' calibration picks alpha with privacy.calibration's selection (evaluate_alpha, pick_alpha),
+    not a copy of it: a spy on the privacy module's two functions sees the calls of both calibrations, and
+    the baselines' choice is the brute-force one (the most accurate alpha whose sigma_delta covers every run,
+    that sigma_delta from bisecting each run)."""
+    from flwr_inca.privacy import calibration as privacy_calibration
+
+    seen = []
+    for name in ("evaluate_alpha", "pick_alpha"):
+        real = getattr(privacy_calibration, name)
+        monkeypatch.setattr(privacy_calibration, name,
+                            lambda *a, _real=real, _name=name, **k: (seen.append(_name), _real(*a, **k))[1])
+    gopa = GOPA(1.0, 1.0, neighbors=4, gamma=0.2, gamma_rollback=0.05)
+    samples = sample_views(gopa, 40, Threat.collusion(0.2), 8, seed=6)
+    cal = calibrate_samples(samples, 0.5, 1e-5, procedure="exact", value_sensitivity=0.5, baseline="GOPA")
+    assert seen.count("pick_alpha") == 1 and seen.count("evaluate_alpha") == len(cal.alternatives) > 3
+    seen.clear()
+    calibrate(0.5, 1e-5, 20, iterations=4, runs=3, seed=1)
+    assert seen.count("pick_alpha") == 1 and seen.count("evaluate_alpha") > 3
+    # the choice, by brute force over the same alphas
+    best = None
+    for row in cal.alternatives:
+        s_star = row["sigma_star"] / 0.5
+        need = max(s.profile.min_sigma_delta(s_star, cal.mu_target) for s in samples)
+        mse = np.mean([s.weights.expected_mse(0.5 * s_star, 0.5 * need, 1 / 12) for s in samples])
+        assert row["sigma_delta"] == pytest.approx(0.5 * need, rel=1e-5)
+        if math.isfinite(need) and (best is None or mse < best[0]):
+            best = (mse, row["alpha"])
+    assert cal.alpha == best[1] and cal.predicted_mse == pytest.approx(best[0], rel=1e-4)
+
+
 def test_calibration_covers_every_simulated_gopa_run():
     gopa = GOPA(1.0, 1.0, neighbors=5, gamma=0.1, gamma_rollback=0.05)
     cal = calibrate_baseline(gopa, 40, 0.5, 1e-5, Threat.collusion(0.1), runs=5, seed=2)
@@ -452,14 +483,14 @@ def test_baseline_inputs_are_checked_like_run_incas():
     import torch
 
     from flwr_inca.baselines.base import as_values
-    from flwr_inca.protocol.engine import _as_values
+    from flwr_inca.protocol.engine import as_values as engine_values
 
     for bad in (np.zeros(0), np.zeros((1, 2)), np.array(["a", "b"]), np.zeros((2, 2, 2)),
                 np.array([[0.0, np.inf], [1.0, 2.0]])):
         with pytest.raises(ValueError) as ours:
             as_values(bad)
         with pytest.raises(ValueError) as engine:
-            _as_values(bad)
+            engine_values(bad)
         assert str(ours.value) == str(engine.value)
     values, scalar = as_values(torch.tensor([0.5, 0.25, 1.0], dtype=torch.bfloat16))  # no NumPy dtype
     assert scalar and values.dtype == np.float64 and values[:, 0].tolist() == [0.5, 0.25, 1.0]
