@@ -36,9 +36,10 @@ from flwr_inca.baselines import (
     rdp_to_dp_epsilon,
     sample_views,
 )
+from flwr_inca.baselines.base import noise_rng
 from flwr_inca.baselines.calibration import run_seeds
 from flwr_inca.baselines.gossip import GossipView, gossip_polynomials, second_eigenvalue
-from flwr_inca.baselines.pairwise import pairwise_estimate, pairwise_masked_values
+from flwr_inca.baselines.pairwise import pairwise_estimate, pairwise_masked_values, uncancelled_estimate
 from flwr_inca.privacy import calibrate, mu_for_epsilon, random_collusion
 from flwr_inca.privacy.certificate import SensitivityProfile
 from flwr_inca.privacy.conversions import classic_c
@@ -265,6 +266,23 @@ def test_gossip_views_against_brute_force_and_local_dp(baseline):
         assert max(mu.values()) <= 1 / 0.7 + 1e-9
 
 
+def test_noisy_gossip_steps_are_the_noise_then_gossip():
+    """One round of DP gossip with several steps (the dp-gossip mixer) and a whole Muffliato run are one core:
+    the noise once, then plain or accelerated gossip."""
+    x = np.random.default_rng(3).random((16, 3))
+    W = gossip_matrix(graph_adjacency("erdos-renyi:0.4", 16, 2), "row-normalised")
+    noise = 0.5 * np.random.default_rng(4).standard_normal(x.shape)
+    got = noisy_gossip_step(x, W, 0.5, np.random.default_rng(4), steps=3)
+    assert np.allclose(got, W @ (W @ (W @ (x + noise))))
+    muffliato = Muffliato(0.5, "hypercube", iterations=4)
+    execution = muffliato.sample_execution(16, seed=1)
+    run = muffliato.execute(x, execution, seed=9).party_estimates
+    again = noisy_gossip_step(x, execution.W, 0.5, noise_rng(9, 22), steps=4, chebyshev=execution.chebyshev)
+    assert execution.chebyshev is not None and np.allclose(run, again)
+    assert np.allclose(run, gossip(x + 0.5 * noise_rng(9, 22).standard_normal(x.shape), execution.W, 4,
+                                   chebyshev=execution.chebyshev))
+
+
 # ------------------------------------------------------------------------------------------ pairwise
 def test_pairwise_aggregate_matches_literal_algorithm_4(rng):
     for rollback in (True, False):
@@ -276,6 +294,9 @@ def test_pairwise_aggregate_matches_literal_algorithm_4(rng):
             p = {tuple(map(int, e)): pair[k] for k, e in enumerate(ex.edges)}
             got = pairwise_estimate(pairwise_masked_values(x + eta, ex.edges, pair), ex, pair)
             assert np.allclose(got, literal_algorithm4(x, eta, p, ex))
+            # from the published values and the uncancelled terms only (what a training round draws)
+            _, uncancelled = ex.edge_status()
+            assert np.allclose(uncancelled_estimate(x + eta, ex, pair[uncancelled] / 3, 3.0), got)
 
 
 def test_pairwise_views_against_brute_force(rng):

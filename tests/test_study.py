@@ -70,6 +70,13 @@ def test_dp_gossip_mixer_is_one_noisy_gossip_step_of_the_baselines():
     expected = noisy_gossip_step(x, W, 0.2 / 0.5, seeding.stream(7, seeding.NOISE, 3))
     assert np.allclose(plan.info["node_updates"], expected)
     assert np.allclose(out, expected.mean(axis=0))
+    # more gossip steps per round: the noisy step, then plain averaging steps
+    more = DPGossipMixer(expected_degree=4, gossip_steps=3)
+    more.prepare(_context(n, d))
+    plan = more.plan(3, n)
+    W = plan.info["execution"].W
+    more.mix(x, plan)
+    assert np.allclose(plan.info["node_updates"], W @ (W @ expected))
 
 
 def test_muffliato_mixer_uses_its_own_pairwise_accounting_and_says_so():

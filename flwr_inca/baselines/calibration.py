@@ -118,8 +118,7 @@ def sample_views(baseline: LinearGaussianBaseline, n: int, threat: Threat, runs:
     for r, (s_exec, s_view) in enumerate(run_seeds(seed, runs)):
         execution = baseline.sample_execution(n, int(s_exec))
         view = baseline.adversary(execution, threat, int(s_view))
-        model = baseline.observation_model(execution, view)
-        samples.append(ViewSample(SensitivityProfile.from_model(model), baseline.output_weights(execution),
+        samples.append(ViewSample(baseline.sensitivity_profile(execution, view), baseline.output_weights(execution),
                                   baseline.honest_outputs(execution, view)))
         if progress is not None:
             progress(r + 1, runs)
