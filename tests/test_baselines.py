@@ -37,10 +37,10 @@ from flwr_inca.baselines import (
     sample_views,
 )
 from flwr_inca.baselines.base import noise_rng
-from flwr_inca.baselines.calibration import run_seeds
 from flwr_inca.baselines.gossip import GossipView, gossip_polynomials, second_eigenvalue
 from flwr_inca.baselines.pairwise import pairwise_estimate, pairwise_masked_values, uncancelled_estimate
 from flwr_inca.privacy import calibrate, mu_for_epsilon, random_collusion
+from flwr_inca.privacy.calibration import simulation_seeds
 from flwr_inca.privacy.certificate import SensitivityProfile
 from flwr_inca.privacy.conversions import classic_c
 from flwr_inca.protocol import IncaConfig, PermanentDropout, run_inca, sample_trace
@@ -448,7 +448,7 @@ def test_calibration_covers_every_simulated_gopa_run():
     for procedure, c in cal.items():
         tuned = c.apply(gopa)
         assert c.success_fraction == 1.0
-        for r, (s_exec, s_view) in enumerate(run_seeds(2, 5)):
+        for r, (s_exec, s_view) in enumerate(simulation_seeds(2, 5)):
             ex = tuned.sample_execution(40, int(s_exec))
             view = tuned.adversary(ex, Threat.collusion(0.1), int(s_view))
             mu = certificate_mu(tuned.observation_model(ex, view), tuned.sigma_star, tuned.sigma_delta)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .._json import jsonable
-from ..privacy.calibration import AlphaSelection
+from ..privacy.calibration import AlphaSelection, simulation_seeds
 from ..privacy.certificate import SensitivityProfile
 from ..privacy.conversions import classic_mu, mu_for_epsilon
 from ..protocol.dropout import NoDropout, PermanentDropout
@@ -48,7 +48,6 @@ __all__ = [
     "calibrate_samples",
     "measure_mse",
     "paper_dropout_fraction",
-    "run_seeds",
     "sample_views",
 ]
 
@@ -104,18 +103,12 @@ class NoiseCalibration:
         return jsonable(asdict(self))
 
 
-def run_seeds(seed: int | None, runs: int) -> np.ndarray:
-    """(runs, 2) seeds ``(execution, adversary)`` per run, derived as ``privacy.calibrate`` does."""
-    root = np.random.SeedSequence(resolve_seed(seed))
-    return root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
-
-
 def sample_views(baseline: LinearGaussianBaseline, n: int, threat: Threat, runs: int, seed: int | None = 0,
                  progress: Progress | None = None) -> list[ViewSample]:
     """Simulate ``runs`` executions of ``baseline`` among n parties, each against a random adversary."""
     runs = check_positive_int("runs", runs)
     samples = []
-    for r, (s_exec, s_view) in enumerate(run_seeds(seed, runs)):
+    for r, (s_exec, s_view) in enumerate(simulation_seeds(seed, runs)):
         execution = baseline.sample_execution(n, int(s_exec))
         view = baseline.adversary(execution, threat, int(s_view))
         samples.append(ViewSample(baseline.sensitivity_profile(execution, view), baseline.output_weights(execution),

@@ -70,7 +70,8 @@ from .conversions import classic_mu, epsilon_for_delta, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
 __all__ = ["DEFAULT_ALPHAS", "AlphaSelection", "Calibration", "NoiseCalibrator", "SimulatedRun", "alpha_candidates",
-           "alpha_grid", "calibrate", "evaluate_alpha", "pick_alpha", "required_sigma_delta", "simulate_runs"]
+           "alpha_grid", "calibrate", "evaluate_alpha", "pick_alpha", "required_sigma_delta", "simulate_runs",
+           "simulation_seeds"]
 
 # alpha: sigma_star^2 in units of 1 / (n_O mu^2), the central-DP level of the honest finalists
 DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0)
@@ -182,6 +183,13 @@ class SimulatedRun(Protocol):
         """Per-coordinate MSE of the estimate at these sigmas (value units), values of variance
         ``value_variance``."""
         ...
+
+
+def simulation_seeds(seed: int | None, runs: int) -> np.ndarray:
+    """(runs, 2) seeds ``(execution, adversary)`` of the simulated runs of a calibration (every calibration
+    derives them so: the baselines' too, so that IncA calibrated either way sees the same runs)."""
+    root = np.random.SeedSequence(resolve_seed(seed))
+    return root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
 
 
 def required_sigma_delta(profiles: Sequence[Profile], sigma_star: float, mu_target: float, *,
@@ -511,8 +519,7 @@ def calibrate(
     if parties > EXACT_MAX_PARTIES and solver != "exact":  # every run is bounded: refuse before simulating one
         check_bytes(f"the bound on the certificate of a simulated run of {parties} parties over {iterations} "
                     "iterations", bound_bytes(parties, iterations, bound_settings))
-    root = np.random.SeedSequence(resolve_seed(seed))
-    seeds = root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
+    seeds = simulation_seeds(seed, runs)
     quantile = 1.0 if procedure == "paper" else float(target_success)
     # bound profiles are tightest near their nominal sigmas: start near the central-DP level
     guess_star = math.sqrt(1.0 / (max(parties * (1.0 - rho), 1.0) * mu_target**2))

@@ -42,12 +42,11 @@ import numpy as np
 from .._io import atomic_write_text
 from .._progress import ProgressBar
 from ..privacy.calibration import NoiseCalibrator
-from .grid import DEFAULT_GRID, FULL_GRID, METHODS, TINY_GRID, StudyGrid, partition_alpha
+from .grid import DEFAULT_GRID, StudyGrid, partition_alpha
 from .report import plot, summarise, write_table
 from .runs import RunResult, append_row, check_output, finish_runs, read_rows, run_key, skipped_note
 
-__all__ = ["DEFAULT_GRID", "FULL_GRID", "METHODS", "TINY_GRID", "CalibrationCache", "Study", "StudyData", "StudyGrid",
-           "accuracies", "run_one", "run_study", "split_data", "worst_node"]
+__all__ = ["CalibrationCache", "Study", "StudyData", "accuracies", "run_one", "run_study", "split_data", "worst_node"]
 
 
 # ------------------------------------------------------------------------------------------ data
