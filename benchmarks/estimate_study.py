@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flwr_inca.study.mnist import DEFAULT_GRID, FULL_GRID
+from flwr_inca.study import DEFAULT_GRID, FULL_GRID
 
 
 def fit(rows: list[dict]) -> tuple[float, float]:

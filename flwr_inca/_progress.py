@@ -51,6 +51,12 @@ class ProgressBar:
             self.status = status
         self._draw(step=True)
 
+    def set_total(self, total: int) -> None:
+        """Change the work's total (units) once it is better known, e.g. when steps turn out to be done
+        already or later steps' sizes become known; the done units are kept (at most the new total)."""
+        self.total = max(int(total), 1)
+        self.done = min(self.done, self.total)
+
     def set_status(self, status: str) -> None:
         self.status = status
         self._draw()

@@ -36,10 +36,11 @@ from flwr_inca.baselines import (
     rdp_to_dp_epsilon,
     sample_views,
 )
-from flwr_inca.baselines.calibration import run_seeds
+from flwr_inca.baselines.base import noise_rng
 from flwr_inca.baselines.gossip import GossipView, gossip_polynomials, second_eigenvalue
-from flwr_inca.baselines.pairwise import pairwise_estimate, pairwise_masked_values
+from flwr_inca.baselines.pairwise import pairwise_estimate, pairwise_masked_values, uncancelled_estimate
 from flwr_inca.privacy import calibrate, mu_for_epsilon, random_collusion
+from flwr_inca.privacy.calibration import simulation_seeds
 from flwr_inca.privacy.certificate import SensitivityProfile
 from flwr_inca.privacy.conversions import classic_c
 from flwr_inca.protocol import IncaConfig, PermanentDropout, run_inca, sample_trace
@@ -265,6 +266,23 @@ def test_gossip_views_against_brute_force_and_local_dp(baseline):
         assert max(mu.values()) <= 1 / 0.7 + 1e-9
 
 
+def test_noisy_gossip_steps_are_the_noise_then_gossip():
+    """One round of DP gossip with several steps (the dp-gossip mixer) and a whole Muffliato run are one core:
+    the noise once, then plain or accelerated gossip."""
+    x = np.random.default_rng(3).random((16, 3))
+    W = gossip_matrix(graph_adjacency("erdos-renyi:0.4", 16, 2), "row-normalised")
+    noise = 0.5 * np.random.default_rng(4).standard_normal(x.shape)
+    got = noisy_gossip_step(x, W, 0.5, np.random.default_rng(4), steps=3)
+    assert np.allclose(got, W @ (W @ (W @ (x + noise))))
+    muffliato = Muffliato(0.5, "hypercube", iterations=4)
+    execution = muffliato.sample_execution(16, seed=1)
+    run = muffliato.execute(x, execution, seed=9).party_estimates
+    again = noisy_gossip_step(x, execution.W, 0.5, noise_rng(9, 22), steps=4, chebyshev=execution.chebyshev)
+    assert execution.chebyshev is not None and np.allclose(run, again)
+    assert np.allclose(run, gossip(x + 0.5 * noise_rng(9, 22).standard_normal(x.shape), execution.W, 4,
+                                   chebyshev=execution.chebyshev))
+
+
 # ------------------------------------------------------------------------------------------ pairwise
 def test_pairwise_aggregate_matches_literal_algorithm_4(rng):
     for rollback in (True, False):
@@ -276,6 +294,9 @@ def test_pairwise_aggregate_matches_literal_algorithm_4(rng):
             p = {tuple(map(int, e)): pair[k] for k, e in enumerate(ex.edges)}
             got = pairwise_estimate(pairwise_masked_values(x + eta, ex.edges, pair), ex, pair)
             assert np.allclose(got, literal_algorithm4(x, eta, p, ex))
+            # from the published values and the uncancelled terms only (what a training round draws)
+            _, uncancelled = ex.edge_status()
+            assert np.allclose(uncancelled_estimate(x + eta, ex, pair[uncancelled] / 3, 3.0), got)
 
 
 def test_pairwise_views_against_brute_force(rng):
@@ -390,13 +411,44 @@ def test_worst_case_search_equals_bisecting_every_run():
             assert row["success_fraction"] == finite.size / need.size
 
 
+def test_baselines_and_privacy_calibrate_share_one_alpha_selection(monkeypatch):
+    """The baselines' calibration picks alpha with privacy.calibration's selection (evaluate_alpha, pick_alpha),
+    not a copy of it: a spy on the privacy module's two functions sees the calls of both calibrations, and
+    the baselines' choice is the brute-force one (the most accurate alpha whose sigma_delta covers every run,
+    that sigma_delta from bisecting each run)."""
+    from flwr_inca.privacy import calibration as privacy_calibration
+
+    seen = []
+    for name in ("evaluate_alpha", "pick_alpha"):
+        real = getattr(privacy_calibration, name)
+        monkeypatch.setattr(privacy_calibration, name,
+                            lambda *a, _real=real, _name=name, **k: (seen.append(_name), _real(*a, **k))[1])
+    gopa = GOPA(1.0, 1.0, neighbors=4, gamma=0.2, gamma_rollback=0.05)
+    samples = sample_views(gopa, 40, Threat.collusion(0.2), 8, seed=6)
+    cal = calibrate_samples(samples, 0.5, 1e-5, procedure="exact", value_sensitivity=0.5, baseline="GOPA")
+    assert seen.count("pick_alpha") == 1 and seen.count("evaluate_alpha") == len(cal.alternatives) > 3
+    seen.clear()
+    calibrate(0.5, 1e-5, 20, iterations=4, runs=3, seed=1)
+    assert seen.count("pick_alpha") == 1 and seen.count("evaluate_alpha") > 3
+    # the choice, by brute force over the same alphas
+    best = None
+    for row in cal.alternatives:
+        s_star = row["sigma_star"] / 0.5
+        need = max(s.profile.min_sigma_delta(s_star, cal.mu_target) for s in samples)
+        mse = np.mean([s.weights.expected_mse(0.5 * s_star, 0.5 * need, 1 / 12) for s in samples])
+        assert row["sigma_delta"] == pytest.approx(0.5 * need, rel=1e-5)
+        if math.isfinite(need) and (best is None or mse < best[0]):
+            best = (mse, row["alpha"])
+    assert cal.alpha == best[1] and cal.predicted_mse == pytest.approx(best[0], rel=1e-4)
+
+
 def test_calibration_covers_every_simulated_gopa_run():
     gopa = GOPA(1.0, 1.0, neighbors=5, gamma=0.1, gamma_rollback=0.05)
     cal = calibrate_baseline(gopa, 40, 0.5, 1e-5, Threat.collusion(0.1), runs=5, seed=2)
     for procedure, c in cal.items():
         tuned = c.apply(gopa)
         assert c.success_fraction == 1.0
-        for r, (s_exec, s_view) in enumerate(run_seeds(2, 5)):
+        for r, (s_exec, s_view) in enumerate(simulation_seeds(2, 5)):
             ex = tuned.sample_execution(40, int(s_exec))
             view = tuned.adversary(ex, Threat.collusion(0.1), int(s_view))
             mu = certificate_mu(tuned.observation_model(ex, view), tuned.sigma_star, tuned.sigma_delta)

@@ -138,6 +138,23 @@ def test_progress_bar_reports_to_a_stream():
     assert len(lines) == 10  # one per tenth (not a terminal), the last not repeated
 
 
+def test_progress_bar_total_can_change_as_the_work_becomes_known():
+    """A plan whose size is known step by step (the study: runs found done, rounds tuned): the share and
+    the time left count the new total; done units never exceed it."""
+    stream = io.StringIO()
+    bar = ProgressBar(100, "study", stream=stream, lines=True)
+    bar.advance(25, "a")
+    assert bar.line().split("] ")[1].startswith(" 25% a")
+    bar.set_total(50)  # half of the work turned out to be done already
+    bar.advance(0, "b")
+    assert bar.line().split("] ")[1].startswith(" 50% b")
+    bar.set_total(10)
+    assert bar.done == bar.total == 10
+    bar.set_total(0)
+    assert bar.total == 1 and bar.done == 1
+    assert len(stream.getvalue().splitlines()) == 2  # one line per advance
+
+
 def test_cli_reproduce_runs_and_rejects_bad_arguments(tiny, tmp_path, capsys):
     assert cli.main(["reproduce", "fig2", "--runs", "2", "--out", str(tmp_path), "--no-progress"]) == 0
     assert (tmp_path / "fig2.csv").exists() and "Fig. 2" in capsys.readouterr().out

@@ -30,7 +30,8 @@ from flwr_inca.simulation.baseline_mixers import (
 from flwr_inca.simulation.data import Dataset
 from flwr_inca.simulation.training import CohortTrainer, LocalWork
 from flwr_inca.study import TINY_GRID, StudyGrid, run_study
-from flwr_inca.study.mnist import accuracies, worst_node
+from flwr_inca.study.mnist import CalibrationCache, accuracies, run_one, split_data, worst_node
+from flwr_inca.study.runs import StudyOutputExists, run_key, skipped_note
 
 MNIST = Path(os.environ.get("FLWR_INCA_MNIST_DIR", Path(__file__).resolve().parents[2] / "shared/data/mnist"))
 
@@ -69,6 +70,13 @@ def test_dp_gossip_mixer_is_one_noisy_gossip_step_of_the_baselines():
     expected = noisy_gossip_step(x, W, 0.2 / 0.5, seeding.stream(7, seeding.NOISE, 3))
     assert np.allclose(plan.info["node_updates"], expected)
     assert np.allclose(out, expected.mean(axis=0))
+    # more gossip steps per round: the noisy step, then plain averaging steps
+    more = DPGossipMixer(expected_degree=4, gossip_steps=3)
+    more.prepare(_context(n, d))
+    plan = more.plan(3, n)
+    W = plan.info["execution"].W
+    more.mix(x, plan)
+    assert np.allclose(plan.info["node_updates"], W @ (W @ expected))
 
 
 def test_muffliato_mixer_uses_its_own_pairwise_accounting_and_says_so():
@@ -173,7 +181,8 @@ def test_study_pipeline_tunes_on_validation_and_writes_table_and_plots(tmp_path)
     for name in ("runs.csv", "results.json", "table.csv", "table.md", "accuracy_vs_epsilon.png",
                  "accuracy_vs_gamma.png"):
         assert (tmp_path / name).stat().st_size > 0, name
-    assert any("ETA" in line for line in lines)
+    # the package's progress bar, through the study's log: the share done and the time left
+    assert any(line.startswith("[flwr-inca study mnist] [") and " left" in line for line in lines)
     with (tmp_path / "runs.csv").open() as f:
         runs = list(csv.DictReader(f))
     methods = set(grid.methods)
@@ -236,7 +245,7 @@ def test_an_interrupted_study_loses_no_runs_and_resume_completes_it(tmp_path, mo
     assert main(["study", "mnist", "--grid", "tiny", "--out", str(tmp_path), "--data-dir", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "--resume" in err and (tmp_path / "runs.csv").read_text() == first
-    with pytest.raises(mnist.StudyOutputExists, match="--resume"):
+    with pytest.raises(StudyOutputExists, match="--resume"):
         run_study(data, other, tmp_path, log=lambda s: None)
 
     calls.clear()
@@ -244,15 +253,15 @@ def test_an_interrupted_study_loses_no_runs_and_resume_completes_it(tmp_path, mo
     run_study(data, other, tmp_path, resume=True, log=lambda s: None)
     assert not (tmp_path / "runs.csv.partial").exists()
     final = list(csv.DictReader((tmp_path / "runs.csv").open()))
-    keys = [mnist._key(r) for r in final]
+    keys = [run_key(r) for r in final]
     assert len(keys) == len(set(keys))
-    assert {mnist._key(r) for r in first_rows} <= set(keys)  # the earlier grid's rows survive
-    assert {mnist._key(r) for r in partial} <= set(keys)
+    assert {run_key(r) for r in first_rows} <= set(keys)  # the earlier grid's rows survive
+    assert {run_key(r) for r in partial} <= set(keys)
     assert {r["seed"] for r in final} == {"0", "5"}
     # the runs finished before the interruption were not run again; the rest were
     ran = {(a[11], a[2], a[3], a[4], float(a[5]), float(a[6]), a[7], float(a[8]), float(a[9]), int(a[10]))
            for a in calls}
-    assert ran and not ran & {mnist._key(r) for r in partial}
+    assert ran and not ran & {run_key(r) for r in partial}
 
 
 def test_study_grid_and_cli_errors_name_the_parameter(tmp_path, capsys):
@@ -297,12 +306,11 @@ def test_study_runs_share_a_calibrator_per_protocol_with_the_settings_of_their_n
     target calibrated on 3 executions), and the calibration equals a direct one with those settings."""
     from flwr_inca.privacy.calibration import NoiseCalibrator
     from flwr_inca.protocol.dropout import PermanentDropout
-    from flwr_inca.study.mnist import _CalibrationCache
 
     grid = StudyGrid(iterations=4, calibration_runs=2, calibration_success=1.0, certify_every=10, small_clients=30,
                      small_calibration_runs=8, small_calibration_success=0.5, small_certify_every=1)
     assert grid.inca_settings(30) == (8, 0.5, 1) and grid.inca_settings(31) == (2, 1.0, 10)
-    cache = _CalibrationCache(grid)
+    cache = CalibrationCache(grid)
     small, large = cache.calibrator("exact", 0.1, clients=25), cache.calibrator("exact", 0.1, clients=1000)
     assert cache.calibrator("exact", 0.1, clients=20) is small and small is not large
     assert small.settings["runs"] == 8 and small.settings["target_success"] == 0.5
@@ -325,7 +333,6 @@ def test_study_inca_run_uses_the_settings_of_its_n(monkeypatch, clients, every, 
     (every round certified, more calibration executions), the others above (a spy on simulate: the real
     simulation is run by the pipeline test)."""
     from flwr_inca import simulation
-    from flwr_inca.study.mnist import _CalibrationCache, run_one, split_data
 
     grid = StudyGrid(iterations=3, calibration_runs=2, certify_every=10, small_clients=10, small_calibration_runs=5,
                      small_calibration_success=0.8, small_certify_every=1, validation=200, batch_size=10)
@@ -342,7 +349,7 @@ def test_study_inca_run_uses_the_settings_of_its_n(monkeypatch, clients, every, 
 
     monkeypatch.setattr(simulation, "simulate", spy)
     data = split_data(_dataset_784(), grid)
-    cache = _CalibrationCache(grid)
+    cache = CalibrationCache(grid)
     with pytest.raises(Stop):
         run_one(data, grid, "inca", clients, "iid", 1.0, 0.1, 0, 1.0, 1.0, 3, "tune", cache)
     assert seen["config"].mixing.certify_every == every
@@ -361,7 +368,7 @@ def test_plots_have_one_panel_per_clients_and_partition(tmp_path):
     with its own curves (not only the last n and first partition)."""
     import matplotlib.image as mpimg
 
-    from flwr_inca.study.mnist import plot
+    from flwr_inca.study.report import plot
 
     def table(clients, partitions):
         return {"table": [
@@ -393,7 +400,8 @@ def test_the_legend_of_every_method_fits_below_the_panels_without_covering_their
     the legend lies inside the figure and below every panel's x-axis label and tick labels."""
     import matplotlib.pyplot as plt
 
-    from flwr_inca.study.mnist import METHODS, _figures
+    from flwr_inca.study.grid import METHODS
+    from flwr_inca.study.report import figures
 
     methods = tuple(METHODS)
     summary = {"table": [
@@ -401,7 +409,7 @@ def test_the_legend_of_every_method_fits_below_the_panels_without_covering_their
          "spread": 0.01}
         for i, m in enumerate(methods) for n in clients for p in partitions for e, g in ((1.0, 0.1), (4.0, 0.1))]}
     grid = StudyGrid(clients=clients, partitions=partitions, methods=methods, epsilons=(1.0, 4.0))
-    for name, fig in _figures(summary, grid):
+    for name, fig in figures(summary, grid):
         fig.canvas.draw()  # the axis labels take their places at draw time
         renderer = fig.canvas.get_renderer()
         legend = fig.legends[0].get_window_extent(renderer)
@@ -440,7 +448,6 @@ def test_study_inca_at_large_n_trains_every_round_when_an_early_round_certifies_
     from flwr_inca.privacy.rounds import RoundCertificate
     from flwr_inca.simulation.mixers import IncaMixer
     from flwr_inca.study import DEFAULT_GRID, FULL_GRID
-    from flwr_inca.study.mnist import _CalibrationCache, run_one, split_data
 
     def scripted(self, trace, round, seed, finals=None):
         return RoundCertificate(self.context.mu_round * (1.25 if round == 1 else 0.85), ("exact",))
@@ -455,7 +462,7 @@ def test_study_inca_at_large_n_trains_every_round_when_an_early_round_certifies_
     rounds = 10
 
     def train(g):
-        return run_one(data, g, "inca", 12, "iid", 1.0, 0.3, 0, 1.0, 1.0, rounds, "test", _CalibrationCache(g))
+        return run_one(data, g, "inca", 12, "iid", 1.0, 0.3, 0, 1.0, 1.0, rounds, "test", CalibrationCache(g))
 
     now = train(grid)
     assert now.rounds_done == rounds, now.note
@@ -473,7 +480,6 @@ def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch
 
     from flwr_inca.privacy.rounds import RoundCertificate
     from flwr_inca.rounds import IncaRounds
-    from flwr_inca.study.mnist import _CalibrationCache, _skipped, run_one, split_data
 
     class Scripted:
         """A round's certificates, scripted: round 3 at 3x the per-round target, the others at 0.85x."""
@@ -490,12 +496,12 @@ def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch
     monkeypatch.setattr(IncaRounds, "prefix", lambda self, trace, round: Scripted(self, trace, round))
     grid = replace(TINY_GRID, clients=(12,), iterations=3, validation=100, small_calibration_runs=6)
     res = run_one(split_data(_dataset_784(), grid), grid, "inca", 12, "iid", 1.0, 0.25, 0, 1.0, 1.0, 6, "test",
-                  _CalibrationCache(grid))
+                  CalibrationCache(grid))
     assert (res.rounds_done, res.rounds_refused) == (5, 1), res.note
     assert res.note == "1 round(s) refused by the budget and skipped (round(s) 3)"
     assert 0 < res.epsilon_spent <= 1.0
-    assert _skipped({"rounds_refused": 1, "rounds": 6}) == " (1 of 6 rounds skipped: refused by the budget)"
-    assert _skipped({"rounds_refused": ""}) == _skipped({"rounds_refused": 0}) == ""
+    assert skipped_note({"rounds_refused": 1, "rounds": 6}) == " (1 of 6 rounds skipped: refused by the budget)"
+    assert skipped_note({"rounds_refused": ""}) == skipped_note({"rounds_refused": 0}) == ""
     # the study's progress line says it once: the note (with the round numbers), not the count again
     one = replace(grid, methods=("inca",), epsilons=(1.0,), gammas=(0.25,), tune_rounds=(6,), seeds=(0,))
     lines = []
@@ -505,35 +511,65 @@ def test_study_run_counts_rounds_refused_by_the_budget_and_trains_on(monkeypatch
     assert "(round(s) 3)" in runs[0]
 
 
-def test_resuming_a_partial_file_of_an_earlier_version_keeps_its_rows_aligned(tmp_path):
-    """runs.csv.partial written before the rounds_refused column: --resume rewrites it with this version's
-    columns before appending, so no row is misaligned and none is lost."""
+def test_resume_refuses_a_runs_file_with_other_columns_naming_it_and_touching_nothing(tmp_path, capsys):
+    """The package has one format of runs.csv: a file with other columns (one fewer, or one this version does
+    not know) is not migrated but refused, with one line naming the file and what differs, and left as it
+    was (the CLI: exit 2); rows appended to it would not line up with its header."""
     from dataclasses import replace
 
-    from flwr_inca.study import mnist
+    from flwr_inca.cli import main
+    from flwr_inca.study.runs import FIELDS
 
     grid = replace(TINY_GRID, methods=("fedavg",), epsilons=(1.0,), gammas=(0.0,), tune_lr=(0.5,), tune_clip=(1.0,),
                    tune_rounds=(2,), validation=200, train_examples=None, test_examples=None)
     data = _dataset()
     run_study(data, grid, tmp_path, log=lambda s: None)
     rows = list(csv.DictReader((tmp_path / "runs.csv").open()))
-    old_fields = [f for f in mnist.FIELDS if f != "rounds_refused"]
-    with (tmp_path / "runs.csv.partial").open("w", newline="") as f:  # as the previous version wrote it
-        w = csv.DictWriter(f, fieldnames=old_fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    (tmp_path / "runs.csv").unlink()
-    run_study(data, replace(grid, seeds=(5,)), tmp_path, resume=True, log=lambda s: None)
-    final = list(csv.DictReader((tmp_path / "runs.csv").open()))
-    assert list(final[0]) == mnist.FIELDS and None not in final[0]
-    by_key = {mnist._key(r): r for r in final}
-    for r in rows:  # the earlier rows, intact (the new column empty)
-        kept = by_key[mnist._key(r)]
-        assert all(kept[k] == r[k] for k in old_fields) and kept["rounds_refused"] == ""
-    assert {r["seed"] for r in final} == {"0", "5"}
-    assert all(r["rounds_refused"] == "0" for r in final if r["seed"] == "5")
-    # a partial file with columns this version does not know is refused, naming them
-    with (tmp_path / "runs.csv.partial").open("w", newline="") as f:
-        f.write("phase,method,future_column\n")
-    with pytest.raises(ValueError, match="future_column"):
-        run_study(data, grid, tmp_path, resume=True, log=lambda s: None)
+    fewer = [f for f in FIELDS if f != "rounds_refused"]
+    for name, header, words in (("runs.csv.partial", fewer, "lacks ['rounds_refused']"),
+                                ("runs.csv", FIELDS + ["future_column"], "has unknown ['future_column']")):
+        with (tmp_path / name).open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=header, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+        with pytest.raises(ValueError) as info:
+            run_study(data, replace(grid, seeds=(5,)), tmp_path, resume=True, log=lambda s: None)
+        message = str(info.value)
+        assert message.startswith(f"{tmp_path / name}: ") and words in message and "\n" not in message
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing touched
+        if name == "runs.csv.partial" and (MNIST / "train-images-idx3-ubyte.gz").exists():
+            capsys.readouterr()
+            assert main(["study", "mnist", "--grid", "tiny", "--out", str(tmp_path), "--resume",
+                         "--data-dir", str(MNIST)]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and name in err and words in err
+        (tmp_path / name).unlink()
+
+
+def test_a_study_stopped_while_replacing_runs_csv_leaves_it_whole_and_no_temporary_file(tmp_path, monkeypatch):
+    """runs.csv is replaced by the package's atomic write (a temporary file, fsynced, renamed): a study
+    stopped while writing it leaves the earlier runs.csv and the partial file as they were, and no
+    temporary file beside them."""
+    from dataclasses import replace
+
+    grid = replace(TINY_GRID, methods=("fedavg",), epsilons=(1.0,), gammas=(0.0,), tune_lr=(0.5,), tune_clip=(1.0,),
+                   tune_rounds=(2,), validation=200, train_examples=None, test_examples=None)
+    data = _dataset()
+    run_study(data, grid, tmp_path, log=lambda s: None)
+    first = (tmp_path / "runs.csv").read_bytes()
+    files = {p.name for p in tmp_path.iterdir()}
+    real = csv.DictWriter.writerows
+
+    def stops_midway(self, rows):  # the first half of the rows written, then the study is stopped
+        rows = list(rows)
+        real(self, rows[: len(rows) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(csv.DictWriter, "writerows", stops_midway)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(data, replace(grid, seeds=(5,)), tmp_path, resume=True, log=lambda s: None)
+    assert (tmp_path / "runs.csv").read_bytes() == first
+    partial = list(csv.DictReader((tmp_path / "runs.csv.partial").open()))
+    assert partial and {r["seed"] for r in partial} == {"5"}  # this study's runs, kept for --resume
+    assert {p.name for p in tmp_path.iterdir()} == files | {"runs.csv.partial"}  # no temporary file

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..privacy.certificate import SensitivityProfile
 from ..privacy.linear_system import ObservationModel
 from ..privacy.views import coalition_size
 from ..protocol.engine import as_values as engine_values
@@ -176,6 +177,11 @@ class LinearGaussianBaseline(Baseline):
     @abstractmethod
     def observation_model(self, execution: Any, view: Any) -> ObservationModel:
         """The adversary's view of the honest parties, for unit noise variances."""
+
+    def sensitivity_profile(self, execution: Any, view: Any) -> SensitivityProfile:
+        """The exact certificate of every honest party of ``execution`` against ``view`` (unit value
+        sensitivity; its ``mu(sigma_star, sigma_delta)`` for any noise levels)."""
+        return SensitivityProfile.from_model(self.observation_model(execution, view))
 
     @abstractmethod
     def output_weights(self, execution: Any) -> OutputWeights:

@@ -11,10 +11,12 @@ both procedures of :func:`flwr_inca.privacy.calibrate` on the same simulated vie
   ``1 / (n_O mu^2)``, n_O the mean number of honest outputs) that minimises the predicted MSE.
 
 So IncA, GOPA and CorDP-DME are calibrated by one check for the same kind of execution, not each by its
-own loose bound. The selection (the grid of alphas, the sigma_delta each needs, by a running maximum
-over the runs) is :func:`flwr_inca.privacy.calibration.required_sigma_delta` and
-:func:`~flwr_inca.privacy.calibration.alpha_candidates`, shared with :func:`flwr_inca.privacy.calibrate`:
-for IncA the result is exactly ``privacy.calibrate``'s (same seeds, same numbers; tested).
+own loose bound. The selection (the grid of alphas, the sigma_delta each needs by a running maximum over
+the runs, the predicted MSE, the choice) is :func:`flwr_inca.privacy.calibrate`'s own
+(:class:`~flwr_inca.privacy.calibration.AlphaSelection`): for IncA the result is exactly
+``privacy.calibrate``'s (same seeds, same numbers; tested). Two things differ, by design: the paper's
+``n_O = n (1 - gamma - rho)`` takes a baseline's own gamma (:func:`paper_dropout_fraction`), and the
+note on a sigma_star at the local-DP level (advice on IncA's iterations and neighbours) is left out.
 
 :func:`measure_mse` then runs fresh executions on values drawn i.i.d. from U[0, 1] and reports the
 empirical mean squared error against the true mean, as the paper's second experiment does.
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .._json import jsonable
-from ..privacy.calibration import PAPER_ALPHA, alpha_candidates, required_sigma_delta
+from ..privacy.calibration import AlphaSelection, simulation_seeds
 from ..privacy.certificate import SensitivityProfile
 from ..privacy.conversions import classic_mu, mu_for_epsilon
 from ..protocol.dropout import NoDropout, PermanentDropout
@@ -46,7 +48,6 @@ __all__ = [
     "calibrate_samples",
     "measure_mse",
     "paper_dropout_fraction",
-    "run_seeds",
     "sample_views",
 ]
 
@@ -60,6 +61,10 @@ class ViewSample:
     profile: SensitivityProfile
     weights: OutputWeights
     honest_outputs: int
+
+    def expected_mse(self, sigma_star: float, sigma_delta: float, value_variance: float) -> float:
+        """Predicted per-coordinate MSE of this execution's estimate (:meth:`OutputWeights.expected_mse`)."""
+        return self.weights.expected_mse(sigma_star, sigma_delta, value_variance)
 
 
 @dataclass
@@ -98,22 +103,15 @@ class NoiseCalibration:
         return jsonable(asdict(self))
 
 
-def run_seeds(seed: int | None, runs: int) -> np.ndarray:
-    """(runs, 2) seeds ``(execution, adversary)`` per run, derived as ``privacy.calibrate`` does."""
-    root = np.random.SeedSequence(resolve_seed(seed))
-    return root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
-
-
 def sample_views(baseline: LinearGaussianBaseline, n: int, threat: Threat, runs: int, seed: int | None = 0,
                  progress: Progress | None = None) -> list[ViewSample]:
     """Simulate ``runs`` executions of ``baseline`` among n parties, each against a random adversary."""
     runs = check_positive_int("runs", runs)
     samples = []
-    for r, (s_exec, s_view) in enumerate(run_seeds(seed, runs)):
+    for r, (s_exec, s_view) in enumerate(simulation_seeds(seed, runs)):
         execution = baseline.sample_execution(n, int(s_exec))
         view = baseline.adversary(execution, threat, int(s_view))
-        model = baseline.observation_model(execution, view)
-        samples.append(ViewSample(SensitivityProfile.from_model(model), baseline.output_weights(execution),
+        samples.append(ViewSample(baseline.sensitivity_profile(execution, view), baseline.output_weights(execution),
                                   baseline.honest_outputs(execution, view)))
         if progress is not None:
             progress(r + 1, runs)
@@ -135,7 +133,8 @@ def calibrate_samples(
     baseline: str = "",
 ) -> NoiseCalibration:
     """Both procedures of :func:`flwr_inca.privacy.calibrate` on already simulated views (see the
-    module docstring); ``paper_n_o`` is the paper's ``n (1 - gamma - rho)``, required by ``"paper"``."""
+    module docstring), by its selection (:class:`~flwr_inca.privacy.calibration.AlphaSelection`);
+    ``paper_n_o`` is the paper's ``n (1 - gamma - rho)``, required by ``"paper"``."""
     start = time.perf_counter()
     if procedure not in ("exact", "paper"):
         raise ValueError(f"procedure must be 'exact' or 'paper', got {procedure!r}")
@@ -145,57 +144,22 @@ def calibrate_samples(
         raise ValueError(f"target_success must be in (0, 1], got {target_success!r}")
     if not (math.isfinite(value_sensitivity) and value_sensitivity > 0):
         raise ValueError(f"value_sensitivity must be > 0, got {value_sensitivity!r}")
-    runs = len(samples)
-    if procedure == "paper":
-        mu_target = classic_mu(epsilon, delta)  # raises for epsilon >= 1
-        if paper_n_o is None:
-            raise ValueError("the paper's procedure needs paper_n_o = n (1 - gamma - rho)")
-        n_o = float(paper_n_o)
-        if not n_o > 0:
-            raise ValueError(f"n_O = n (1 - gamma - rho) = {n_o:g} must be > 0")
-        candidates = [PAPER_ALPHA]
-        quantile = 1.0
-    else:
-        mu_target = mu_for_epsilon(epsilon, delta)
-        n_o = float(np.mean([s.honest_outputs for s in samples]))
-        if n_o <= 0:
-            raise ValueError("no honest party's value reaches the output in the simulated runs")
-        quantile = float(target_success)
-        candidates = alpha_candidates([s.profile for s in samples], mu_target, n_o, quantile, alphas=alphas,
-                                      min_alpha=min_alpha)
-
-    profiles = [s.profile for s in samples]
-    rows = []
-    for alpha in candidates:
-        s_star = math.sqrt(alpha / (n_o * mu_target**2))  # unit sensitivity
-        s_delta, success = required_sigma_delta(profiles, s_star, mu_target, quantile=quantile,
-                                                every_run=procedure == "exact")
-        mse = (float(np.mean([s.weights.expected_mse(s_star * value_sensitivity, s_delta * value_sensitivity,
-                                                       value_variance) for s in samples]))
-               if math.isfinite(s_delta) else math.inf)
-        rows.append({"alpha": alpha, "sigma_star": s_star * value_sensitivity,
-                     "sigma_delta": s_delta * value_sensitivity, "success_fraction": success,
-                     "predicted_mse": mse})
-
-    notes = []
-    if procedure == "paper":
-        best = rows[0]
-        if best["success_fraction"] == 0:
-            raise ValueError(f"{baseline or 'baseline'}: impossible target for the paper's procedure: with "
-                             f"sigma_star = {best['sigma_star']:.4g} no sigma_delta makes any of the {runs} "
-                             f"simulated runs ({epsilon:g}, {delta:g})-DP")
-        if best["success_fraction"] < 1:
-            notes.append(f"{(1 - best['success_fraction']) * runs:.0f} of {runs} runs cannot be made private "
-                         "at this sigma_star; sigma_delta covers the others")
-    else:
-        feasible = [r for r in rows if r["success_fraction"] >= quantile - 1e-12 and math.isfinite(r["predicted_mse"])]
-        best = (min(feasible, key=lambda r: r["predicted_mse"]) if feasible
-                else max(rows, key=lambda r: (r["success_fraction"], -r["predicted_mse"])))
+    # the paper's classic bound raises for epsilon >= 1
+    mu_target = classic_mu(epsilon, delta) if procedure == "paper" else mu_for_epsilon(epsilon, delta)
+    selection = AlphaSelection(
+        procedure, mu_target, 1.0 if procedure == "paper" else float(target_success), epsilon, delta,
+        value_sensitivity, value_variance, None if alphas is None else tuple(alphas), min_alpha, paper_n_o,
+        local_dp_note=False)
+    try:
+        best, rows, notes = selection.choose(samples)
+    except ValueError as exc:
+        raise ValueError(f"{baseline or 'baseline'}: {exc}") from None
+    n_o = float(paper_n_o) if procedure == "paper" else float(np.mean([s.honest_outputs for s in samples]))
     return NoiseCalibration(
         baseline=baseline, procedure=procedure, epsilon=float(epsilon), delta=float(delta),
         mu_target=float(mu_target), sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"],
         alpha=best["alpha"], n_o=n_o, success_fraction=best["success_fraction"],
-        predicted_mse=best["predicted_mse"], runs=runs, seconds=time.perf_counter() - start,
+        predicted_mse=best["predicted_mse"], runs=len(samples), seconds=time.perf_counter() - start,
         alternatives=rows, notes=notes,
     )
 

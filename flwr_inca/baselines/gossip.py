@@ -62,6 +62,7 @@ __all__ = [
     "gossip",
     "gossip_matrix",
     "graph_adjacency",
+    "max_degree",
     "muffliato_iterations",
     "muffliato_sigma",
     "noisy_gossip_step",
@@ -112,6 +113,11 @@ def _random_regular(n: int, d: int, rng: np.random.Generator) -> sp.csr_matrix:
             A = sp.csr_matrix((np.ones(pairs.shape[0]), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
             return (A + A.T).tocsr()
     raise ValueError(f"could not draw a simple {d}-regular graph on {n} parties")  # pragma: no cover
+
+
+def max_degree(adjacency: sp.spmatrix) -> float:
+    """The largest degree of a graph (Muffliato's accounting is that of the party of largest degree)."""
+    return float(np.asarray((adjacency > 0).sum(axis=1)).max())
 
 
 def gossip_matrix(adjacency: sp.spmatrix, weights: str = "max-degree") -> sp.csr_matrix:
@@ -212,12 +218,16 @@ def gossip(values: np.ndarray, W: sp.spmatrix, iterations: int, *, chebyshev: fl
     return (y, sent) if record else y
 
 
-def noisy_gossip_step(values: np.ndarray, W: sp.spmatrix, sigma: float, rng: np.random.Generator) -> np.ndarray:
-    """One round of DP gossip / D-SGD averaging: every party adds ``N(0, sigma^2)`` to its row, then
-    averages with its neighbours: ``W (values + noise)``."""
+def noisy_gossip_step(values: np.ndarray, W: sp.spmatrix, sigma: float, rng: np.random.Generator, *,
+                      steps: int = 1, chebyshev: float | None = None) -> np.ndarray:
+    """One round of DP gossip / D-SGD averaging: every party adds ``N(0, sigma^2)`` to its row once, then
+    averages with its neighbours: ``W (values + noise)``; with ``steps > 1``, ``steps`` gossip steps
+    (:func:`gossip`, accelerated with ``chebyshev = lam``). ``values``: (n, d); the parties' estimates, (n, d)."""
     sigma = check_sigma("sigma", sigma)
     noisy = values + sigma * rng.standard_normal(values.shape) if sigma > 0 else values
-    return W @ noisy
+    if steps == 1 and chebyshev is None:
+        return W @ noisy
+    return gossip(noisy, W, steps, chebyshev=chebyshev)
 
 
 def gossip_polynomials(W: sp.spmatrix, iterations: int, chebyshev: float | None = None) -> list[np.ndarray]:
@@ -330,11 +340,11 @@ class _GossipBaseline(LinearGaussianBaseline):
 
     def execute(self, x: Any, execution: GossipExecution, seed: int | None = None) -> BaselineResult:
         values, scalar = as_values(x)
-        n, d = values.shape
+        n = values.shape[0]
         if n != execution.parties:
             raise ValueError(f"x has {n} rows but the execution has {execution.parties} parties")
-        noisy = values + self.sigma_star * noise_rng(seed, _TAG_NOISE).standard_normal((n, d))
-        finals = gossip(noisy, execution.W, execution.iterations, chebyshev=execution.chebyshev)
+        finals = noisy_gossip_step(values, execution.W, self.sigma_star, noise_rng(seed, _TAG_NOISE),
+                                   steps=execution.iterations, chebyshev=execution.chebyshev)
         return BaselineResult(shaped(finals.mean(axis=0), scalar), np.arange(n), party_estimates=finals,
                               details={"iterations": execution.iterations})
 
@@ -406,8 +416,7 @@ class Muffliato(_GossipBaseline):
         A = graph_adjacency(graph, n, seed)
         W = gossip_matrix(A, cls.weights)
         T = iterations if iterations is not None else muffliato_iterations(W, reading)
-        degree = float(np.asarray((A > 0).sum(axis=1)).max())
-        sigma, _, _ = muffliato_sigma(epsilon, delta, n, degree, T, sensitivity)
+        sigma, _, _ = muffliato_sigma(epsilon, delta, n, max_degree(A), T, sensitivity)
         return cls(sigma, graph, T)
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "pairwise_estimate",
     "pairwise_masked_values",
     "pairwise_model",
+    "uncancelled_estimate",
 ]
 
 _TAG_GRAPH, _TAG_DROPOUT, _TAG_STAR, _TAG_PAIR = 11, 12, 13, 14
@@ -115,6 +116,11 @@ class PairwiseExecution:
         rolled = dangling & self.rollback & ~self.dropped_rollback[keeper]
         return rolled, dangling & ~rolled
 
+    def published_signs(self, dangling: np.ndarray) -> np.ndarray:
+        """For the dangling edges selected by ``dangling`` (a mask over the edges), how their published end
+        holds the term: +1 where it added it (the edge's j), -1 where it subtracted it (its i)."""
+        return np.where(self.published[self.edges[dangling, 1]], 1.0, -1.0)
+
 
 def k_out_edges(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Each party picks k distinct random others (GOPA's k_PR); the undirected pairs, deduplicated."""
@@ -163,9 +169,24 @@ def pairwise_estimate(masked: np.ndarray, execution: PairwiseExecution, pair_ter
     total = masked[pub].sum(axis=0)
     revealed, _ = execution.edge_status()
     if revealed.any():
-        e = execution.edges[revealed]
-        sign = np.where(pub[e[:, 1]], 1.0, -1.0)  # the published end added (j) or subtracted (i) it
-        total = total - sign @ pair_terms[revealed]
+        total = total - execution.published_signs(revealed) @ pair_terms[revealed]
+    return total / pub.sum()
+
+
+def uncancelled_estimate(x_tilde: np.ndarray, execution: PairwiseExecution, unit_terms: np.ndarray,
+                         sigma_delta: float) -> np.ndarray:
+    """:func:`pairwise_estimate`'s estimate from the published noisy values and only the pairwise terms that
+    stay in the sum, ``O((n + U) d)`` instead of ``O(E d)``: a term of two publishing ends, or one rolled back,
+    leaves the estimate exactly, so it need not be drawn.
+
+    ``x_tilde``: (n, d) = x + eta*; ``unit_terms``: (U, d) unit draws of the uncancelled terms
+    (:meth:`PairwiseExecution.edge_status`, in edge order), scaled by ``sigma_delta``.
+    """
+    pub = execution.published
+    if not pub.any():
+        return np.full(x_tilde.shape[1], np.nan)
+    _, uncancelled = execution.edge_status()
+    total = x_tilde[pub].sum(axis=0) + sigma_delta * (execution.published_signs(uncancelled) @ unit_terms)
     return total / pub.sum()
 
 

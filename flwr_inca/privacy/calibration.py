@@ -28,8 +28,9 @@ sigma_delta must be tight: a run is not tightened below the level the runs befor
 sets sigma_delta anyway is bounded again alone (``tight_runs=False``; docs/privacy.md, "Charging across
 runs").
 
-The procedure is split in small steps: :func:`simulate_runs`, :func:`alpha_grid`,
-:func:`evaluate_alpha` and :func:`pick_alpha`.
+The procedure is split in small steps: :func:`simulate_runs`, then the selection of alpha
+(:class:`AlphaSelection`: :func:`alpha_grid`, :func:`evaluate_alpha` and :func:`pick_alpha`), which the
+baselines' calibration (:func:`flwr_inca.baselines.calibrate_samples`) shares.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ from .certificate import EXACT_MAX_PARTIES, SOLVERS, SensitivityProfile, profile
 from .conversions import classic_mu, epsilon_for_delta, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
-__all__ = ["DEFAULT_ALPHAS", "Calibration", "NoiseCalibrator", "alpha_candidates", "alpha_grid", "calibrate", "evaluate_alpha",
-           "pick_alpha", "required_sigma_delta", "simulate_runs"]
+__all__ = ["DEFAULT_ALPHAS", "AlphaSelection", "Calibration", "NoiseCalibrator", "SimulatedRun", "alpha_candidates",
+           "alpha_grid", "calibrate", "evaluate_alpha", "pick_alpha", "required_sigma_delta", "simulate_runs",
+           "simulation_seeds"]
 
 # alpha: sigma_star^2 in units of 1 / (n_O mu^2), the central-DP level of the honest finalists
 DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0)
@@ -99,8 +101,17 @@ class _Run:
     a2: float  # ||a||^2
     total: float  # sum(b)
     lost: float  # ||b / sum(b) - 1/n||^2
-    honest_finalists: int
+    honest_outputs: int  # honest finalists: the honest parties whose values reach the output
     charged: float | None = None  # charged_mu its bound was made with (None: tightened alone)
+
+    def expected_mse(self, sigma_star: float, sigma_delta: float, value_variance: float) -> float:
+        """Predicted per-coordinate MSE of this run's estimate at the sigmas (value units) for values of
+        variance ``value_variance`` (:func:`flwr_inca.protocol.utility.expected_mse`)."""
+        if self.total <= 0:
+            return math.inf
+        # products, not **: a huge sigma_delta (a run barely private) gives inf, not an OverflowError
+        return (value_variance * self.lost
+                + (sigma_star * sigma_star * self.b2 + sigma_delta * sigma_delta * self.a2) / self.total**2)
 
 
 @dataclass
@@ -154,6 +165,31 @@ class Profile(Protocol):
     def mu_limit(self, sigma_star: float) -> np.ndarray: ...
 
     def min_sigma_delta(self, sigma_star: float, mu_target: float) -> float: ...
+
+
+class SimulatedRun(Protocol):
+    """What the alpha selection needs of one simulated execution seen by one adversary: its certificate
+    (unit value sensitivity), how many honest parties' values reach its output, and the predicted MSE of its
+    estimate. :func:`calibrate`'s runs and the baselines' :class:`~flwr_inca.baselines.ViewSample` are such
+    runs."""
+
+    @property
+    def profile(self) -> Profile: ...
+
+    @property
+    def honest_outputs(self) -> int: ...
+
+    def expected_mse(self, sigma_star: float, sigma_delta: float, value_variance: float) -> float:
+        """Per-coordinate MSE of the estimate at these sigmas (value units), values of variance
+        ``value_variance``."""
+        ...
+
+
+def simulation_seeds(seed: int | None, runs: int) -> np.ndarray:
+    """(runs, 2) seeds ``(execution, adversary)`` of the simulated runs of a calibration (every calibration
+    derives them so: the baselines' too, so that IncA calibrated either way sees the same runs)."""
+    root = np.random.SeedSequence(resolve_seed(seed))
+    return root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
 
 
 def required_sigma_delta(profiles: Sequence[Profile], sigma_star: float, mu_target: float, *,
@@ -213,13 +249,6 @@ def alpha_candidates(profiles: Sequence[Profile], mu_target: float, n_o: float, 
     if not candidates:  # min_alpha above the whole grid: it is the only choice
         candidates = [max(min_alpha, floor * 1.01)]
     return candidates
-
-
-def _unit_mse(run: _Run, n: int, s_star: float, s_delta: float, value_variance: float) -> float:
-    if run.total <= 0:
-        return math.inf
-    # products, not **: a huge sigma_delta (a run barely private) gives inf, not an OverflowError
-    return value_variance * run.lost + (s_star * s_star * run.b2 + s_delta * s_delta * run.a2) / run.total**2
 
 
 def _threat(collusion: float | None, observed_fraction: float | None) -> tuple[float, str]:
@@ -287,41 +316,41 @@ def simulate_runs(
 
 
 def alpha_grid(
-    sims: list[_Run],
+    sims: Sequence[SimulatedRun],
     procedure: str,
     mu_target: float,
     quantile: float,
     *,
-    parties: int,
-    rho: float,
-    dropout: DropoutModel | None,
+    paper_n_o: float | None,
     alphas: tuple[float, ...] | None,
     min_alpha: float,
 ) -> tuple[list[float], float]:
-    """``(candidate alphas, n_O)``: the paper's single alpha = 1.3 with n_O = n (1 - gamma - rho), or
-    the exact procedure's grid (given, or :data:`DEFAULT_ALPHAS` above the floor plus multiples of the
-    floor) with n_O = mean number of honest finalists."""
+    """``(candidate alphas, n_O)``: the paper's single alpha = 1.3 with ``n_O = paper_n_o``, the paper's
+    ``n (1 - gamma - rho)`` (required by ``"paper"``), or the exact procedure's grid (given, or
+    :data:`DEFAULT_ALPHAS` above the floor plus multiples of the floor) with n_O = the mean number of honest
+    parties whose values reach the output (IncA: the honest finalists)."""
     if procedure == "paper":
-        n_o = parties * (1.0 - _dropout_fraction(dropout, sims, parties, rho) - rho)
-        if n_o <= 0:
-            raise ValueError(f"n_O = n (1 - gamma - rho) = {n_o:g} must be > 0")
-        return [PAPER_ALPHA], n_o
-    n_o = float(np.mean([s.honest_finalists for s in sims]))
+        if paper_n_o is None:
+            raise ValueError("the paper's procedure needs paper_n_o = n (1 - gamma - rho)")
+        if not paper_n_o > 0:
+            raise ValueError(f"n_O = n (1 - gamma - rho) = {paper_n_o:g} must be > 0")
+        return [PAPER_ALPHA], float(paper_n_o)
+    n_o = float(np.mean([s.honest_outputs for s in sims]))
     if n_o <= 0:
-        raise ValueError("no honest party finishes in the simulated runs; nothing can be calibrated")
+        raise ValueError("no honest party's value reaches the output in the simulated runs; nothing can be "
+                         "calibrated")
     return alpha_candidates([s.profile for s in sims], mu_target, n_o, quantile, alphas=alphas,
                             min_alpha=min_alpha), n_o
 
 
 def evaluate_alpha(
     alpha: float,
-    sims: list[_Run],
+    sims: Sequence[SimulatedRun],
     *,
     procedure: str,
     mu_target: float,
     n_o: float,
     quantile: float,
-    parties: int,
     value_sensitivity: float,
     value_variance: float,
 ) -> dict[str, float]:
@@ -332,8 +361,8 @@ def evaluate_alpha(
     s_delta, success = required_sigma_delta([s.profile for s in sims], s_star, mu_target,
                                             quantile=quantile if procedure == "exact" else 1.0,
                                             every_run=procedure == "exact")
-    mse = (float(np.mean([_unit_mse(s, parties, s_star * value_sensitivity, s_delta * value_sensitivity,
-                                    value_variance) for s in sims])) if math.isfinite(s_delta) else math.inf)
+    mse = (float(np.mean([s.expected_mse(s_star * value_sensitivity, s_delta * value_sensitivity, value_variance)
+                          for s in sims])) if math.isfinite(s_delta) else math.inf)
     return {"alpha": alpha, "sigma_star": s_star * value_sensitivity,
             "sigma_delta": s_delta * value_sensitivity, "success_fraction": success, "predicted_mse": mse}
 
@@ -346,10 +375,11 @@ def pick_alpha(
     runs: int,
     epsilon: float,
     delta: float,
-    local_dp_sigma: float,
+    local_dp_sigma: float | None,
 ) -> tuple[dict[str, float], list[str]]:
     """The chosen row and notes: the paper's single alpha, or the most accurate alpha reaching the
-    required share (else the most successful, then the most accurate)."""
+    required share (else the most successful, then the most accurate). ``local_dp_sigma``: the local-DP
+    noise level, to note a sigma_star that reaches it (None: no such note)."""
     notes: list[str] = []
     if procedure == "paper":
         best = rows[0]
@@ -370,11 +400,48 @@ def pick_alpha(
             best = min(feasible, key=lambda row: row["predicted_mse"])
         else:
             best = max(rows, key=lambda row: (row["success_fraction"], -row["predicted_mse"]))
-    if best["sigma_star"] >= 0.5 * local_dp_sigma:
+    if local_dp_sigma is not None and best["sigma_star"] >= 0.5 * local_dp_sigma:
         notes.append(f"sigma_star = {best['sigma_star']:.4g} is at the local-DP level ({local_dp_sigma:.4g}): "
                      "some party's messages are (almost) all observed; more iterations, fewer neighbours "
                      "or a smaller collusion fraction help")
     return best, notes
+
+
+@dataclass(frozen=True)
+class AlphaSelection:
+    """How alpha is picked on simulated runs (:func:`alpha_grid`, :func:`evaluate_alpha`, :func:`pick_alpha`):
+    the one selection of :func:`calibrate` and of the baselines'
+    :func:`~flwr_inca.baselines.calibrate_samples`.
+
+    ``paper_n_o``: the paper's ``n (1 - gamma - rho)``, required by ``"paper"`` (:func:`calibrate` derives
+    gamma from its dropout model, a baseline has its own). ``local_dp_note``: note a sigma_star at the
+    local-DP level ``value_sensitivity / mu_target``, with advice on IncA's iterations and neighbours; the
+    baselines leave it out, as local DP and the gossip protocols sit at that level by design.
+    """
+
+    procedure: str
+    mu_target: float
+    quantile: float
+    epsilon: float
+    delta: float
+    value_sensitivity: float
+    value_variance: float
+    alphas: tuple[float, ...] | None = None
+    min_alpha: float = 1.0
+    paper_n_o: float | None = None
+    local_dp_note: bool = True
+
+    def choose(self, sims: Sequence[SimulatedRun]) -> tuple[dict[str, float], list[dict[str, float]], list[str]]:
+        """``(chosen row, every alpha's row, notes)``; rows in value units (:func:`evaluate_alpha`)."""
+        candidates, n_o = alpha_grid(sims, self.procedure, self.mu_target, self.quantile, paper_n_o=self.paper_n_o,
+                                     alphas=self.alphas, min_alpha=self.min_alpha)
+        rows = [evaluate_alpha(a, sims, procedure=self.procedure, mu_target=self.mu_target, n_o=n_o,
+                               quantile=self.quantile, value_sensitivity=self.value_sensitivity,
+                               value_variance=self.value_variance) for a in candidates]
+        local_dp_sigma = self.value_sensitivity / self.mu_target if self.local_dp_note else None
+        best, notes = pick_alpha(rows, self.procedure, self.quantile, runs=len(sims), epsilon=self.epsilon,
+                                 delta=self.delta, local_dp_sigma=local_dp_sigma)
+        return best, rows, notes
 
 
 def calibrate(
@@ -452,8 +519,7 @@ def calibrate(
     if parties > EXACT_MAX_PARTIES and solver != "exact":  # every run is bounded: refuse before simulating one
         check_bytes(f"the bound on the certificate of a simulated run of {parties} parties over {iterations} "
                     "iterations", bound_bytes(parties, iterations, bound_settings))
-    root = np.random.SeedSequence(resolve_seed(seed))
-    seeds = root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
+    seeds = simulation_seeds(seed, runs)
     quantile = 1.0 if procedure == "paper" else float(target_success)
     # bound profiles are tightest near their nominal sigmas: start near the central-DP level
     guess_star = math.sqrt(1.0 / (max(parties * (1.0 - rho), 1.0) * mu_target**2))
@@ -461,25 +527,10 @@ def calibrate(
     sims = simulate_runs(parties, base, seeds, rho=rho, observed_fraction=observed_fraction, solver=solver,
                          nominal=nominal, bound_settings=bound_settings, progress=progress,
                          quantile=None if tight_runs or bound_passes == 2 else quantile)
-    selection = _Selection(procedure, mu_target, quantile, parties, rho, dropout, alphas, min_alpha, runs, epsilon,
-                           delta, value_sensitivity, value_variance)
-    best, rows, notes, charged, rebounded = _choose_charged(sims, selection, nominal, bound_settings)
-    bounded = [r for r, s in enumerate(sims) if s.profile.method in ("bound", "cascade")]
-    passes = 1
-    if bounded and bound_passes == 2 and math.isfinite(best["sigma_delta"]):
-        passes = 2
-        # second pass: bound those runs again where they are used, at the chosen (unit) sigmas
-        at = (best["sigma_star"] / value_sensitivity, best["sigma_delta"] / value_sensitivity)
-        for r in bounded:
-            _bound_again(sims[r], at, bound_settings)
-        best, rows, notes = selection.choose(sims)
-    if bounded:
-        notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r}, "
-                     f"bounded {'twice' if passes == 2 else 'once'})")
-    if charged:
-        notes.append(f"{charged} of {runs} runs bounded only above {CHARGED_MARGIN:g} x the level the runs before "
-                     f"them charge (tight_runs=False); {rebounded} of them bounded again alone, as they set "
-                     "sigma_delta")
+    paper_n_o = parties * (1.0 - _dropout_fraction(dropout, sims, parties, rho) - rho)  # the paper's n_O
+    selection = AlphaSelection(procedure, mu_target, quantile, epsilon, delta, value_sensitivity, value_variance,
+                               alphas, min_alpha, paper_n_o)
+    best, rows, notes = _choose(sims, selection, nominal, bound_settings, bound_passes, solver)
     return Calibration(
         procedure=procedure, epsilon=float(epsilon), delta=float(delta), mu_target=float(mu_target),
         sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"], alpha=best["alpha"],
@@ -510,37 +561,33 @@ def _checked(procedure, epsilon, delta, parties, runs, target_success, value_sen
             check_real("min_alpha", min_alpha, 0.0, MAX_ALPHA), alphas)
 
 
-@dataclass(frozen=True)
-class _Selection:
-    """How :func:`calibrate` picks alpha on its simulated runs (:func:`alpha_grid`, :func:`evaluate_alpha`,
-    :func:`pick_alpha`)."""
-
-    procedure: str
-    mu_target: float
-    quantile: float
-    parties: int
-    rho: float
-    dropout: DropoutModel | None
-    alphas: tuple[float, ...] | None
-    min_alpha: float
-    runs: int
-    epsilon: float
-    delta: float
-    value_sensitivity: float
-    value_variance: float
-
-    def choose(self, sims: list[_Run]) -> tuple[dict[str, float], list[dict[str, float]], list[str]]:
-        candidates, n_o = alpha_grid(sims, self.procedure, self.mu_target, self.quantile, parties=self.parties,
-                                     rho=self.rho, dropout=self.dropout, alphas=self.alphas, min_alpha=self.min_alpha)
-        rows = [evaluate_alpha(a, sims, procedure=self.procedure, mu_target=self.mu_target, n_o=n_o,
-                               quantile=self.quantile, parties=self.parties, value_sensitivity=self.value_sensitivity,
-                               value_variance=self.value_variance) for a in candidates]
-        best, notes = pick_alpha(rows, self.procedure, self.quantile, runs=self.runs, epsilon=self.epsilon,
-                                 delta=self.delta, local_dp_sigma=self.value_sensitivity / self.mu_target)
-        return best, rows, notes
+def _choose(sims: list[_Run], selection: AlphaSelection, nominal: tuple[float, float],
+            bound_settings: BoundSettings | None, bound_passes: int, solver: str) -> tuple[dict, list, list[str]]:
+    """:func:`calibrate`'s choice on its runs (:func:`_choose_charged`); with ``bound_passes=2`` the runs
+    certified with a bound are bounded again at the chosen sigmas and the choice is made again. Returns
+    ``(best, rows, notes)``, the notes saying how the runs were certified."""
+    best, rows, notes, charged, rebounded = _choose_charged(sims, selection, nominal, bound_settings)
+    runs = len(sims)
+    bounded = [r for r, s in enumerate(sims) if s.profile.method in ("bound", "cascade")]
+    passes = 1
+    if bounded and bound_passes == 2 and math.isfinite(best["sigma_delta"]):
+        passes = 2
+        # second pass: bound those runs again where they are used, at the chosen (unit) sigmas
+        at = (best["sigma_star"] / selection.value_sensitivity, best["sigma_delta"] / selection.value_sensitivity)
+        for r in bounded:
+            _bound_again(sims[r], at, bound_settings)
+        best, rows, notes = selection.choose(sims)
+    if bounded:
+        notes.append(f"{len(bounded)} of {runs} runs certified with the sound bound (solver={solver!r}, "
+                     f"bounded {'twice' if passes == 2 else 'once'})")
+    if charged:
+        notes.append(f"{charged} of {runs} runs bounded only above {CHARGED_MARGIN:g} x the level the runs before "
+                     f"them charge (tight_runs=False); {rebounded} of them bounded again alone, as they set "
+                     "sigma_delta")
+    return best, rows, notes
 
 
-def _choose_charged(sims: list[_Run], selection: _Selection, nominal: tuple[float, float],
+def _choose_charged(sims: list[_Run], selection: AlphaSelection, nominal: tuple[float, float],
                     bound_settings: BoundSettings | None) -> tuple[dict, list, list[str], int, int]:
     """The choice on runs some of which were charged (bounded only above a level): those that set sigma_delta
     at the chosen sigma_star, or cannot be made private there, are bounded again alone and the choice is made
@@ -594,7 +641,7 @@ def _dropout_fraction(dropout: DropoutModel | None, sims: list[_Run], n: int, rh
         return dropout.gamma
     # other models: the observed share of honest parties missing at the end
     honest = n * (1.0 - rho)
-    return float(1.0 - np.mean([s.honest_finalists for s in sims]) / honest) if honest > 0 else 0.0
+    return float(1.0 - np.mean([s.honest_outputs for s in sims]) / honest) if honest > 0 else 0.0
 
 
 REUSE_WITHIN = 0.25  # a calibration serves every party count within 25% of the one it was made for

@@ -22,8 +22,9 @@ Each mixer reuses the averaging core of :mod:`flwr_inca.baselines` (no second im
   participants: each adds its own ``eta*_i ~ N(0, sigma_star^2)`` and pairwise terms with k_PR random
   neighbours, a share drops out before publishing and a share during the roll-back round
   (:class:`flwr_inca.baselines.GOPA`). Each round's execution is certified exactly against the
-  colluders (the baselines' Collusion-DP view, :func:`flwr_inca.baselines.pairwise_model`), before any
-  value exists, and that mu is charged: the same accounting as IncA's.
+  colluders (the baselines' Collusion-DP view and certificate,
+  :meth:`flwr_inca.baselines.GOPA.sensitivity_profile`), before any value exists, and that mu is charged:
+  the same accounting as IncA's.
 
 The gossip mixers release the *average* of the parties' estimates as the model update (the
 simulator keeps one model) and put each party's own estimate in ``plan.info["node_updates"]`` (rows in
@@ -35,6 +36,17 @@ at its own model: this favours the gossip methods (their gradients are taken at 
 :class:`WithinRoundDropout` wraps any mixer: a ``gamma`` share of the round's participants
 (``round(gamma n)``, uniformly) drops out after training, before mixing; the wrapped mixer mixes the
 rest. (IncA has its own in-round dropout model, ``SimulationConfig.dropout``.)
+
+What the mixers share with :mod:`flwr_inca.baselines`, and what stays their own: the mechanisms are the
+baselines' (local noise, the noisy gossip step and its further steps, the graphs and gossip matrices,
+Muffliato's accounting, GOPA's executions, Collusion-DP views, certificates, estimates and calibration).
+Their own are what a training round needs and a one-shot baseline run does not: the noise comes from the
+simulator's per-round streams (:mod:`flwr_inca.simulation.seeding`; GOPA's pairwise terms one stream per
+term, so that only the uncancelled ones need drawing), Muffliato keeps the first round's number of steps
+and Chebyshev parameter for the later rounds' graphs (its spectrum is an O(n^3) eigendecomposition), GOPA's
+calibration is rescaled to each round's participants, and :class:`WithinRoundDropout` draws survivors
+(``round half up``) for any mixer, where GOPA's own execution draws who drops out before publishing and
+during the roll-back.
 """
 
 from __future__ import annotations
@@ -60,13 +72,14 @@ from ..baselines import (
     calibrate_baseline,
     gossip_matrix,
     graph_adjacency,
+    max_degree,
     noisy_gossip_step,
     pndp_mean_privacy_loss,
 )
+from ..baselines.base import check_positive_int
 from ..baselines.calibration import NoiseCalibration
-from ..baselines.pairwise import pairwise_estimate, pairwise_masked_values
+from ..baselines.pairwise import pairwise_estimate, pairwise_masked_values, uncancelled_estimate
 from ..privacy.budget_check import prediction_seeds, worst_over_executions
-from ..privacy.certificate import SensitivityProfile
 from ..privacy.conversions import epsilon_for_delta
 from ..privacy.rounds import RoundCertificate, certification_seeds, worst_mu
 from ..privacy.session import RoundCharge, RoundSession
@@ -85,10 +98,8 @@ class _LocalNoiseMixer(Mixer):
 
     def __init__(self, noise_multiplier: float | None = None) -> None:
         super().__init__()
-        if noise_multiplier is not None and not (
-            isinstance(noise_multiplier, (int, float)) and math.isfinite(noise_multiplier) and noise_multiplier > 0
-        ):
-            raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
+        if noise_multiplier is not None:  # the rule of CentralDPMixer's
+            noise_multiplier = check_real("noise_multiplier", noise_multiplier, 0.0, low_open=True)
         self.noise_multiplier = noise_multiplier
 
     @classmethod
@@ -128,12 +139,6 @@ class LocalDPMixer(_LocalNoiseMixer):
         return np.asarray(result.estimate, dtype=updates.dtype)
 
 
-def _check_degree(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
 @register_mixer
 class DPGossipMixer(_LocalNoiseMixer):
     """D-SGD with DP gossip averaging (Koskela & Kulkarni, App. F) on a sparse Erdos-Renyi graph among the round's participants (the same graph for the same count)
@@ -145,8 +150,8 @@ class DPGossipMixer(_LocalNoiseMixer):
     def __init__(self, noise_multiplier: float | None = None, expected_degree: int = 10,
                  gossip_steps: int = 1) -> None:
         super().__init__(noise_multiplier)
-        self.expected_degree = _check_degree("expected_degree", expected_degree)
-        self.gossip_steps = _check_degree("gossip_steps", gossip_steps)
+        self.expected_degree = check_positive_int("expected_degree", expected_degree)
+        self.gossip_steps = check_positive_int("gossip_steps", gossip_steps)
 
     def plan(self, round: int, participants: int) -> RoundPlan:
         p = min(1.0, self.expected_degree / max(1, participants - 1))
@@ -160,9 +165,7 @@ class DPGossipMixer(_LocalNoiseMixer):
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
         execution = plan.info.pop("execution")
         rng = seeding.stream(self.context.seed, seeding.NOISE, plan.round)
-        nodes = noisy_gossip_step(updates.astype(np.float64), execution.W, self.sigma, rng)
-        for _ in range(self.gossip_steps - 1):
-            nodes = execution.W @ nodes
+        nodes = noisy_gossip_step(updates.astype(np.float64), execution.W, self.sigma, rng, steps=self.gossip_steps)
         plan.info["node_updates"] = nodes.astype(updates.dtype)
         return nodes.mean(axis=0).astype(updates.dtype)
 
@@ -181,8 +184,8 @@ class MuffliatoMixer(Mixer):
                  node_estimates: bool = True) -> None:
         super().__init__()
         self.node_estimates = bool(node_estimates)
-        self.expected_degree = None if expected_degree is None else _check_degree("expected_degree", expected_degree)
-        self.iterations = None if iterations is None else _check_degree("iterations", iterations)
+        self.expected_degree = None if expected_degree is None else check_positive_int("expected_degree", expected_degree)
+        self.iterations = None if iterations is None else check_positive_int("iterations", iterations)
         self._spectrum: tuple[int, float | None] | None = None
 
     def prepare(self, context: MixContext) -> None:
@@ -212,10 +215,10 @@ class MuffliatoMixer(Mixer):
                 break
         execution = GossipExecution(A, gossip_matrix(A, Muffliato.weights), *self._spectrum)
         T, S = execution.iterations, self.context.value_sensitivity
-        max_degree = float(np.asarray((execution.adjacency > 0).sum(axis=1)).max())
+        degree = max_degree(execution.adjacency)
         # the mean pairwise loss alpha T d S^2 / (2 n sigma^2) is that of a Gaussian of mu: alpha mu^2 / 2
-        sigma = S * math.sqrt(T * max_degree / n) / self.context.mu_round
-        mu = math.sqrt(2.0 * pndp_mean_privacy_loss(sigma, 1.0, T, max_degree, n, S))
+        sigma = S * math.sqrt(T * degree / n) / self.context.mu_round
+        mu = math.sqrt(2.0 * pndp_mean_privacy_loss(sigma, 1.0, T, degree, n, S))
         return RoundPlan(round, participants, mu, False, info={
             "noise_std": sigma, "graph": graph, "iterations": T, "execution": execution,
             "mu_collusion": S / sigma,
@@ -261,15 +264,16 @@ class GOPAMixer(Mixer):
     Cost: :meth:`plan` samples the round's execution (graph and dropouts: no value) and certifies it
     exactly against ``threat_draws`` random coalitions of a ``collusion`` share of the participants
     (drawn from the same seeds as IncA's, :func:`flwr_inca.privacy.rounds.certification_seeds`), by the
-    baselines' certificate (:func:`flwr_inca.baselines.pairwise_model`, then
-    :class:`~flwr_inca.privacy.certificate.SensitivityProfile`); the runner charges that mu before the
+    baselines' certificate (:meth:`flwr_inca.baselines.GOPA.sensitivity_profile` of the view
+    :func:`flwr_inca.baselines.pairwise_model`); the runner charges that mu before the
     round's update exists, through the round session (:meth:`charge`). A round whose whole cost does not
     fit once its masked updates are published is stopped before its roll-back: it is charged the exact
     certificate of what was published (which reveals no more than the whole round).
 
     ``draw``: ``"uncancelled"`` (default) draws every participant's ``eta*`` and only the pairwise
     terms that stay in the estimate, ``O((n + U) d)`` for U uncancelled terms: a term of two publishing
-    ends, or one that was rolled back, leaves the estimate exactly, so its draw is skipped. ``"all"``
+    ends, or one that was rolled back, leaves the estimate exactly, so its draw is skipped
+    (:func:`~flwr_inca.baselines.pairwise.uncancelled_estimate`). ``"all"``
     draws every term of every edge (``O(E d)``, E about ``k_PR n``) and runs the protocol's own
     arithmetic (:func:`~flwr_inca.baselines.pairwise.pairwise_masked_values`, then
     :func:`~flwr_inca.baselines.pairwise.pairwise_estimate`); each term has its own stream, so both give
@@ -382,8 +386,7 @@ class GOPAMixer(Mixer):
             seeds = certification_seeds(self._threat_seed(), round)
         for draw in seeds.spawn(self.threat_draws):
             view = gopa.adversary(execution, threat, int(draw.generate_state(1, dtype=np.uint64)[0]))
-            profile = SensitivityProfile.from_model(gopa.observation_model(execution, view))
-            mus.append(worst_mu(profile.mu(sigma_star, sigma_delta)))
+            mus.append(worst_mu(gopa.sensitivity_profile(execution, view).mu(sigma_star, sigma_delta)))
         return worst_mu(mus) * self.context.value_sensitivity
 
     def _threat_seed(self) -> int:
@@ -444,11 +447,8 @@ class GOPAMixer(Mixer):
             estimate = pairwise_estimate(pairwise_masked_values(x_tilde, execution.edges, pair), execution, pair)
         else:  # only what stays in the sum: the same estimate, O((n + U) d)
             _, uncancelled = execution.edge_status()
-            index = np.flatnonzero(uncancelled)
-            # the published end of a dangling term added it (the edge's j) or subtracted it (its i)
-            sign = np.where(pub[execution.edges[index, 1]], 1.0, -1.0)
-            total = x_tilde[pub].sum(axis=0) + s_delta * (sign @ self._terms(plan.round, index, d))
-            estimate = total / pub.sum()
+            terms = self._terms(plan.round, np.flatnonzero(uncancelled), d)
+            estimate = uncancelled_estimate(x_tilde, execution, terms, s_delta)
         return estimate.astype(updates.dtype)
 
     def charge(self, session: RoundSession, plan: RoundPlan) -> RoundCharge:

@@ -29,199 +29,24 @@ training set, never the test set); the best setting is used for all of that meth
 
 from __future__ import annotations
 
-import csv
 import json
-import math
-import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._checks import (
-    MAX_SCALE,
-    check_batch_size,
-    check_bool,
-    check_delta,
-    check_epsilon,
-    check_int,
-    check_iterations,
-    check_parties,
-    check_real,
-    check_rounds,
-    check_runs,
-    check_scale,
-)
-
+from .._io import atomic_write_text
+from .._progress import ProgressBar
 from ..privacy.calibration import NoiseCalibrator
+from .grid import DEFAULT_GRID, StudyGrid, partition_alpha
+from .report import plot, summarise, write_table
+from .runs import RunResult, append_row, check_output, finish_runs, read_rows, run_key, skipped_note
 
-__all__ = ["DEFAULT_GRID", "FULL_GRID", "METHODS", "TINY_GRID", "StudyGrid", "add_study_parser", "run_study"]
-
-METHODS: dict[str, str] = {
-    "fedavg": "FedAvg, no privacy (clipped)",
-    "central-dp": "central DP (trusted server)",
-    "inca": "IncA (improved calibration)",
-    "inca-paper": "IncA (paper's calibration)",
-    "local-dp": "local DP",
-    "dp-gossip": "DP gossip / D-SGD",
-    "muffliato": "Muffliato (PNDP accounting: weaker)",
-    # GOPA: its own in-round dropouts (gamma/4 of them during the roll-back), certified like IncA
-    "gopa": "GOPA (k_PR = 20, roll-back)",
-}
-TRUSTED = ("fedavg", "central-dp")
-
-
-@dataclass(frozen=True)
-class StudyGrid:
-    """What the study runs.
-
-    ``epsilons`` are swept at ``gamma_at_epsilon`` and ``gammas`` at ``epsilon_at_gamma``, unless
-    ``product`` (every epsilon at every gamma). Tuning runs every (lr, clip, rounds) of the three
-    lists at (``tune_epsilon``, ``tune_gamma``, first seed) for every method.
-    """
-
-    clients: tuple[int, ...] = (1000,)
-    partitions: tuple[str, ...] = ("iid",)
-    epsilons: tuple[float, ...] = (0.5, 1.0, 2.0, 8.0)
-    gammas: tuple[float, ...] = (0.0, 0.1, 0.3)
-    seeds: tuple[int, ...] = (0,)
-    methods: tuple[str, ...] = tuple(METHODS)
-    product: bool = False
-    gamma_at_epsilon: float = 0.1
-    epsilon_at_gamma: float = 1.0
-    tune_lr: tuple[float, ...] = (1.5, 4.0)
-    tune_clip: tuple[float, ...] = (1.0,)
-    tune_rounds: tuple[int, ...] = (10, 25)
-    tune_epsilon: float = 1.0
-    tune_gamma: float = 0.1
-    delta: float = 1e-5
-    batch_size: int = 10
-    validation: int = 6000
-    collusion: float = 0.1
-    iterations: int = 10
-    neighbors: int = 1
-    # IncA's calibration and charging, at every n (docs/results.md, "IncA at n = 1000"). A fresh execution's
-    # certificate spreads around the target its noise was calibrated for: calibrated on 3 executions at a
-    # success share of 1, fresh rounds at n = 1000 certified up to 1.33x the target at gamma = 0.1 (28% of
-    # them above it) and 1.45x at gamma = 0.3. Charging the rounds between certificates (every 10th) the
-    # largest certified mu so far then ended training early (after 20 of 25 rounds at gamma = 0.3 in the
-    # default grid; 12 of 25 in one of four sequences at gamma = 0.1, benchmarks/study_round_cost.py). So
-    # every round is certified and charged its own certificate (~0.3 s at 900 participants), and the noise is
-    # calibrated on 60 executions at a 0.9 success share: fresh rounds then certify at 0.87x the target on
-    # average, and all 25 rounds fit at every epsilon (0.5-8) and gamma (0-0.3) measured. The price at
-    # gamma > 0: sigma_delta 5-11% larger than with 3 executions, 10-18% of the budget left unspent at
-    # epsilon = 1, and ~50-100 s per calibration at n = 1000.
-    certify_every: int = 1
-    calibration_runs: int = 60
-    calibration_success: float = 0.9  # share of the calibration runs the noise must certify
-    # at n <= small_clients the per-round target is steeper still (docs/results.md, n = 100): a small
-    # q = B / N_local puts mu_round near 1, where a few percent more mu per round costs tens of percent of
-    # epsilon; there the same rule is required (the small_* fields), whatever the fields above say.
-    small_clients: int = 300
-    small_calibration_runs: int = 60
-    small_calibration_success: float = 0.9
-    small_certify_every: int = 1
-    train_examples: int | None = None  # None: all (60,000 - validation); tests use fewer
-    test_examples: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods", "tune_lr", "tune_clip",
-                     "tune_rounds"):
-            if not getattr(self, name):
-                raise ValueError(f"{name} must not be empty")
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"methods: unknown {unknown}; choose from {list(METHODS)}")
-        for n in self.clients:
-            check_parties("clients (each)", n, 3)
-        for p in self.partitions:
-            _partition_alpha(p)
-        for e in self.epsilons + (self.tune_epsilon, self.epsilon_at_gamma):
-            check_epsilon("epsilons, tune_epsilon and epsilon_at_gamma (each)", e)
-        for g in self.gammas + (self.tune_gamma, self.gamma_at_epsilon):
-            check_real("gammas, tune_gamma and gamma_at_epsilon (each)", g, 0.0, 1.0, high_open=True)
-        for seed in self.seeds:
-            check_int("seeds (each)", seed, 0)
-        for r in self.tune_rounds:
-            check_rounds("tune_rounds (each)", r)
-        for x in self.tune_lr + self.tune_clip:
-            check_scale("tune_lr and tune_clip (each)", x, zero=False)
-        check_delta("delta", self.delta)
-        check_batch_size("batch_size", self.batch_size)
-        check_real("collusion", self.collusion, 0.0, 1.0, high_open=True)
-        check_iterations("iterations", self.iterations)
-        check_int("neighbors", self.neighbors, 1, min(self.clients) - 1)
-        check_parties("small_clients", self.small_clients, 0)
-        check_bool("product", self.product)
-        for name in ("calibration_success", "small_calibration_success"):
-            check_real(f"{name} (a share of the calibration runs)", getattr(self, name), 0.0, 1.0, low_open=True)
-        for name in ("calibration_runs", "small_calibration_runs"):
-            check_runs(name, getattr(self, name))
-        for name in ("certify_every", "small_certify_every"):
-            check_rounds(name, getattr(self, name))
-        check_int("validation (examples held out of training)", self.validation, 1, 59999)
-        for name in ("train_examples", "test_examples"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 1)
-
-    def inca_settings(self, clients: int) -> tuple[int, float, int]:
-        """IncA's ``(calibration runs, calibration success share, certify every)`` at ``clients``."""
-        if clients <= self.small_clients:
-            return self.small_calibration_runs, self.small_calibration_success, self.small_certify_every
-        return self.calibration_runs, self.calibration_success, self.certify_every
-
-    def tuning_settings(self) -> list[tuple[float, float, int]]:
-        return [(lr, c, r) for lr in self.tune_lr for c in self.tune_clip for r in self.tune_rounds]
-
-    def points(self) -> list[tuple[float, float]]:
-        """(epsilon, gamma) evaluation points."""
-        if self.product:
-            pts = [(e, g) for e in self.epsilons for g in self.gammas]
-        else:
-            pts = [(e, self.gamma_at_epsilon) for e in self.epsilons]
-            pts += [(self.epsilon_at_gamma, g) for g in self.gammas if (self.epsilon_at_gamma, g) not in pts]
-        return pts
-
-    def describe(self) -> str:
-        return (f"n in {list(self.clients)}, partitions {list(self.partitions)}, epsilon in {list(self.epsilons)}"
-                f" (at gamma = {self.gamma_at_epsilon}), gamma in {list(self.gammas)} (at epsilon = "
-                f"{self.epsilon_at_gamma})" if not self.product else
-                f"n in {list(self.clients)}, partitions {list(self.partitions)}, epsilon in "
-                f"{list(self.epsilons)} x gamma in {list(self.gammas)}") + (
-                f", seeds {list(self.seeds)}; tuning grid lr {list(self.tune_lr)} x clip {list(self.tune_clip)} x "
-                f"rounds {list(self.tune_rounds)} at epsilon = {self.tune_epsilon}, gamma = {self.tune_gamma}; "
-                f"batch {self.batch_size}, IncA T = {self.iterations}, k = {self.neighbors}, "
-                f"{self.collusion:.0%} colluders, calibrated on {self.calibration_runs} execution(s) "
-                f"(success share {self.calibration_success:g}) and certified every {self.certify_every} round(s); "
-                f"at n <= {self.small_clients}: {self.small_calibration_runs} execution(s), success share "
-                f"{self.small_calibration_success:g}, certified every {self.small_certify_every} round(s)")
-
-
-def _partition_alpha(name: str) -> float | None:
-    if name == "iid":
-        return None
-    if name.startswith("dirichlet:"):
-        try:
-            alpha = float(name.split(":", 1)[1])
-        except ValueError:
-            alpha = -1.0
-        if 0 < alpha <= MAX_SCALE:
-            return alpha
-    raise ValueError(f"partition must be 'iid' or 'dirichlet:<alpha>' with alpha in (0, {MAX_SCALE:g}], got {name!r}")
-
-
-DEFAULT_GRID = StudyGrid()
-FULL_GRID = StudyGrid(clients=(100, 1000), partitions=("iid", "dirichlet:0.5"), seeds=(0, 1, 2), product=True,
-                      epsilons=(0.5, 1.0, 2.0, 4.0, 8.0),
-                      tune_lr=(1.0, 3.0, 8.0), tune_clip=(0.5, 1.0, 2.0), tune_rounds=(10, 25, 50))
-TINY_GRID = StudyGrid(clients=(8,), epsilons=(1.0, 4.0), gammas=(0.0, 0.25), tune_lr=(2.0,), tune_clip=(1.0,),
-                      tune_rounds=(2,), tune_gamma=0.25, gamma_at_epsilon=0.25, validation=300, batch_size=10,
-                      iterations=3, calibration_runs=1, calibration_success=1.0, train_examples=800, test_examples=300,
-                      small_calibration_runs=4, small_calibration_success=0.75)
+__all__ = ["CalibrationCache", "Study", "StudyData", "accuracies", "run_one", "run_study", "split_data", "worst_node"]
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -279,7 +104,7 @@ def worst_node(models: np.ndarray, x: np.ndarray, y: np.ndarray, screen: int = 2
 
 
 # ------------------------------------------------------------------------------------------ IncA noise
-class _CalibrationCache:
+class CalibrationCache:
     """IncA's noise calibrations, shared by the study's runs: one
     :class:`~flwr_inca.privacy.calibration.NoiseCalibrator` per (procedure, gamma, runs, success share), so
     that every run with the same protocol reuses the calibrations of the others (the calibrator's rule:
@@ -308,49 +133,53 @@ class _CalibrationCache:
         return self.calibrators[key]
 
 
+
 # ------------------------------------------------------------------------------------------ one run
-@dataclass
-class RunResult:
-    phase: str
-    method: str
-    clients: int
-    partition: str
-    epsilon: float
-    gamma: float
-    seed: int
-    lr: float
-    clip: float
-    rounds: int
-    accuracy: float | None = None  # on the validation split (tuning) or the test set
-    test_accuracy: float | None = None  # tuning runs: the same model on the test set (reused, not selected on)
-    worst_node: float | None = None
-    epsilon_spent: float | None = None
-    rounds_done: int = 0  # rounds trained (the model updated)
-    rounds_refused: int = 0  # rounds the budget refused and skipped (charged what they revealed; model kept)
-    seconds: float = 0.0
-    note: str = ""
-
-
 def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partition: str, epsilon: float,
             gamma: float, seed: int, lr: float, clip: float, rounds: int, phase: str,
-            cache: _CalibrationCache) -> RunResult:
+            cache: CalibrationCache) -> RunResult:
     """Train one method once; evaluate on validation (``phase="tune"``) or test."""
     import torch
 
-    from ..protocol.dropout import PermanentDropout
-    from ..simulation import MarkovAvailability, SimulationConfig, dirichlet, iid, simulate
-    from ..simulation.baseline_mixers import WithinRoundDropout
-    from ..simulation.mixers import IncaMixer, create_mixer
+    from ..simulation import simulate  # looked up at each run (tests replace it)
 
     res = RunResult(phase, method, clients, partition, epsilon, gamma, seed, lr, clip, rounds)
     start = time.perf_counter()
-    alpha = _partition_alpha(partition)
-    parts = (iid(data.x_train, data.y_train, clients, seed=seed) if alpha is None
-             else dirichlet(data.x_train, data.y_train, clients, alpha=alpha, seed=seed))
-    evaluation = (data.x_val, data.y_val) if phase == "tune" else (data.x_test, data.y_test)
+    parts = _client_data(data, clients, partition, seed)
+    config = _config(grid, method, clients, epsilon, gamma, seed, lr, clip, rounds)
+    mixer = _mixer(config, method, gamma, clients, phase, cache)
+    nodes = _NodeModels(clients) if method in ("dp-gossip", "muffliato") else None
+    try:
+        history = simulate(lambda: torch.nn.Linear(784, 10), parts, None, config, mixer=mixer, progress=False,
+                           on_round=None if nodes is None else nodes.on_round)
+    except ValueError as exc:  # e.g. the paper's classic bound needs a per-round epsilon < 1
+        res.note = f"not run: {exc}"
+    else:
+        _score(res, history, data, nodes)
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def _client_data(data: StudyData, clients: int, partition: str, seed: int) -> list:
+    """The training split over ``clients`` clients: IID, or Dirichlet over the labels."""
+    from ..simulation import dirichlet, iid
+
+    alpha = partition_alpha(partition)
+    if alpha is None:
+        return iid(data.x_train, data.y_train, clients, seed=seed)
+    return dirichlet(data.x_train, data.y_train, clients, alpha=alpha, seed=seed)
+
+
+def _config(grid: StudyGrid, method: str, clients: int, epsilon: float, gamma: float, seed: int, lr: float,
+            clip: float, rounds: int) -> Any:
+    """The simulator's configuration of one run (record-level DP; unavailable clients: a Markov chain whose
+    stationary unavailable share is ``gamma``; IncA: ``PermanentDropout(gamma)`` within its rounds)."""
+    from ..protocol.dropout import PermanentDropout
+    from ..simulation import MarkovAvailability, SimulationConfig
+
     mode = "inca" if method.startswith("inca") else method
     calibration_runs, calibration_success, certify_every = grid.inca_settings(clients)
-    config = SimulationConfig(
+    return SimulationConfig(
         rounds=rounds, mode=mode, max_epsilon=None if method == "fedavg" else epsilon, delta=grid.delta,
         privacy_unit="record", lr=lr, clip_norm=clip, batch_size=grid.batch_size,
         availability=MarkovAvailability(p_off=0.5 * gamma / (1 - gamma), p_on=0.5) if gamma > 0 else None,
@@ -358,46 +187,62 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
         iterations=grid.iterations, neighbors=grid.neighbors, collusion=grid.collusion,
         certify_every=certify_every, calibration_runs=calibration_runs, calibration_success=calibration_success,
         backend="inline", seed=seed, eval_every=rounds + 1)
-    if mode == "inca":
+
+
+def _mixer(config: Any, method: str, gamma: float, clients: int, phase: str, cache: CalibrationCache) -> Any:
+    """The run's mixer: IncA with the study's shared calibrator, GOPA with its own in-round dropouts, the
+    others behind a ``gamma`` share of in-round dropouts."""
+    from ..simulation.baseline_mixers import WithinRoundDropout
+    from ..simulation.mixers import IncaMixer, create_mixer
+
+    if config.mode == "inca":
         procedure = "paper" if method == "inca-paper" else "exact"
-        mixer = IncaMixer(privacy=config.privacy, mixing=config.mixing,
-                          calibrator=cache.calibrator(procedure, gamma, clients))
-    elif method == "gopa":  # its own in-round dropouts; calibrated on IncA's runs and success share
-        mixer = create_mixer(config.replace(mixer_options={"gamma": gamma,
-                                                            "calibration_success": calibration_success}))
-    else:
-        mixer = create_mixer(config)
-        if method == "muffliato" and phase == "tune":  # the average model only: no per-party gossip needed
-            mixer = type(mixer)(node_estimates=False)
-        if gamma > 0:
-            mixer = WithinRoundDropout(mixer, gamma)
+        return IncaMixer(privacy=config.privacy, mixing=config.mixing,
+                         calibrator=cache.calibrator(procedure, gamma, clients))
+    if method == "gopa":  # its own in-round dropouts; calibrated on IncA's runs and success share
+        success = config.privacy.calibration_success
+        return create_mixer(config.replace(mixer_options={"gamma": gamma, "calibration_success": success}))
+    mixer = create_mixer(config)
+    if method == "muffliato" and phase == "tune":  # the average model only: no per-party gossip needed
+        mixer = type(mixer)(node_estimates=False)
+    return WithinRoundDropout(mixer, gamma) if gamma > 0 else mixer
 
-    deviation = np.zeros((clients, 7850), dtype=np.float32) if method in ("dp-gossip", "muffliato") else None
-    last_nodes: list[np.ndarray] = []
 
-    def on_round(ctx) -> None:
+class _NodeModels:
+    """Every party's own model in the gossip methods, as its deviation from the released average (the
+    simulator keeps one model); the parties of the last round are the ones reported."""
+
+    def __init__(self, clients: int) -> None:
+        self.deviation = np.zeros((clients, 7850), dtype=np.float32)
+        self.last: np.ndarray | None = None  # the parties of the last round
+
+    def on_round(self, ctx: Any) -> None:
         nodes = ctx.plan.info.pop("node_updates", None)
-        if deviation is None or nodes is None:
+        if nodes is None:
             return
         rows = ctx.plan.info.get("rows", np.arange(len(ctx.participants)))
         ids = ctx.participants[rows]
-        keep = deviation[ids] + (nodes - ctx.update[None, :])
-        deviation[:] = 0.0  # the others rejoin with the current model (the simulator's rule)
-        deviation[ids] = keep
-        last_nodes[:] = [ids]
+        keep = self.deviation[ids] + (nodes - ctx.update[None, :])
+        self.deviation[:] = 0.0  # the others rejoin with the current model (the simulator's rule)
+        self.deviation[ids] = keep
+        self.last = ids
 
-    try:
-        history = simulate(lambda: torch.nn.Linear(784, 10), parts, None, config, mixer=mixer, progress=False,
-                           on_round=on_round if deviation is not None else None)
-    except ValueError as exc:  # e.g. the paper's classic bound needs a per-round epsilon < 1
-        res.note = f"not run: {exc}"
-        res.seconds = time.perf_counter() - start
-        return res
+    def worst(self, params: np.ndarray, data: StudyData) -> float | None:
+        """The lowest test accuracy among the last round's parties' models (None before any round)."""
+        if self.last is None:
+            return None
+        return worst_node(params[None, :] + self.deviation[self.last], data.x_test, data.y_test)
+
+
+def _score(res: RunResult, history: Any, data: StudyData, nodes: _NodeModels | None) -> None:
+    """Fill ``res`` from a finished training: accuracies, privacy spent, rounds, and a note on refused rounds
+    and early stops."""
+    evaluation = (data.x_val, data.y_val) if res.phase == "tune" else (data.x_test, data.y_test)
     params = np.asarray(history.parameters, dtype=np.float32)
     res.accuracy = float(accuracies(params, *evaluation)[0])
     res.test_accuracy = float(accuracies(params, data.x_test, data.y_test)[0])
     res.rounds_done, res.rounds_refused = history.rounds_trained, history.rounds_refused
-    res.epsilon_spent = None if method == "fedavg" else float(history.records[-1].epsilon)
+    res.epsilon_spent = None if res.method == "fedavg" else float(history.records[-1].epsilon)
     notes = []
     if res.rounds_refused:  # outlier executions: skipped, charged what they revealed, training went on
         refused = [r.round for r in history.rounds if r.refused]
@@ -406,476 +251,177 @@ def run_one(data: StudyData, grid: StudyGrid, method: str, clients: int, partiti
     if history.stopped:
         notes.append(history.stopped.split(". ")[0])  # first sentence (decimals kept)
     res.note = "; ".join(notes)
-    if deviation is not None and last_nodes:
-        res.worst_node = worst_node(params[None, :] + deviation[last_nodes[0]], data.x_test, data.y_test)
-    res.seconds = time.perf_counter() - start
-    return res
+    if nodes is not None:
+        res.worst_node = nodes.worst(params, data)
 
 
 # ------------------------------------------------------------------------------------------ the study
-FIELDS = [f for f in RunResult.__dataclass_fields__]
+Cell = tuple[int, str, str, float, float, int]  # (clients, partition, method, epsilon, gamma, seed)
 
 
-def _key(r: dict | RunResult) -> tuple:
-    d = asdict(r) if isinstance(r, RunResult) else r
-    return (d["phase"], d["method"], int(d["clients"]), d["partition"], float(d["epsilon"]), float(d["gamma"]),
-            int(d["seed"]), float(d["lr"]), float(d["clip"]), int(d["rounds"]))
+class _LogLines:
+    """A text stream handing each line written to it to ``log``: the progress bar's lines go where the
+    study's other lines go."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log = log
+
+    def write(self, text: str) -> int:
+        for line in text.splitlines():
+            self.log(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
-class StudyOutputExists(ValueError):
-    """The output folder holds an earlier study's runs and ``resume`` was not asked for."""
+class Study:
+    """One run of the study: its plan, the runs it recorded and its progress, in the steps of
+    :func:`run_study` (:meth:`plan`, :meth:`tune`, :meth:`evaluate`, :meth:`finish`).
 
+    Runs go to ``runs.csv.partial`` as they finish; ``runs.csv`` is replaced only at the end (by this study's
+    rows plus every earlier row it did not reach), so an interruption loses nothing; with ``resume`` a run
+    recorded in either file is reused instead of run again.
+    """
 
-def check_output(out_dir: str | Path, resume: bool) -> None:
-    """Raise :class:`StudyOutputExists` if ``out_dir`` holds an earlier study's runs and ``resume`` is
-    False (a study never deletes runs it did not make)."""
-    for p in (Path(out_dir) / "runs.csv", Path(out_dir) / "runs.csv.partial"):
-        if p.exists() and not resume:
-            raise StudyOutputExists(
-                f"{p} holds runs of an earlier study: pass --resume to reuse them (nothing is deleted), "
-                "or choose another --out")
+    LABEL = "[flwr-inca study mnist]"
 
+    def __init__(self, dataset: Any, grid: StudyGrid, out_dir: str | Path, resume: bool,
+                 log: Callable[[str], None]) -> None:
+        self.grid, self.log = grid, log
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        check_output(self.out, resume)
+        self.runs_path, self.partial = self.out / "runs.csv", self.out / "runs.csv.partial"
+        self.old_rows = read_rows(self.runs_path, log) + read_rows(self.partial, log)
+        self.done = {run_key(r): r for r in self.old_rows}  # runs recorded earlier: reused
+        self.data = split_data(dataset, grid)
+        self.cache = CalibrationCache(grid)
+        self.rows: list[dict] = []  # this study's rows, in the order they were recorded
+        self.tuning_runs: dict[tuple, dict] = {}
+        self.tuned: dict[tuple, tuple[float, float, int]] = {}  # (n, partition, method) -> (lr, clip, rounds)
+        self.count = 0  # runs reported so far
+        self.cells: list[Cell] = []
+        self.bar = ProgressBar(1, self.LABEL, stream=_LogLines(log), lines=True)
 
-def _finish_runs(runs_path: Path, partial: Path, rows: list[dict], old_rows: list[dict]) -> None:
-    """Atomically replace ``runs.csv`` by this study's rows followed by every earlier row it did not
-    reach (another grid's runs in the same folder are kept), then drop the partial file."""
-    keys = {_key(r) for r in rows}
-    kept, seen = [], set()
-    for r in old_rows:
-        k = _key(r)
-        if k not in keys and k not in seen:
-            seen.add(k)
-            kept.append(r)
-    tmp = runs_path.with_name(runs_path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows + kept)
-    os.replace(tmp, runs_path)
-    partial.unlink(missing_ok=True)
+    def plan(self) -> None:
+        """The evaluation cells (one per (n, partition, method, point, seed); fedavg has no epsilon: one per
+        gamma, reported at every epsilon) and the work's size for the ETA: ``clients x rounds`` per run,
+        the evaluation's rounds guessed as the tuning grid's mean until they are tuned."""
+        grid, points = self.grid, self.grid.points()
+        cells = [(n, p, m, e, g, s) for n in grid.clients for p in grid.partitions for m in grid.methods
+                 for (e, g) in points for s in grid.seeds]
+        cells = [c for c in cells if c[2] != "fedavg" or c[3] == points[0][0] or
+                 (c[3], c[4]) == (grid.epsilon_at_gamma, c[4])]
+        seen = set()
+        for c in cells:
+            k = (c[0], c[1], c[2], c[4], c[5]) if c[2] == "fedavg" else c
+            if k not in seen:
+                seen.add(k)
+                self.cells.append(c)
+        settings = grid.tuning_settings()
+        mean_rounds = float(np.mean([s[2] for s in settings]))
+        tuning = sum(n * r for n in grid.clients for _ in grid.partitions for _ in grid.methods for _, _, r in settings)
+        self.bar.set_total(round(tuning + sum(c[0] for c in self.cells) * mean_rounds))
+        self.log(f"{self.LABEL} {grid.describe()}")
+        self.log(f"{self.LABEL} {self.tuning_count} tuning runs (validation split of {grid.validation}) + "
+                 f"{len(self.cells)} evaluation runs; data: {self.data.source}, {len(self.data.y_train)} training "
+                 f"examples, {len(self.data.y_test)} test")
 
+    @property
+    def tuning_count(self) -> int:
+        grid = self.grid
+        return len(grid.clients) * len(grid.partitions) * len(grid.methods) * len(grid.tuning_settings())
 
-def _upgrade_header(path: Path) -> None:
-    """Rewrite ``path`` (runs of an interrupted study) with this version's columns if it was written with
-    others (an earlier version, e.g. before ``rounds_refused``), so that rows appended now line up; a
-    column it lacks is left empty."""
-    if not path.exists():
-        return
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or reader.fieldnames == FIELDS:
-            return
-        _check_columns(path, reader.fieldnames)
-        rows = list(reader)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+    def tune(self) -> None:
+        """Every method's tuning grid at the tuning point, scored on the validation split; the best setting
+        of each (n, partition, method) is kept for its evaluation."""
+        grid = self.grid
+        for n in grid.clients:
+            for part in grid.partitions:
+                for method in grid.methods:
+                    scores = []
+                    for lr, clip, rnds in grid.tuning_settings():
+                        d = self.run("tune", method, n, part, grid.tune_epsilon, grid.tune_gamma, grid.seeds[0],
+                                     lr, clip, rnds)
+                        scores.append((-1.0 if d["accuracy"] is None else float(d["accuracy"]), lr, clip, rnds))
+                    best = max(scores, key=lambda s: s[0])
+                    self.tuned[(n, part, method)] = best[1:]
 
+    def evaluate(self) -> None:
+        """Every evaluation cell with its method's tuned setting, scored on the test set."""
+        # the evaluation's work is known once the rounds are tuned: the ETA counts it from here
+        self.bar.set_total(self.bar.done + sum(c[0] * self.tuned[c[:3]][2] for c in self.cells))
+        for n, part, method, eps, gamma, seed in self.cells:
+            lr, clip, rnds = self.tuned[(n, part, method)]
+            self.run("test", method, n, part, eps, gamma, seed, lr, clip, rnds)
 
-def _check_columns(path: Path, fieldnames: list[str]) -> None:
-    unknown = sorted(set(fieldnames) - set(FIELDS))
-    if unknown:
-        raise ValueError(f"{path}: its columns {unknown} are not this version's {FIELDS}; move it away "
-                         "or resume it with the version that wrote it")
+    def run(self, phase: str, method: str, n: int, part: str, eps: float, gamma: float, seed: int, lr: float,
+            clip: float, rnds: int) -> dict:
+        """One run: the one recorded earlier, the selected tuning run when it is this evaluation cell, or
+        trained now (:func:`run_one`); recorded and reported."""
+        key = (phase, method, n, part, float(eps), float(gamma), seed, float(lr), float(clip), int(rnds))
+        twin = self.tuning_runs.get(("tune",) + key[1:]) if phase == "test" else None
+        reuse = twin is not None and method != "muffliato"  # its tuning skipped the gossip
+        units = n * rnds
+        if key in self.done or reuse:
+            self.bar.set_total(self.bar.total - units)  # nothing to run
+            units = 0
+        if key in self.done:
+            d = self.record(self.done[key])
+        elif reuse:  # the selected tuning run is this cell: its model's test score
+            d = self.record({**twin, "phase": "test", "accuracy": twin["test_accuracy"],
+                             "note": (twin["note"] + "; " if twin["note"] else "") + "the selected tuning run"})
+        else:
+            d = self.record(run_one(self.data, self.grid, method, n, part, eps, gamma, seed, lr, clip, rnds, phase,
+                                    self.cache))
+        if phase == "tune":
+            self.tuning_runs[key] = d
+        self.report(d, units)
+        return d
 
+    def record(self, run: RunResult | dict) -> dict:
+        """Append ``run`` to ``runs.csv.partial`` and to this study's rows."""
+        d = asdict(run) if isinstance(run, RunResult) else run
+        append_row(self.partial, d)
+        self.rows.append(d)
+        return d
 
-def _read_rows(path: Path, log: Callable[[str], None] | None = None) -> list[dict]:
-    """The runs recorded in ``path`` (none if it does not exist).
+    def report(self, d: dict, units: int) -> None:
+        """One progress line for the run ``d``, which did ``units`` of the work."""
+        self.count += 1
+        acc = "n/a" if d["accuracy"] is None else f"{float(d['accuracy']):.4f}"
+        worst = "" if d["worst_node"] in (None, "") else f" (worst node {float(d['worst_node']):.4f})"
+        skipped = "" if "refused by the budget" in (d["note"] or "") else skipped_note(d)  # said once, not twice
+        note = f"  [{d['note']}]" if d["note"] else ""
+        self.bar.advance(units, f"[{self.count:>3}/{self.tuning_count + len(self.cells)}] {d['phase']:<4} "
+                                f"{d['method']:<10} n={d['clients']} {d['partition']} eps={float(d['epsilon']):g} "
+                                f"gamma={float(d['gamma']):g} seed={d['seed']} lr={float(d['lr']):g} "
+                                f"C={float(d['clip']):g} R={d['rounds']}: acc {acc}{worst}{skipped}  "
+                                f"{float(d['seconds']):.1f} s{note}  |")
 
-    A last row cut short -- what a study killed while appending it leaves: fewer fields, a value that does
-    not parse, or no line end -- is skipped with a warning (``log``) naming the file and line, and removed
-    from the file, so that its run is done again and the rows appended next start on a line of their own.
-    A malformed row anywhere else raises ``ValueError`` naming the file and line (not what an interrupted
-    append leaves: the file was edited or damaged)."""
-    if not path.exists():
-        return []
-    try:
-        with path.open(newline="") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            records = [(reader.line_num, values) for values in reader if values]
-    except (csv.Error, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a CSV file of runs ({exc})") from None
-    if header is None:
-        return []
-    with path.open("rb") as f:  # csv.writer ends every row with a line end: a file without one was cut
-        f.seek(max(f.seek(0, os.SEEK_END) - 1, 0))
-        terminated = f.read(1) == b"\n"
-    if not records and not terminated:  # the header itself was cut: no run was recorded
-        (log or _stderr)(f"warning: {path}: only a cut header line, as a study stopped while writing its first "
-                         "run leaves it: removed")
-        path.unlink()
-        return []
-    _check_columns(path, header)
-    rows = []
-    for k, (line, values) in enumerate(records):
-        last = k == len(records) - 1
-        try:
-            row = _parse_row(header, values)
-            if last and not terminated:
-                raise ValueError("no line end")
-        except ValueError as exc:
-            if not last:
-                raise ValueError(f"{path}, line {line}: not a complete run ({exc}); correct or remove that "
-                                 "row") from None
-            (log or _stderr)(f"warning: {path}, line {line}: the last row is incomplete ({exc}), as a study "
-                             "stopped while writing it leaves it: skipped, and that run is done again")
-            _rewrite_rows(path, header, [v for _, v in records[:-1]])
-            continue
-        rows.append(row)
-    return rows
-
-
-def _parse_row(header: list[str], values: list[str]) -> dict:
-    """One row of ``runs.csv`` as a dict, its scores as floats (None when empty); ``ValueError`` saying what
-    is wrong with a row that is not a complete run."""
-    if len(values) != len(header):
-        raise ValueError(f"{len(values)} fields, the header has {len(header)}")
-    row = dict(zip(header, values))
-    try:
-        for k in ("accuracy", "test_accuracy", "worst_node", "epsilon_spent"):
-            if k in row:
-                row[k] = float(row[k]) if row[k] not in ("", "None") else None
-        _key(row)  # the run's identity: every field of it present and parseable
-        float(row.get("seconds") or 0.0)
-    except KeyError as exc:
-        raise ValueError(f"no {exc.args[0]!r} column") from None
-    return row
-
-
-def _rewrite_rows(path: Path, header: list[str], records: list[list[str]]) -> None:
-    """Replace ``path`` atomically by ``header`` and ``records`` (fields written back as they were read)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(records)
-    os.replace(tmp, path)
-
-
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _skipped(row: dict) -> str:
-    """`` (k of R rounds skipped: refused by the budget)`` for a run whose budget refused rounds, else ""."""
-    refused = row.get("rounds_refused")
-    if refused in (None, "", 0, "0"):
-        return ""
-    return f" ({int(refused)} of {row['rounds']} rounds skipped: refused by the budget)"
-
-
-@dataclass
-class _Progress:
-    total_units: float
-    done_units: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
-
-    def line(self, k: int, total: int, text: str, units: float) -> str:
-        self.done_units += units
-        elapsed = time.perf_counter() - self.started
-        left = max(0.0, self.total_units - self.done_units)
-        eta = elapsed / self.done_units * left if self.done_units else math.nan
-        eta_text = "?" if not math.isfinite(eta) else f"{eta / 60:.1f} min"
-        return f"[{k:>3}/{total}] {text}  | elapsed {elapsed / 60:.1f} min, ETA {eta_text}"
+    def finish(self) -> dict[str, Any]:
+        """Replace ``runs.csv``; write ``results.json``, the tables and the plots; return the summary."""
+        finish_runs(self.runs_path, self.partial, self.rows, self.old_rows)
+        summary = summarise(self.rows, self.grid, self.grid.points())
+        summary.update(
+            grid=asdict(self.grid), tuned={f"{m} n={n} {p}": {"lr": v[0], "clip": v[1], "rounds": v[2]}
+                                           for (n, p, m), v in self.tuned.items()},
+            seconds=self.bar.elapsed, calibration_seconds=self.cache.seconds, data=self.data.source)
+        atomic_write_text(self.out / "results.json", json.dumps(summary, indent=1, default=float))
+        write_table(summary, self.out)
+        plot(summary, self.grid, self.out)
+        self.log(f"{self.LABEL} done in {summary['seconds'] / 60:.1f} min; {self.out / 'table.md'}, "
+                 f"{self.out / 'accuracy_vs_epsilon.png'}, {self.out / 'accuracy_vs_gamma.png'}")
+        return summary
 
 
 def run_study(dataset: Any, grid: StudyGrid = DEFAULT_GRID, out_dir: str | Path = "study-mnist", *,
-              resume: bool = False, log=None) -> dict[str, Any]:
+              resume: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Tune, run and summarise; writes ``runs.csv``, ``results.json``, ``table.csv``, ``table.md`` and the
     two plots into ``out_dir``. Returns the summary (also in ``results.json``)."""
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    check_output(out, resume)
-    runs_path, partial = out / "runs.csv", out / "runs.csv.partial"
-    # Runs of this study go to runs.csv.partial as they finish; runs.csv is replaced only at the end (by
-    # this study's rows plus every earlier row it did not reach), so an interruption loses nothing.
-    old_rows = _read_rows(runs_path, log) + _read_rows(partial, log)
-    _upgrade_header(partial)  # rows are appended to it below, with this version's columns
-    done = {_key(r): r for r in old_rows}
-    data = split_data(dataset, grid)
-    cache = _CalibrationCache(grid)
-    settings = grid.tuning_settings()
-    points = grid.points()
-    n_tune = len(grid.clients) * len(grid.partitions) * len(grid.methods) * len(settings)
-    eval_cells = [(n, p, m, e, g, s) for n in grid.clients for p in grid.partitions for m in grid.methods
-                  for (e, g) in points for s in grid.seeds]
-    eval_cells = [c for c in eval_cells if c[2] != "fedavg" or c[3] == points[0][0] or
-                  (c[3], c[4]) == (grid.epsilon_at_gamma, c[4])]
-    # fedavg has no epsilon: one run per gamma (reported at every epsilon)
-    seen, cells = set(), []
-    for c in eval_cells:
-        k = (c[0], c[1], c[2], c[4], c[5]) if c[2] == "fedavg" else c
-        if k not in seen:
-            seen.add(k)
-            cells.append(c)
-    mean_rounds = float(np.mean([s[2] for s in settings]))
-    total = n_tune + len(cells)
-    progress = _Progress(sum(n * r for n in grid.clients for _ in grid.partitions for _ in grid.methods
-                             for _, _, r in settings) + sum(c[0] for c in cells) * mean_rounds)
-    log(f"[flwr-inca study mnist] {grid.describe()}")
-    log(f"[flwr-inca study mnist] {n_tune} tuning runs (validation split of {grid.validation}) + {len(cells)} "
-        f"evaluation runs; data: {data.source}, {len(data.y_train)} training examples, {len(data.y_test)} test")
-    rows: list[dict] = []
-    tuning_runs: dict[tuple, dict] = {}
-    k = 0
-
-    def record(r: RunResult | dict) -> dict:
-        d = asdict(r) if isinstance(r, RunResult) else r
-        new = not partial.exists()
-        with partial.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerow(d)
-        rows.append(d)
-        return d
-
-    def run(phase, method, n, part, eps, gamma, seed, lr, clip, rnds) -> dict:
-        nonlocal k
-        k += 1
-        key = (phase, method, n, part, float(eps), float(gamma), seed, float(lr), float(clip), int(rnds))
-        twin = ("tune",) + key[1:]
-        units = n * rnds
-        reuse = phase == "test" and twin in tuning_runs and method != "muffliato"  # its tuning skipped the gossip
-        if key in done or reuse:
-            progress.total_units -= units  # nothing to run
-            units = 0
-        if key in done:
-            d = record(done[key])
-        elif reuse:  # the selected tuning run is this cell: its model's test score
-            d = record({**tuning_runs[twin], "phase": "test", "accuracy": tuning_runs[twin]["test_accuracy"],
-                        "note": (tuning_runs[twin]["note"] + "; " if tuning_runs[twin]["note"] else "")
-                        + "the selected tuning run"})
-        else:
-            d = record(run_one(data, grid, method, n, part, eps, gamma, seed, lr, clip, rnds, phase, cache))
-        if phase == "tune":
-            tuning_runs[key] = d
-        acc = "n/a" if d["accuracy"] is None else f"{float(d['accuracy']):.4f}"
-        worst = "" if d["worst_node"] in (None, "") else f" (worst node {float(d['worst_node']):.4f})"
-        skipped = "" if "refused by the budget" in (d["note"] or "") else _skipped(d)  # said once, not twice
-        log(progress.line(k, total, f"{phase:<4} {method:<10} n={n} {part} eps={eps:g} gamma={gamma:g} seed={seed} "
-                                    f"lr={lr:g} C={clip:g} R={rnds}: acc {acc}{worst}{skipped}  "
-                                    f"{float(d['seconds']):.1f} s"
-                                    + (f"  [{d['note']}]" if d["note"] else ""), units))
-        return d
-
-    tuned: dict[tuple, tuple[float, float, int]] = {}
-    for n in grid.clients:
-        for part in grid.partitions:
-            for method in grid.methods:
-                scores = []
-                for lr, clip, rnds in settings:
-                    d = run("tune", method, n, part, grid.tune_epsilon, grid.tune_gamma, grid.seeds[0], lr, clip, rnds)
-                    scores.append((-1.0 if d["accuracy"] is None else float(d["accuracy"]), lr, clip, rnds))
-                best = max(scores, key=lambda s: s[0])
-                tuned[(n, part, method)] = best[1:]
-    # the evaluation's work is known once the rounds are tuned: the ETA counts it from here
-    progress.total_units = progress.done_units + sum(c[0] * tuned[(c[0], c[1], c[2])][2] for c in cells)
-    for n, part, method, eps, gamma, seed in cells:
-        lr, clip, rnds = tuned[(n, part, method)]
-        run("test", method, n, part, eps, gamma, seed, lr, clip, rnds)
-
-    _finish_runs(runs_path, partial, rows, old_rows)
-    summary = summarise(rows, grid, points)
-    summary.update(
-        grid=asdict(grid), tuned={f"{m} n={n} {p}": {"lr": v[0], "clip": v[1], "rounds": v[2]}
-                                  for (n, p, m), v in tuned.items()},
-        seconds=time.perf_counter() - progress.started, calibration_seconds=cache.seconds, data=data.source)
-    (out / "results.json").write_text(json.dumps(summary, indent=1, default=float))
-    write_table(summary, out)
-    plot(summary, grid, out)
-    log(f"[flwr-inca study mnist] done in {summary['seconds'] / 60:.1f} min; {out / 'table.md'}, "
-        f"{out / 'accuracy_vs_epsilon.png'}, {out / 'accuracy_vs_gamma.png'}")
-    return summary
-
-
-def summarise(rows: list[dict], grid: StudyGrid, points: list[tuple[float, float]]) -> dict[str, Any]:
-    """Mean and spread over seeds per (method, n, partition, epsilon, gamma) of the test runs."""
-    table = []
-    for n in grid.clients:
-        for part in grid.partitions:
-            for method in grid.methods:
-                for eps, gamma in points:
-                    sel = [r for r in rows if r["phase"] == "test" and r["method"] == method
-                           and int(r["clients"]) == n and r["partition"] == part and float(r["gamma"]) == gamma
-                           and (method == "fedavg" or float(r["epsilon"]) == eps)]
-                    accs = [float(r["accuracy"]) for r in sel if r["accuracy"] is not None]
-                    worst = [float(r["worst_node"]) for r in sel if r["worst_node"] not in (None, "")]
-                    spent = [float(r["epsilon_spent"]) for r in sel if r["epsilon_spent"] not in (None, "")]
-                    table.append({
-                        "method": method, "label": METHODS[method], "clients": n, "partition": part, "epsilon": eps,
-                        "gamma": gamma, "runs": len(accs),
-                        "accuracy": float(np.mean(accs)) if accs else None,
-                        "spread": float(np.std(accs)) if len(accs) > 1 else 0.0 if accs else None,
-                        "worst_node": float(np.mean(worst)) if worst else None,
-                        "epsilon_spent": float(np.max(spent)) if spent else None,
-                        "note": "; ".join(sorted({r["note"] for r in sel if r["note"]}))})
-    return {"table": table}
-
-
-def write_table(summary: dict[str, Any], out: Path) -> None:
-    table = summary["table"]
-    with (out / "table.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
-    (out / "table.md").write_text(markdown_table(table))
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}"
-
-
-def markdown_table(table: list[dict]) -> str:
-    """Accuracy (%) per method (rows) and (epsilon, gamma) (columns), one block per (n, partition)."""
-    lines = []
-    for n, part in dict.fromkeys((r["clients"], r["partition"]) for r in table):
-        block = [r for r in table if r["clients"] == n and r["partition"] == part]
-        cols = list(dict.fromkeys((r["epsilon"], r["gamma"]) for r in block))
-        lines.append(f"**n = {n}, {part}** — test accuracy (%), mean ± spread over seeds; DP gossip / Muffliato: "
-                     "average model (worst node)\n")
-        lines.append("| method | " + " | ".join(f"ε={e:g}, γ={g:g}" for e, g in cols) + " |")
-        lines.append("|---|" + "---:|" * len(cols))
-        for method in dict.fromkeys(r["method"] for r in block):
-            cells = []
-            for e, g in cols:
-                r = next(x for x in block if x["method"] == method and x["epsilon"] == e and x["gamma"] == g)
-                cell = _pct(r["accuracy"])
-                if r["accuracy"] is not None and r["runs"] > 1:
-                    cell += f" ± {100 * r['spread']:.1f}"
-                if r["worst_node"] is not None:
-                    cell += f" ({_pct(r['worst_node'])})"
-                cells.append(cell)
-            lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
-    """``accuracy_vs_epsilon.png`` (at ``gamma_at_epsilon``) and ``accuracy_vs_gamma.png`` (at
-    ``epsilon_at_gamma``): one panel per (n, partition) of the grid, rows n, columns partitions."""
-    import matplotlib.pyplot as plt
-
-    for name, fig in _figures(summary, grid):
-        fig.savefig(out / f"{name}.png", dpi=120)
-        plt.close(fig)
-
-
-def _figures(summary: dict[str, Any], grid: StudyGrid):
-    """Yield ``(name, figure)`` for :func:`plot` (open matplotlib figures; the caller closes them)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = summary["table"]
-    rows, cols = len(grid.clients), len(grid.partitions)
-    for name, x_key, fixed_key, fixed in (("accuracy_vs_epsilon", "epsilon", "gamma", grid.gamma_at_epsilon),
-                                          ("accuracy_vs_gamma", "gamma", "epsilon", grid.epsilon_at_gamma)):
-        fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False)
-        where = f"γ = {fixed:g}" if x_key == "epsilon" else f"ε = {fixed:g}"
-        for (n, part), ax in zip(((n, p) for n in grid.clients for p in grid.partitions), axes.flat):
-            for method in grid.methods:
-                pts = sorted((r[x_key], r["accuracy"], r["spread"]) for r in table
-                             if r["method"] == method and r["clients"] == n and r["partition"] == part
-                             and r[fixed_key] == fixed and r["accuracy"] is not None)
-                if not pts:
-                    continue
-                xs, ys, sp = (np.array(v, dtype=float) for v in zip(*pts))
-                style = "--" if method in TRUSTED else ":" if method == "muffliato" else "-"
-                ax.errorbar(xs, 100 * ys, yerr=100 * sp, label=METHODS[method], linestyle=style, marker="o",
-                            capsize=2)
-            if x_key == "epsilon":
-                ax.set_xscale("log", base=2)
-            ax.set_xlabel("ε (total, δ = 1e-5)" if x_key == "epsilon" else "γ (dropouts within and across rounds)")
-            ax.set_ylabel("test accuracy (%)")
-            ax.set_title(f"MNIST logistic regression, n = {n}, {part}, {where}", fontsize=10)
-            ax.grid(alpha=0.3)
-        # one legend for all panels, below them: inside a panel it covered points wherever it went
-        handles, labels = [], []
-        for ax in axes.flat:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in labels:
-                    handles.append(h)
-                    labels.append(lab)
-        # room below the panels for the legend's rows (about 0.22 in each at fontsize 9), not a fixed share
-        ncol = min(len(labels), 4 if cols > 1 else 2) or 1
-        legend_rows = -(-len(labels) // ncol)
-        bottom = (0.22 * legend_rows + 0.12) / fig.get_figheight() if handles else 0.0
-        if handles:
-            fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
-        fig.tight_layout(rect=(0, bottom, 1, 1))
-        yield name, fig
-
-
-# ------------------------------------------------------------------------------------------ CLI
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(v) for v in text.split(",") if v.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v.strip())
-
-
-def add_study_parser(sub: Any, **parser_options: Any) -> None:
-    """Register ``flwr-inca study mnist``; ``parser_options`` go to ``add_parser`` (e.g. the CLI's help
-    formatter)."""
-    s = sub.add_parser(
-        "study", help="side-by-side learning study: IncA vs central/local DP, DP gossip, Muffliato, GOPA",
-        description="Train MNIST logistic regression with every method (FedAvg without noise, central DP, "
-                    "IncA with both calibrations, local DP, DP gossip, Muffliato, GOPA) at each epsilon, n and "
-                    "dropout rate of the grid, tuning each method on a validation split with the same budget; "
-                    "writes runs.csv, table.csv/.md, results.json and the plots to --out.",
-        epilog="examples:\n  flwr-inca study mnist --data-dir /path/to/mnist\n"
-               "  flwr-inca study mnist --grid tiny --out study-smoke",
-        **parser_options)
-    s.add_argument("dataset", choices=["mnist"], help="the study to run")
-    s.add_argument("--grid", choices=["default", "full", "tiny"], default="default",
-                   help="default: the reduced grid (n = 1000, IID, 1 seed; about 25 minutes on 2 CPU cores); "
-                        "full: the whole grid (n in {100, 1000}, IID and Dirichlet(0.5), every epsilon x gamma, "
-                        "3 seeds, 27 tuning settings; many hours); tiny: a seconds-long smoke test")
-    s.add_argument("--data-dir", default=None, help="directory of the MNIST IDX files (else FLWR_INCA_MNIST_DIR)")
-    s.add_argument("--out", default="study-mnist", help="output directory")
-    s.add_argument("--clients", type=_ints, help="override the grid's n values, e.g. 100,1000")
-    s.add_argument("--partitions", type=lambda t: tuple(v for v in t.split(",") if v),
-                   help="override the grid's partitions, e.g. iid,dirichlet:0.5")
-    s.add_argument("--epsilons", type=_floats, help="override the grid's epsilons")
-    s.add_argument("--gammas", type=_floats, help="override the grid's gammas")
-    s.add_argument("--seeds", type=_ints, help="override the grid's seeds, e.g. 0,1,2")
-    s.add_argument("--methods", type=lambda t: tuple(v for v in t.split(",") if v),
-                   help=f"subset of {','.join(METHODS)}")
-    s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
-                   "without it, a folder holding runs is refused")
-    s.set_defaults(func=_cmd_study)
-
-
-def _cmd_study(args: Any) -> int:
-    from ..simulation.data import load_mnist
-
-    grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
-    changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods")
-               if getattr(args, k, None)}
-    try:
-        grid = replace(grid, **changes)
-    except ValueError as exc:
-        print(f"flwr-inca study: {exc}", file=sys.stderr)
-        return 2
-    try:
-        check_output(args.out, args.resume)  # before loading anything
-    except StudyOutputExists as exc:
-        print(f"flwr-inca study: {exc}", file=sys.stderr)
-        return 2
-    dataset = load_mnist(args.data_dir)
-    if dataset.features != 784:
-        print(f"flwr-inca study: MNIST not found (give --data-dir or FLWR_INCA_MNIST_DIR); got "
-              f"{getattr(dataset, 'name', '?')} with {dataset.features} features, which the study's 784 -> 10 model "
-              "cannot take", file=sys.stderr)
-        return 2
-    summary = run_study(dataset, grid, args.out, resume=args.resume)
-    print(markdown_table(summary["table"]))
-    return 0
+    study = Study(dataset, grid, out_dir, resume, log or (lambda s: print(s, file=sys.stderr, flush=True)))
+    study.plan()
+    study.tune()
+    study.evaluate()
+    return study.finish()
