@@ -208,3 +208,83 @@ def test_two_runs_on_one_ledger_reserve_against_one_budget(reference, tmp_path):
     tokens = {e.run["token"] for e in final.entries}
     assert len(tokens) == 2, [o[0][-500:] for o in outs]  # both ran, and each entry says which run wrote it
     assert not final.reservations() and math.isfinite(final.epsilon())
+
+
+# ---------------------------------------------------------------------------- Flower's deployment engine
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie its parent has yet to reap, not gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _serverapp_pids(ancestor: int) -> list[int]:
+    """The live ServerApp processes (``flwr-serverapp``) descending from process ``ancestor`` (the SuperLink:
+    it starts them through its SuperExec)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "flwr-serverapp" not in cmdline:
+            continue
+        pid, hops = int(entry), 0
+        while pid > 1 and pid != ancestor and hops < 20:
+            pid, hops = _parent(pid), hops + 1
+        if pid == ancestor:
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.deployment
+@pytest.mark.flower
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("trials", [pytest.param(1, id="1"), pytest.param(20, id="20", marks=pytest.mark.slow)])
+def test_kill_9_of_the_serverapp_on_the_deployment_engine(tmp_path, trials):
+    """A real SuperLink and four SuperNodes; ``flwr run`` of the test app, and the ServerApp process the
+    SuperLink started killed with SIGKILL at a random moment of its rounds, ``trials`` times: every round whose
+    requests had left is charged in the ledger as the next process reads it (the killed run's reservation at
+    least the no-finals ceiling of what it delivered)."""
+    from test_deployment import NODES, Deployment, _settings, _wait_for
+
+    from flwr_inca.flower import IncaStrategy
+
+    reference = {"rounds": IncaStrategy(**{**_settings(), "iterations": 3}).inca}
+    rng = random.Random(7)
+    deployment = Deployment(tmp_path)
+    kills = recovered = 0
+    try:
+        deployment.superlink()
+        for partition in range(NODES):
+            deployment.supernode(partition)
+        for trial in range(trials):
+            out, log, ledger = tmp_path / f"out-{trial}", tmp_path / f"log-{trial}", tmp_path / f"ledger-{trial}.json"
+            out.mkdir()
+            deployment.flwr_run(out, **{"out-dir": str(out), "ledger-path": str(ledger), "release-log": str(log),
+                                        "num-server-rounds": 3, "iterations": 3})
+            _wait_for("the first mixing request", log.exists, time.monotonic() + 600, deployment)
+            time.sleep(rng.uniform(0.0, 8.0))
+            pids = _serverapp_pids(deployment.procs["superlink"].pid)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            _wait_for("the killed ServerApp to die", lambda: not any(map(_alive, pids)), time.monotonic() + 60,
+                      deployment)
+            kills += bool(pids)
+            _, again = _check_nothing_released_uncharged(reference, ledger, log, exact=False)
+            recovered += again
+    finally:
+        deployment.stop_all()
+    print(f"deployment engine: {trials} run(s), {kills} ServerApp(s) killed mid-training, {recovered} "
+          "reservation(s) recovered")
+    assert kills >= 1

@@ -66,13 +66,21 @@ def run_identity() -> dict[str, Any]:
             "token": uuid.uuid4().hex[:12]}
 
 
-def _process_start(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks since boot (Linux), None where unknown."""
+def _process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (Linux), None where unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read().decode("ascii", "replace")
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+            return fh.read().decode("ascii", "replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), None where unknown."""
+    stat = _process_stat(pid)
+    try:
+        return None if stat is None else int(stat[19])
+    except (ValueError, IndexError):
         return None
 
 
@@ -93,6 +101,9 @@ def _run_ended(run: dict[str, Any] | None) -> bool:
         return True
     except OSError:  # alive, owned by someone else
         return False
+    stat = _process_stat(pid)
+    if stat is not None and stat[0] in ("Z", "X"):  # killed, not yet reaped by its parent: it ended
+        return True
     started = run.get("started")
     return started is not None and _process_start(pid) not in (None, started)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,8 +26,8 @@ class DeadNodesAnswered(Grid):
     (``NODE_UNAVAILABLE``), instead of after those 30-60 s: the killed node drops out on that event, and
     the exchanges can wait for the live nodes as long as a loaded machine needs."""
 
-    def __init__(self, grid: Grid, out: Path) -> None:
-        self.grid, self.out = grid, out
+    def __init__(self, grid: Grid, out: Path, release_log: str = "") -> None:
+        self.grid, self.out, self.release_log = grid, out, release_log
         self.sent: dict[str, Message] = {}
 
     @property
@@ -45,6 +46,8 @@ class DeadNodesAnswered(Grid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
+        if self.release_log:  # the crash tests: what is about to leave, written durably first
+            _log_release(self.release_log, messages)
         ids = list(self.grid.push_messages(messages))
         self.sent.update(zip(ids, messages))
         return ids
@@ -75,6 +78,24 @@ class DeadNodesAnswered(Grid):
         return replies
 
 
+def _log_release(path: str, messages: list[Message]) -> None:
+    """Append ``round commit`` of every mixing request in ``messages`` to ``path``, fsynced."""
+    from flwr_inca.flower.shared import INCA_KEY
+    from flwr_inca.flower.wire import FIELD, peek_request
+
+    lines = set()
+    for msg in messages:
+        record = msg.content.config_records.get(INCA_KEY) if msg.has_content() else None
+        if record is not None and FIELD in record:
+            rnd, commit, _ = peek_request(record[FIELD])
+            lines.add(f"{rnd} {commit}\n")
+    if lines:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.writelines(sorted(lines))
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
@@ -95,7 +116,7 @@ def main(grid: Grid, context: Context) -> None:
     initial = ArrayRecord([np.zeros(6, dtype=np.float32)])
     stopped = None
     try:
-        arrays = strategy.start(grid=DeadNodesAnswered(grid, out), initial_arrays=initial,
+        arrays = strategy.start(grid=DeadNodesAnswered(grid, out, str(cfg.get("release-log", ""))), initial_arrays=initial,
                                 num_rounds=int(cfg["num-server-rounds"]),
                                 timeout=float(cfg["join-timeout"])).arrays
     except IncaBudgetExhausted as stop:
