@@ -118,6 +118,13 @@ def _check_nothing_released_uncharged(reference, ledger_path: Path, log: Path, e
     return len(released), len(ledger.recovered) if ledger is not None else 0
 
 
+def _wait_for_first_release(proc: subprocess.Popen, log: Path, deadline_s: float = 240.0) -> None:
+    """Until the app logged its first mixing request (the engine is up and training) or ended."""
+    end = time.monotonic() + deadline_s
+    while not log.exists() and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def _kill_trials(reference, tmp_path, engine: str, trials: int, seed: int) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     outcomes = []
@@ -126,7 +133,9 @@ def _kill_trials(reference, tmp_path, engine: str, trials: int, seed: int) -> li
         proc = _start(ledger, log, engine)
         try:
             assert proc.stdout.readline().strip() == "started"  # imports done; the training begins now
-            time.sleep(rng.uniform(0.0, reference["seconds"] if engine == "inprocess" else 20.0))
+            if engine != "inprocess":  # the engine's start-up (Ray, its workers) takes long on a loaded machine
+                _wait_for_first_release(proc, log)
+            time.sleep(rng.uniform(0.0, reference["seconds"]))
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
