@@ -40,6 +40,8 @@ class FigureResult:
     params: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     plot: Callable[[FigureResult, Path], None] | None = None
+    # writes further files into the output directory and returns their names (e.g. a markdown table)
+    write_extra: Callable[[FigureResult, Path], list[str]] | None = None
 
     def table(self, columns: list[str] | None = None) -> str:
         cols = columns or self.columns

@@ -1,0 +1,340 @@
+"""The communication-accuracy frontier under dropouts: ``flwr-inca reproduce frontier``.
+
+Mean estimation of values in [0, 1] (U[0, 1] for the MSE), delta = 1e-5, a random coalition of 10%
+of the parties, a fraction gamma of the parties dropping out permanently. Every protocol is calibrated
+by the same exact procedure (``flwr_inca.privacy.calibrate``'s ``"exact"``: every simulated run
+certified at the target, alpha chosen to minimise the predicted MSE, ``min_alpha = 1``); each point is
+the predicted MSE (closed form per execution, averaged over the simulated executions) against what a
+party sends per round:
+
+* **IncA**, T in {10, 20, 40, 80} x k in {1, 2}, with D_Inc and with D_Inc's value-free tail
+  (``InjectionSchedule.incremental(T, tail=L)``, L = :data:`TAIL` [k]): T k peer messages per party plus
+  its final message; T + 1 rounds of latency.
+* **GOPA**, k_PR in {5, 10, 20, 40}, gamma_2 (the share of the parties dropping out during its roll-back
+  round) in :data:`GOPA_SPLITS`: its pairwise-term messages (one per edge of the union graph) plus the
+  published value plus the roll-back message; 3 rounds (terms, publish, roll-back).
+* **CorDP-DME**: the complete graph, no roll-back: (n - 1)/2 pairwise messages per party plus the value;
+  2 rounds.
+* **central DP**: the Gaussian mechanism on the mean of all n values (one message each), and on the
+  n - round(gamma n) values that stay (what a trusted curator could do with the same dropouts).
+
+Bytes per party are for scalar values (d = 1) and 8-byte floats: an IncA message carries (y, omega),
+a pairwise term, a published value and a rolled-back term one float each (a roll-back message carries
+one term per dropped neighbour). With d-dimensional values every count of floats but IncA's omega
+scales with d.
+
+Outputs (besides ``frontier.csv`` and ``frontier.txt``): ``frontier.png`` (every (n, epsilon) x
+gamma panel), ``frontier-n<n>-eps<epsilon>.png`` and ``.svg`` (one figure per (n, epsilon), one panel
+per gamma) and ``frontier.md`` (the markdown table).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from ..baselines.base import Threat
+from ..baselines.calibration import calibrate_samples, run_seeds, sample_views
+from ..baselines.gaussian import gaussian_mu
+from ..baselines.pairwise import GOPA, CorDPDME
+from ..privacy.calibration import calibrate
+from ..protocol.dropout import PermanentDropout
+from ..protocol.schedules import InjectionSchedule
+from .common import Check, FigureResult, ProgressBar
+
+__all__ = ["DEFAULT_RUNS", "central_mse", "checks", "inca_cost", "markdown", "pairwise_cost", "plot", "run", "work"]
+
+PARTIES = (200, 1000)
+EPSILONS = (0.2, 1.0)
+GAMMAS = (0.0, 0.05, 0.1, 0.2, 0.3)
+DELTA, RHO = 1e-5, 0.1
+INCA_ITERATIONS = (10, 20, 40, 80)
+INCA_NEIGHBORS = (1, 2)
+# the value-free tail L per k (benchmarks/bench_schedules.py "tails": the L with the lowest MSE across T and gamma)
+TAIL = {1: 3, 2: 2}
+GOPA_NEIGHBORS = (5, 10, 20, 40)
+GOPA_SPLITS = ("1/n", "gamma/4")
+VALUE_VARIANCE = 1.0 / 12.0  # U[0, 1]
+FLOAT_BYTES = 8
+DEFAULT_RUNS = 200
+
+COLUMNS = ["n", "epsilon", "gamma", "protocol", "schedule", "k", "T", "k_PR", "gamma_2", "messages_per_party",
+           "bytes_per_party", "rounds", "sigma_star", "sigma_delta", "alpha", "success_fraction", "predicted_mse",
+           "central_dp_mse", "runs", "seconds"]
+
+
+# ---------------------------------------------------------------------------------------------- counting
+def inca_cost(T: int, k: int) -> tuple[float, float, int]:
+    """(messages, bytes, rounds) per party per round: T k peer messages and the final, each (y, omega)."""
+    messages = T * k + 1
+    return float(messages), float(messages * 2 * FLOAT_BYTES), T + 1
+
+
+def pairwise_cost(baseline: GOPA | CorDPDME, n: int, seeds: np.ndarray) -> tuple[float, float, int]:
+    """(messages, bytes, rounds) per party per round, averaged over the executions of ``seeds``: one message
+    per edge (the term, from one end to the other), the published value, and for GOPA one roll-back message
+    carrying one term per dropped neighbour."""
+    edges, revealed = [], []
+    for s in seeds[:, 0]:
+        execution = baseline.sample_execution(n, int(s))
+        edges.append(execution.edges.shape[0] / n)
+        revealed.append(float(execution.edge_status()[0].sum()) / n)
+    rollback = 1.0 if baseline.rollback else 0.0
+    messages = statistics.fmean(edges) + 1.0 + rollback
+    floats = statistics.fmean(edges) + 1.0 + statistics.fmean(revealed)
+    return messages, floats * FLOAT_BYTES, 3 if baseline.rollback else 2
+
+
+def central_mse(n: int, epsilon: float, gamma: float = 0.0) -> float:
+    """MSE of the Gaussian mechanism on the mean of the n - round(gamma n) values that stay, against the
+    mean of all n (values of variance 1/12): noise 1 / (mu n_O)^2 plus the values missing."""
+    stay = n - round(gamma * n)
+    mu = gaussian_mu(epsilon, DELTA)
+    return 1.0 / (mu * stay) ** 2 + VALUE_VARIANCE * (1.0 / stay - 1.0 / n)
+
+
+# ---------------------------------------------------------------------------------------------- points
+def _gamma_2(split: str, gamma: float, n: int) -> float:
+    return min(gamma, {"1/n": 1.0 / n, "gamma/4": gamma / 4}[split])
+
+
+def _seed(seed: int, *key: float) -> int:
+    return (seed * 1_000_003 + sum(int(round(v * 1000)) * 7919**i for i, v in enumerate(key, 1))) % 2**62
+
+
+def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: int,
+              bar: ProgressBar) -> list[dict]:
+    """One calibration per epsilon (the product's ``calibrate``, exact procedure) on the same executions."""
+    schedule = InjectionSchedule.incremental(T, tail=tail)
+    messages, size, rounds = inca_cost(T, k)
+    rows = []
+    for eps in EPSILONS:
+        bar.set_status(f"IncA n={n} T={T} k={k} {schedule.name} gamma={gamma:g} eps={eps:g}")
+        cal = calibrate(eps, DELTA, n, iterations=T, neighbors=k, collusion=RHO, schedule=schedule, runs=runs,
+                        dropout=PermanentDropout(gamma) if gamma > 0 else None, seed=_seed(seed, n, T, k, gamma),
+                        value_variance=VALUE_VARIANCE, progress=bar.callback())
+        rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": f"IncA k={k}" + (" tail" if tail else ""),
+                     "schedule": schedule.name, "k": k, "T": T, "messages_per_party": messages,
+                     "bytes_per_party": size, "rounds": rounds, "sigma_star": cal.sigma_star,
+                     "sigma_delta": cal.sigma_delta, "alpha": cal.alpha, "success_fraction": cal.success_fraction,
+                     "predicted_mse": cal.predicted_mse, "central_dp_mse": central_mse(n, eps), "runs": runs,
+                     "seconds": cal.seconds})
+    return rows
+
+
+def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float, runs: int, seed: int,
+                  bar: ProgressBar, **extra) -> list[dict]:
+    """GOPA or CorDP-DME: one set of simulated views, calibrated for every epsilon."""
+    bar.set_status(f"{protocol} n={n} gamma={gamma:g}")
+    key = _seed(seed, n, gamma, extra.get("k_PR", 0), extra.get("gamma_2", 0))
+    samples = sample_views(baseline, n, Threat.collusion(RHO), runs, key, bar.callback(len(EPSILONS)))
+    messages, size, rounds = pairwise_cost(baseline, n, run_seeds(key, runs))
+    rows = []
+    for eps in EPSILONS:
+        cal = calibrate_samples(samples, eps, DELTA, procedure="exact", baseline=baseline.name,
+                                value_variance=VALUE_VARIANCE)
+        rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
+                     "messages_per_party": messages, "bytes_per_party": size, "rounds": rounds,
+                     "sigma_star": cal.sigma_star, "sigma_delta": cal.sigma_delta, "alpha": cal.alpha,
+                     "success_fraction": cal.success_fraction, "predicted_mse": cal.predicted_mse,
+                     "central_dp_mse": central_mse(n, eps), "runs": runs, "seconds": cal.seconds, **extra})
+    return rows
+
+
+def central_rows(n: int, gamma: float) -> list[dict]:
+    rows = []
+    for eps in EPSILONS:
+        for protocol, g in (("central DP", 0.0), ("central DP (stayers)", gamma)):
+            rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
+                         "messages_per_party": 1.0, "bytes_per_party": float(FLOAT_BYTES), "rounds": 1,
+                         "predicted_mse": central_mse(n, eps, g), "central_dp_mse": central_mse(n, eps)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- run
+def _inca_settings() -> list[tuple[int, int, int]]:
+    """(T, k, tail) of every IncA curve point: D_Inc and the value-free tail."""
+    return [(T, k, tail) for k in INCA_NEIGHBORS for tail in (0, TAIL[k]) for T in INCA_ITERATIONS if tail < T]
+
+
+def work(runs: int) -> int:
+    """Progress units: IncA's simulated runs (one per epsilon), the pairwise baselines' views."""
+    inca = len(_inca_settings()) * len(EPSILONS)
+    pairwise = len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) + 1
+    return len(PARTIES) * len(GAMMAS) * runs * (inca + pairwise * len(EPSILONS))
+
+
+def run(runs: int, seed: int, bar: ProgressBar) -> FigureResult:
+    rows: list[dict] = []
+    for n in PARTIES:
+        for gamma in GAMMAS:
+            rows += central_rows(n, gamma)
+            for T, k, tail in _inca_settings():
+                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar)
+            for k_pr in GOPA_NEIGHBORS:
+                for split in GOPA_SPLITS:
+                    g2 = _gamma_2(split, gamma, n)
+                    gopa = GOPA(1.0, 1.0, neighbors=min(k_pr, n - 1), gamma=gamma, gamma_rollback=g2)
+                    rows += pairwise_rows(gopa, f"GOPA gamma_2={split}", n, gamma, runs, seed, bar, k_PR=k_pr,
+                                          gamma_2=g2)
+            rows += pairwise_rows(CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", n, gamma, runs, seed, bar,
+                                  k_PR=n - 1)
+    result = FigureResult(
+        "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
+        "exactly", COLUMNS, rows, plot=plot, params=_params(runs, seed), write_extra=write_extra)
+    result.checks = checks(rows)
+    result.notes.append(f"value-free tail per k: {TAIL}; GOPA gamma_2 in {GOPA_SPLITS}; MSE = predicted (closed "
+                        "form per simulated execution, averaged over them)")
+    return result
+
+
+def _params(runs: int, seed: int) -> dict:
+    return {"n": PARTIES, "epsilon": EPSILONS, "gamma": GAMMAS, "delta": DELTA, "rho": RHO, "runs": runs,
+            "seed": seed}
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _select(rows: list[dict], **match) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _best(rows: list[dict], protocol_prefix: str, budget: float) -> dict | None:
+    """The lowest-MSE point of a protocol family within ``budget`` messages per party."""
+    got = [r for r in rows if r["protocol"].startswith(protocol_prefix) and r["messages_per_party"] <= budget
+           and math.isfinite(r["predicted_mse"])]
+    return min(got, key=lambda r: r["predicted_mse"]) if got else None
+
+
+def checks(rows: list[dict]) -> list[Check]:
+    """What the frontier shows, as measured statements (the paper states none of these)."""
+    out = []
+    pairs = []
+    for r in rows:
+        if r["protocol"].startswith("IncA") and r["protocol"].endswith("tail") and r["gamma"] >= 0.1:
+            base = _select(rows, n=r["n"], epsilon=r["epsilon"], gamma=r["gamma"], protocol=f"IncA k={r['k']}",
+                           T=r["T"])
+            if base and math.isfinite(base[0]["predicted_mse"]) and base[0]["predicted_mse"] > 0:
+                pairs.append(r["predicted_mse"] / base[0]["predicted_mse"])
+    if pairs:
+        out.append(Check("value-free tail vs D_Inc at equal messages, gamma >= 0.1 (MSE ratio)", "-",
+                         f"median x{statistics.median(pairs):.2f}, range [{min(pairs):.2f}, {max(pairs):.2f}]; "
+                         f"lower in {sum(p < 1 for p in pairs)} of {len(pairs)}", None))
+    for budget in (21.0, 41.0):
+        lines, inca_wins, cells = [], 0, 0
+        for n in sorted({r["n"] for r in rows}):
+            for eps in sorted({r["epsilon"] for r in rows}):
+                for gamma in sorted({r["gamma"] for r in rows}):
+                    cell = _select(rows, n=n, epsilon=eps, gamma=gamma)
+                    inca, gopa = _best(cell, "IncA", budget), _best(cell, "GOPA", budget + 1)
+                    if inca is None or gopa is None:
+                        continue
+                    cells += 1
+                    inca_wins += inca["predicted_mse"] < gopa["predicted_mse"]
+                    if gamma > 0:
+                        lines.append(f"n={n} eps={eps:g} gamma={gamma:g}: IncA {inca['predicted_mse']:.3g} "
+                                     f"({inca['protocol']} T={inca['T']}), GOPA {gopa['predicted_mse']:.3g}")
+        if cells:
+            out.append(Check(f"IncA's best within {budget:g} messages vs GOPA's within {budget + 1:g}", "-",
+                             f"IncA lower in {inca_wins} of {cells} cells", None, "; ".join(lines[:6])))
+    gaps = []
+    for r in rows:
+        if r["protocol"].startswith("IncA") and r["gamma"] == 0 and math.isfinite(r["predicted_mse"]):
+            gaps.append(r["predicted_mse"] / r["central_dp_mse"])
+    if gaps:
+        out.append(Check("IncA without dropouts against central DP (MSE ratio)", "-",
+                         f"x{min(gaps):.2f} to x{max(gaps):.2f}", None))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- output
+SERIES = (("IncA k=1", "tab:blue", "o-"), ("IncA k=1 tail", "tab:blue", "o--"),
+          ("IncA k=2", "tab:purple", "s-"), ("IncA k=2 tail", "tab:purple", "s--"),
+          ("GOPA gamma_2=1/n", "tab:green", "^-"), ("GOPA gamma_2=gamma/4", "tab:olive", "^--"),
+          ("CorDP-DME", "tab:brown", "x"))
+
+
+def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
+    cell = _select(rows, n=n, epsilon=eps, gamma=gamma)
+    for protocol, color, style in SERIES:
+        pts = sorted((r["messages_per_party"], r["predicted_mse"]) for r in cell
+                     if r["protocol"] == protocol and math.isfinite(r["predicted_mse"]))
+        if pts:
+            label = protocol + (f" (L={TAIL[int(protocol.split()[1][2:])]})" if protocol.endswith("tail") else "")
+            ax.plot(*zip(*pts), style, color=color, label=label, ms=4)
+    for protocol, style in (("central DP", "k-"), ("central DP (stayers)", "k:")):
+        got = _select(cell, protocol=protocol)
+        if got:
+            ax.axhline(got[0]["predicted_mse"], color="k", ls=style[1:], lw=1, label=protocol)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_title(f"n = {n}, eps = {eps:g}, gamma = {gamma:g}", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+
+
+def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), len(gammas), figsize=(3.2 * len(gammas), 2.9 * len(keys)), squeeze=False)
+    for i, (n, eps) in enumerate(keys):
+        for j, gamma in enumerate(gammas):
+            _panel(axes[i, j], rows, n, eps, gamma)
+        axes[i, 0].set_ylabel("MSE of the mean")
+    for ax in axes[-1]:
+        ax.set_xlabel("messages per party per round")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 if len(keys) > 1 else 0.12, 1, 1))
+    return fig, plt
+
+
+def _keys(rows: list[dict]) -> tuple[list[tuple[int, float]], list[float]]:
+    keys = sorted({(r["n"], r["epsilon"]) for r in rows})
+    return keys, sorted({r["gamma"] for r in rows})
+
+
+def plot(result: FigureResult, path: Path) -> None:
+    """``frontier.png`` (all panels) and one PNG + SVG per (n, epsilon)."""
+    keys, gammas = _keys(result.rows)
+    fig, plt = _figure(result.rows, keys, gammas)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    for key in keys:
+        fig, plt = _figure(result.rows, [key], gammas)
+        for ext in ("png", "svg"):
+            fig.savefig(path.with_name(f"frontier-n{key[0]}-eps{key[1]:g}.{ext}"), dpi=110)
+        plt.close(fig)
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per (n, epsilon): the predicted MSE of every configuration, a column per gamma."""
+    keys, gammas = _keys(rows)
+    parts = []
+    for n, eps in keys:
+        cell = _select(rows, n=n, epsilon=eps)
+        configs: dict[tuple, dict] = {}  # (protocol, T, k_PR) -> its first row (messages, rounds)
+        for r in sorted(cell, key=lambda r: (r["protocol"], r["messages_per_party"])):
+            configs.setdefault((r["protocol"], r.get("T") or 0, r.get("k_PR") or 0), r)
+        header = ["protocol", "T / k_PR", "messages", "rounds"] + [f"γ = {g:g}" for g in gammas]
+        lines = [f"**n = {n}, ε = {eps:g}** (predicted MSE of the mean)", "",
+                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for (protocol, T, k_pr), first in configs.items():
+            values = []
+            for g in gammas:
+                got = [r for r in cell if r["gamma"] == g and r["protocol"] == protocol and (r.get("T") or 0) == T
+                       and (r.get("k_PR") or 0) == k_pr]
+                values.append(f"{got[0]['predicted_mse']:.3g}" if got else "")
+            lines.append(f"| {protocol} | {T or k_pr or ''} | {first['messages_per_party']:.1f} | {first['rounds']} | "
+                         + " | ".join(values) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_extra(result: FigureResult, out: Path) -> list[str]:
+    """``frontier.md``; the plots' extra files are written by :func:`plot`."""
+    (out / "frontier.md").write_text(markdown(result.rows), encoding="utf-8")
+    return ["frontier.md"]
+
+
