@@ -20,6 +20,9 @@ Sections (each prints its figures):
   larger last term) against D_Inc, replicated over independent seeds.
 * ``tails``: the value-free tail L over a grid of (n, T, k, gamma, epsilon), replicated: MSE ratio to
   D_Inc for every L.
+* ``stability``: how the worst case over R calibration runs grows with R: each run's smallest sufficient
+  sigma_delta at the central-DP level (alpha = 1), and the running maximum over the first R runs (the
+  runs of ``calibrate(seed, runs=R)`` are the first R of any larger R: nested).
 
     python benchmarks/bench_schedules.py decompose
     python benchmarks/bench_schedules.py anatomy --parties 100 --iterations 10 --runs 200
@@ -27,6 +30,7 @@ Sections (each prints its figures):
     python benchmarks/bench_schedules.py families --parties 200 --iterations 10 --runs 100 --replicates 3
     python benchmarks/bench_schedules.py tails --parties 200 --iterations 10 20 40 --neighbors 1 2 \\
         --gammas 0.05 0.1 0.2 0.3 --runs 100 --replicates 3
+    python benchmarks/bench_schedules.py stability --parties 200 --iterations 10 40 --tails 0 3 --runs 800
 """
 
 from __future__ import annotations
@@ -303,9 +307,42 @@ def section_tails(args: argparse.Namespace) -> None:
                               + "  ".join(cells), flush=True)
 
 
+# ---------------------------------------------------------------------------------------------- stability
+def section_stability(args: argparse.Namespace) -> None:
+    checkpoints = [r for r in (25, 50, 100, 200, 400, 800, 1600, 3200) if r <= args.runs]
+    print(f"## Worst case over R runs: sigma_delta (running max of each run's need at alpha = 1, 1.1 without "
+          f"dropouts), relative to R = {args.runs}; eps = {args.epsilons[0]}")
+    print("   n   T  k  gamma  schedule              " + "  ".join(f"R={r:<5d}" for r in checkpoints) + "   seconds")
+    for n in args.parties:
+        for T in args.iterations:
+            for k in args.neighbors:
+                for gamma in args.gammas:
+                    for tail in args.tails:
+                        start = time.perf_counter()
+                        schedule = InjectionSchedule.incremental(T, tail=tail)
+                        config = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k,
+                                            schedule=schedule, dropout=PermanentDropout(gamma) if gamma else None)
+                        mu = mu_for_epsilon(args.epsilons[0], DELTA)
+                        profiles, finalists = [], []
+                        for ts, vs in run_seeds(args.seed, args.runs):
+                            trace = sample_trace(n, config, int(ts))
+                            view = random_collusion(trace, RHO, int(vs))
+                            profiles.append(profile(trace, view))
+                            finalists.append(np.isin(view.honest, trace.finalists()).sum())
+                        # alpha = 1 is below the floor without dropouts (no sigma_delta suffices there)
+                        alpha = 1.0 if gamma > 0 else 1.1
+                        s_star = math.sqrt(alpha / (np.mean(finalists) * mu**2))
+                        need = np.maximum.accumulate([p.min_sigma_delta(s_star, mu) for p in profiles])
+                        cells = [need[r - 1] / need[-1] for r in checkpoints]
+                        print(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f}  {schedule.name:20s}  "
+                              + "  ".join(f"{c:7.3f}" for c in cells)
+                              + f"   (sigma_delta {need[-1]:.3f} at R = {args.runs}; {time.perf_counter() - start:.0f})",
+                              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("section", choices=["decompose", "anatomy", "perterm", "families", "tails"])
+    parser.add_argument("section", choices=["decompose", "anatomy", "perterm", "families", "tails", "stability"])
     parser.add_argument("--parties", type=int, nargs="+", default=[200])
     parser.add_argument("--iterations", type=int, nargs="+", default=[10])
     parser.add_argument("--neighbors", type=int, nargs="+", default=[1])
@@ -322,7 +359,7 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     {"decompose": section_decompose, "anatomy": section_anatomy, "perterm": section_perterm,
-     "families": section_families, "tails": section_tails}[args.section](args)
+     "families": section_families, "tails": section_tails, "stability": section_stability}[args.section](args)
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
