@@ -392,7 +392,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from .reproduce import reproduce
 
     try:
-        reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress)
+        settings = {"parties": args.parties, "epsilons": args.epsilons, "gammas": args.gammas,
+                    "iterations": args.iterations, "neighbors": args.neighbors}
+        reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress,
+                  settings=settings)
     except OSError as exc:  # e.g. the disk filled up while writing a figure
         print(f"error: --out {args.out}: cannot write the results: {exc}", file=sys.stderr)
         return 2
@@ -408,7 +411,8 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                     "plotted), .png and .txt (the paper's statements next to what was measured).",
         epilog="example:\n  flwr-inca reproduce fig3b --runs 20 --out outputs/reproduce",
         formatter_class=_HelpFormatter)
-    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"], help="which figure (all: every one, in order)")
+    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"], help="which figure (all: the paper's figures, in order; frontier: IncA's "
+                        "communication-accuracy frontier under dropouts, hours at its full grid)")
     r.add_argument("--runs", type=_positive_int, default=None,
                    help="simulated runs per point (per figure if not given: "
                         + ", ".join(f"{k} {v}" for k, v in DEFAULT_RUNS.items())
@@ -416,6 +420,13 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", default="outputs/reproduce", help="directory for the CSV, PNG and text files")
     r.add_argument("--seed", type=_non_negative_int, default=0, help="seed of every simulated run")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    frontier = r.add_argument_group("frontier only (default: its whole grid)")
+    frontier.add_argument("--parties", type=int, nargs="+", default=None, metavar="N", help="n values")
+    frontier.add_argument("--epsilons", type=float, nargs="+", default=None, metavar="EPS", help="epsilon values")
+    frontier.add_argument("--gammas", type=float, nargs="+", default=None, metavar="GAMMA",
+                          help="dropout fractions")
+    frontier.add_argument("--iterations", type=int, nargs="+", default=None, metavar="T", help="IncA's T values")
+    frontier.add_argument("--neighbors", type=int, nargs="+", default=None, metavar="K", help="IncA's k values")
     r.set_defaults(func=cmd_reproduce)
 
 

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from flwr_inca import PermanentDropout
+from flwr_inca import PermanentDropout, cli
 from flwr_inca.baselines.calibration import run_seeds
 from flwr_inca.baselines.pairwise import GOPA, CorDPDME
 from flwr_inca.privacy import calibrate
@@ -110,3 +110,23 @@ def test_central_dp_lines():
     stay = 200 - 60
     assert frontier.central_mse(200, 1.0, 0.3) == pytest.approx(1 / (mu * stay) ** 2 + (1 / stay - 1 / 200) / 12)
     assert np.isclose(frontier.central_mse(200, 1.0, 0.0), frontier.central_mse(200, 1.0))
+
+
+def test_settings_narrow_the_grid_and_bad_ones_are_refused(tiny, tmp_path, capsys):
+    (result,) = reproduce(["frontier"], runs=1, out=tmp_path, seed=0, progress=False, stream=io.StringIO(),
+                          plots=False, settings={"gammas": [0.1], "iterations": [5], "neighbors": [1],
+                                                 "epsilons": [1.0]})
+    assert {r["gamma"] for r in result.rows} == {0.1} and {r["epsilon"] for r in result.rows} == {1.0}
+    assert {(r["T"], r["k"]) for r in result.rows if r["protocol"].startswith("IncA")} == {(5, 1)}
+    for settings, needle in (({"gammas": [0.8]}, r"--gammas must be in \[0, 0.8\)"),
+                             ({"neighbors": [3]}, r"--neighbors must be an integer in \[1, 2\]"),
+                             ({"parties": []}, "--parties must list at least one value"),
+                             ({"iterations": [0]}, "--iterations must be an integer")):
+        with pytest.raises(ValueError, match=needle):
+            reproduce(["frontier"], runs=1, out=tmp_path, settings=settings)
+    with pytest.raises(ValueError, match="only the frontier takes these settings, not fig2"):
+        reproduce(["fig2"], runs=1, out=tmp_path, settings={"parties": [50]})
+    assert cli.main(["reproduce", "frontier", "--gammas", "0.9", "--out", str(tmp_path)]) == 2
+    assert "--gammas must be in [0, 0.8), got 0.9" in capsys.readouterr().err
+    assert cli.main(["reproduce", "fig1", "--parties", "100", "--out", str(tmp_path)]) == 2
+    assert "not fig1" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -37,6 +37,7 @@ class _Figure:
     display: tuple[str, ...]
     shares_cache: bool = False
     in_all: bool = True  # run by "all" (the paper's figures)
+    settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors)
 
 
 FIGURES: dict[str, _Figure] = {
@@ -57,7 +58,7 @@ FIGURES: dict[str, _Figure] = {
                     ("threat", "k", "T", "messages", "precondition_success", "exact_floor_success")),
     "frontier": _Figure(frontier.run, frontier.work, frontier.DEFAULT_RUNS,
                         ("n", "epsilon", "gamma", "protocol", "T", "k_PR", "messages_per_party", "rounds",
-                         "sigma_star", "sigma_delta", "alpha", "predicted_mse"), in_all=False),
+                         "sigma_star", "sigma_delta", "alpha", "predicted_mse"), in_all=False, settings=True),
 }
 DEFAULT_RUNS = {name: f.default_runs for name, f in FIGURES.items()}
 
@@ -71,12 +72,16 @@ def reproduce(
     progress: bool = True,
     stream: TextIO | None = None,
     plots: bool = True,
+    settings: Mapping[str, Sequence] | None = None,
 ) -> list[FigureResult]:
     """Reproduce ``figures`` (names of :data:`FIGURES`, or ``["all"]``: the paper's figures, not the
     frontier); see the module docstring.
 
+    ``settings`` narrow the frontier's grid (:class:`flwr_inca.reproduce.frontier.Grid`: ``parties``,
+    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``); the paper's figures take none.
+
     Raises ``ValueError`` naming the bad argument (unknown figure, runs < 1, seed < 0, an ``out``
-    that is not a directory).
+    that is not a directory, settings for a figure that takes none or out of range).
     """
     names = [n for n, f in FIGURES.items() if f.in_all] if list(figures) == ["all"] else list(figures)
     unknown = [f for f in names if f not in FIGURES]
@@ -86,6 +91,13 @@ def reproduce(
         raise ValueError(f"runs (--runs) must be an integer >= 1, got {runs!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed (--seed) must be an integer >= 0, got {seed!r}")
+    settings = {k: v for k, v in (settings or {}).items() if v is not None}
+    if settings:
+        fixed = [f for f in names if not FIGURES[f].settings]
+        if fixed:
+            raise ValueError(f"--{', --'.join(settings)}: only the frontier takes these settings, not "
+                             f"{', '.join(fixed)}")
+        frontier.Grid.of(**settings)  # raises naming a bad setting before anything runs
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out (--out) must be a directory, got the file {out}")
@@ -101,9 +113,11 @@ def reproduce(
         for name in names:
             fig = FIGURES[name]
             n_runs = runs if runs is not None else fig.default_runs
-            bar = ProgressBar(fig.work(n_runs), name, enabled=progress)
+            kwargs = dict(settings) if fig.settings else {}
+            bar = ProgressBar(fig.work(n_runs, **kwargs), name, enabled=progress)
             start = time.perf_counter()
-            kwargs = {"cache": cache} if fig.shares_cache else {}
+            if fig.shares_cache:
+                kwargs["cache"] = cache
             result = fig.run(n_runs, seed, bar, **kwargs)
             bar.close()
             result.seconds = time.perf_counter() - start

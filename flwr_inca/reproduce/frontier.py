@@ -33,10 +33,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .._checks import check_int, check_real
 from ..baselines.base import Threat
 from ..baselines.calibration import calibrate_samples, run_seeds, sample_views
 from ..baselines.gaussian import gaussian_mu
@@ -48,7 +51,8 @@ from ..protocol.dropout import PermanentDropout
 from ..protocol.schedules import InjectionSchedule
 from .common import Check, FigureResult, ProgressBar
 
-__all__ = ["DEFAULT_RUNS", "central_mse", "checks", "inca_cost", "markdown", "pairwise_cost", "plot", "run", "work"]
+__all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "markdown", "pairwise_cost", "plot", "run",
+           "work"]
 
 PARTIES = (200, 1000)
 EPSILONS = (0.2, 1.0)
@@ -108,25 +112,26 @@ def _seed(seed: int, *key: float) -> int:
     return (seed * 1_000_003 + sum(int(round(v * 1000)) * 7919**i for i, v in enumerate(key, 1))) % 2**62
 
 
-def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: int,
-              bar: ProgressBar) -> list[dict]:
+def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: int, bar: ProgressBar,
+              epsilons: tuple[float, ...] | None = None) -> list[dict]:
     """IncA calibrated for every epsilon on one set of simulated executions: the steps of the product's
     ``calibrate`` (exact procedure), the executions' certificates computed once. Exact certificates hold
     for every pair of sigmas; a sound bound (views too large for the exact method) is tightest near the
     central-DP level of the geometric mean of the epsilons' targets and valid at both."""
+    epsilons = EPSILONS if epsilons is None else epsilons
     schedule = InjectionSchedule.incremental(T, tail=tail)
     dropout = PermanentDropout(gamma) if gamma > 0 else None
     base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k, schedule=schedule,
                       dropout=dropout)
-    targets = [mu_for_epsilon(eps, DELTA) for eps in EPSILONS]
+    targets = [mu_for_epsilon(eps, DELTA) for eps in epsilons]
     guess = 1.0 / (math.sqrt(n * (1.0 - RHO)) * math.prod(targets) ** (1.0 / len(targets)))
     bar.set_status(f"IncA n={n} T={T} k={k} {schedule.name} gamma={gamma:g}")
     start = time.perf_counter()
     sims = simulate_runs(n, base, run_seeds(_seed(seed, n, T, k, gamma), runs), rho=RHO, observed_fraction=None,
-                         nominal=(guess, BOUND_NOMINAL_RATIO * guess), progress=bar.callback(len(EPSILONS)))
+                         nominal=(guess, BOUND_NOMINAL_RATIO * guess), progress=bar.callback(len(epsilons)))
     messages, size, rounds = inca_cost(T, k)
     rows = []
-    for eps, mu in zip(EPSILONS, targets):
+    for eps, mu in zip(epsilons, targets):
         candidates, n_o = alpha_grid(sims, "exact", mu, 1.0, parties=n, rho=RHO, dropout=dropout, alphas=None,
                                      min_alpha=1.0)
         tried = [evaluate_alpha(a, sims, procedure="exact", mu_target=mu, n_o=n_o, quantile=1.0, parties=n,
@@ -138,19 +143,19 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
                      "sigma_delta": best["sigma_delta"], "alpha": best["alpha"],
                      "success_fraction": best["success_fraction"], "predicted_mse": best["predicted_mse"],
                      "central_dp_mse": central_mse(n, eps), "runs": runs,
-                     "seconds": (time.perf_counter() - start) / len(EPSILONS)})
+                     "seconds": (time.perf_counter() - start) / len(epsilons)})
     return rows
 
 
 def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float, runs: int, seed: int,
-                  bar: ProgressBar, **extra) -> list[dict]:
+                  bar: ProgressBar, epsilons: tuple[float, ...], **extra) -> list[dict]:
     """GOPA or CorDP-DME: one set of simulated views, calibrated for every epsilon."""
     bar.set_status(f"{protocol} n={n} gamma={gamma:g}")
     key = _seed(seed, n, gamma, extra.get("k_PR", 0), extra.get("gamma_2", 0))
-    samples = sample_views(baseline, n, Threat.collusion(RHO), runs, key, bar.callback(len(EPSILONS)))
+    samples = sample_views(baseline, n, Threat.collusion(RHO), runs, key, bar.callback(len(epsilons)))
     messages, size, rounds = pairwise_cost(baseline, n, run_seeds(key, runs))
     rows = []
-    for eps in EPSILONS:
+    for eps in epsilons:
         cal = calibrate_samples(samples, eps, DELTA, procedure="exact", baseline=baseline.name,
                                 value_variance=VALUE_VARIANCE)
         rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
@@ -161,9 +166,9 @@ def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float
     return rows
 
 
-def central_rows(n: int, gamma: float) -> list[dict]:
+def central_rows(n: int, gamma: float, epsilons: tuple[float, ...]) -> list[dict]:
     rows = []
-    for eps in EPSILONS:
+    for eps in epsilons:
         for protocol, g in (("central DP", 0.0), ("central DP (stayers)", gamma)):
             rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
                          "messages_per_party": 1.0, "bytes_per_party": float(FLOAT_BYTES), "rounds": 1,
@@ -172,45 +177,79 @@ def central_rows(n: int, gamma: float) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- run
-def _inca_settings() -> list[tuple[int, int, int]]:
-    """(T, k, tail) of every IncA curve point: D_Inc and the value-free tail."""
-    return [(T, k, tail) for k in INCA_NEIGHBORS for tail in (0, TAIL[k]) for T in INCA_ITERATIONS if tail < T]
+@dataclass(frozen=True)
+class Grid:
+    """The settings a frontier covers; :meth:`of` fills what is not given from the module's constants."""
+
+    parties: tuple[int, ...]
+    epsilons: tuple[float, ...]
+    gammas: tuple[float, ...]
+    iterations: tuple[int, ...]
+    neighbors: tuple[int, ...]
+
+    @classmethod
+    def of(cls, parties: Sequence[int] | None = None, epsilons: Sequence[float] | None = None,
+           gammas: Sequence[float] | None = None, iterations: Sequence[int] | None = None,
+           neighbors: Sequence[int] | None = None) -> Grid:
+        """Raises ``ValueError`` naming the setting (as its command-line option) and its range."""
+        def values(name: str, given, default, check) -> tuple:
+            got = tuple(default if given is None else given)
+            if not got:
+                raise ValueError(f"{name} must list at least one value")
+            return tuple(check(name, v) for v in got)
+
+        grid = cls(values("--parties", parties, PARTIES, lambda n, v: check_int(n, v, 3)),
+                   values("--epsilons", epsilons, EPSILONS, lambda n, v: check_real(n, v, 0.0, low_open=True)),
+                   values("--gammas", gammas, GAMMAS, lambda n, v: check_real(n, v, 0.0, 0.8, high_open=True)),
+                   values("--iterations", iterations, INCA_ITERATIONS, lambda n, v: check_int(n, v, 1, 1000)),
+                   values("--neighbors", neighbors, INCA_NEIGHBORS, lambda n, v: check_int(n, v, 1, 2)))
+        return grid
+
+    def inca_settings(self) -> list[tuple[int, int, int]]:
+        """(T, k, tail) of every IncA point: D_Inc and the value-free tail (where T > L)."""
+        return [(T, k, tail) for k in self.neighbors for tail in (0, TAIL[k]) for T in self.iterations if tail < T]
+
+    def work(self, runs: int) -> int:
+        """Progress units: every simulated execution (IncA's and the pairwise baselines'), counted once per
+        epsilon it is calibrated for."""
+        configs = len(self.inca_settings()) + len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) + 1
+        return len(self.parties) * len(self.gammas) * runs * configs * len(self.epsilons)
 
 
-def work(runs: int) -> int:
-    """Progress units: every simulated execution (IncA's and the pairwise baselines'), counted once per
-    epsilon it is calibrated for."""
-    configs = len(_inca_settings()) + len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) + 1
-    return len(PARTIES) * len(GAMMAS) * runs * configs * len(EPSILONS)
+def work(runs: int, **settings: Sequence) -> int:
+    return Grid.of(**settings).work(runs)
 
 
-def run(runs: int, seed: int, bar: ProgressBar) -> FigureResult:
+def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureResult:
+    """The frontier over :class:`Grid` ``.of(**settings)`` (parties, epsilons, gammas, iterations, neighbors)."""
+    grid = Grid.of(**settings)
+    eps = grid.epsilons
     rows: list[dict] = []
-    for n in PARTIES:
-        for gamma in GAMMAS:
-            rows += central_rows(n, gamma)
-            for T, k, tail in _inca_settings():
-                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar)
+    for n in grid.parties:
+        for gamma in grid.gammas:
+            rows += central_rows(n, gamma, eps)
+            for T, k, tail in grid.inca_settings():
+                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps)
             for k_pr in GOPA_NEIGHBORS:
                 for split in GOPA_SPLITS:
                     g2 = _gamma_2(split, gamma, n)
                     gopa = GOPA(1.0, 1.0, neighbors=min(k_pr, n - 1), gamma=gamma, gamma_rollback=g2)
-                    rows += pairwise_rows(gopa, f"GOPA gamma_2={split}", n, gamma, runs, seed, bar, k_PR=k_pr,
-                                          gamma_2=g2)
-            rows += pairwise_rows(CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", n, gamma, runs, seed, bar,
+                    rows += pairwise_rows(gopa, f"GOPA gamma_2={split}", n, gamma, runs, seed, bar, eps,
+                                          k_PR=min(k_pr, n - 1), gamma_2=g2)
+            rows += pairwise_rows(CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", n, gamma, runs, seed, bar, eps,
                                   k_PR=n - 1)
     result = FigureResult(
         "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
-        "exactly", COLUMNS, rows, plot=plot, params=_params(runs, seed), write_extra=write_extra)
+        "exactly", COLUMNS, rows, plot=plot, params=_params(grid, runs, seed), write_extra=write_extra)
     result.checks = checks(rows)
     result.notes.append(f"value-free tail per k: {TAIL}; GOPA gamma_2 in {GOPA_SPLITS}; MSE = predicted (closed "
                         "form per simulated execution, averaged over them)")
     return result
 
 
-def _params(runs: int, seed: int) -> dict:
-    return {"n": PARTIES, "epsilon": EPSILONS, "gamma": GAMMAS, "delta": DELTA, "rho": RHO, "runs": runs,
-            "seed": seed}
+def _params(grid: Grid, runs: int, seed: int) -> dict:
+    return {"n": grid.parties, "epsilon": grid.epsilons, "gamma": grid.gammas, "T": grid.iterations,
+            "k": grid.neighbors, "delta": DELTA, "rho": RHO, "runs": runs, "seed": seed}
 
 
 # ---------------------------------------------------------------------------------------------- checks
