@@ -313,6 +313,8 @@ SERIES = (("IncA k=1", "tab:blue", "o-"), ("IncA k=1 tail", "tab:blue", "o--"),
 
 
 def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
+    from matplotlib.ticker import NullFormatter
+
     cell = _select(rows, n=n, epsilon=eps, gamma=gamma)
     for protocol, color, style in SERIES:
         pts = sorted((r["messages_per_party"], r["predicted_mse"]) for r in cell
@@ -326,6 +328,10 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
             ax.axhline(got[0]["predicted_mse"], color="k", ls=style[1:], lw=1, label=protocol)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    low, high = ax.get_xlim()
+    ticks = [t for t in (2, 5, 10, 20, 50, 100, 200, 500, 1000) if low <= t <= high]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_title(f"n = {n}, eps = {eps:g}, gamma = {gamma:g}", fontsize=8)
     ax.grid(alpha=0.3, which="both")
 
@@ -333,16 +339,20 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
 def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(keys), len(gammas), figsize=(3.2 * len(gammas), 2.9 * len(keys)), squeeze=False)
+    columns = max(2, min(5, 2 * len(gammas)))
+    legend_rows = math.ceil((len(SERIES) + 2) / columns)
+    legend_inches = 0.22 * legend_rows + 0.15
+    height = 2.9 * len(keys) + legend_inches
+    fig, axes = plt.subplots(len(keys), len(gammas), figsize=(3.2 * len(gammas), height), squeeze=False)
     for i, (n, eps) in enumerate(keys):
         for j, gamma in enumerate(gammas):
             _panel(axes[i, j], rows, n, eps, gamma)
         axes[i, 0].set_ylabel("MSE of the mean")
     for ax in axes[-1]:
         ax.set_xlabel("messages per party per round")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 if len(keys) > 1 else 0.12, 1, 1))
+    handles, labels = axes[0, -1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
     return fig, plt
 
 
