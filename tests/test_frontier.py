@@ -23,7 +23,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(frontier, "EPSILONS", (0.5, 1.0))
     monkeypatch.setattr(frontier, "GAMMAS", (0.0, 0.2))
     monkeypatch.setattr(frontier, "INCA_ITERATIONS", (4, 6))
-    monkeypatch.setattr(frontier, "GOPA_NEIGHBORS", (3,))
+    monkeypatch.setattr(frontier, "GOPA_NEIGHBORS", (4,))
 
 
 def _csv(path):
@@ -60,7 +60,11 @@ def test_frontier_pipeline_writes_csv_plots_and_markdown(tiny, tmp_path):
     for r in by["CorDP-DME"]:
         assert r["messages_per_party"] == pytest.approx(29 / 2 + 1) and r["rounds"] == 2
     for r in by["GOPA gamma_2=1/n"]:
-        assert 3 < r["messages_per_party"] <= 3 + 2 and r["rounds"] == 3
+        assert 4 < r["messages_per_party"] <= 4 + 2 and r["rounds"] == 3
+    claims = [c.claim for c in result.checks]
+    assert any("IncA k=1 tail (T = m) vs GOPA gamma_2 = 1/n" in c for c in claims)
+    assert any("value-free tail (L = 3) vs D_Inc, k = 1" in c for c in claims)
+    assert "What the frontier shows" in (tmp_path / "frontier.txt").read_text()
     cdp = {(r["epsilon"], r["gamma"]): r["predicted_mse"] for r in by["central DP"]}
     stay = {(r["epsilon"], r["gamma"]): r["predicted_mse"] for r in by["central DP (stayers)"]}
     assert cdp[(1.0, 0.0)] == stay[(1.0, 0.0)] < stay[(1.0, 0.2)] and cdp[(1.0, 0.2)] == cdp[(1.0, 0.0)]

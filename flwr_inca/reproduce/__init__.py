@@ -145,7 +145,7 @@ def _write(result: FigureResult, display: Sequence[str], out: Path, plots: bool,
     extra = result.write_extra(result, out) if result.write_extra is not None else []
     params = ", ".join(f"{k} = {v}" for k, v in result.params.items())
     lines = [f"== {result.title}", f"({params}; {result.seconds:.1f} s)", "", result.table(list(display)), "",
-             "The paper's statements, measured:", result.checks_table()]
+             result.checks_heading, result.checks_table()]
     lines += [f"note: {n}" for n in result.notes]
     written = [f"{result.figure}.csv"] + ([f"{result.figure}.png"] if plots and result.plot else []) + extra
     lines += ["", f"wrote {', '.join(str(out / w) for w in written)}"]

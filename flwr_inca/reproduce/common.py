@@ -42,6 +42,7 @@ class FigureResult:
     plot: Callable[[FigureResult, Path], None] | None = None
     # writes further files into the output directory and returns their names (e.g. a markdown table)
     write_extra: Callable[[FigureResult, Path], list[str]] | None = None
+    checks_heading: str = "The paper's statements, measured:"
 
     def table(self, columns: list[str] | None = None) -> str:
         cols = columns or self.columns
