@@ -273,13 +273,15 @@ def section_families(args: argparse.Namespace) -> None:
                         print("  MSE / D_Inc's on the same runs: mean [min, max] over seeds")
                         candidates = [(f"tail L={L}", lambda L=L: InjectionSchedule.incremental(T, tail=L))
                                       for L in args.tails if L > 0]
-                        candidates += [(f"AR(1) phi={p}", lambda p=p: ar1_schedule(T, p)) for p in args.phis]
+                        ar1_tail = f" + tail L={args.ar1_tail}" if args.ar1_tail else ""
+                        candidates += [(f"AR(1) phi={p}{ar1_tail}", lambda p=p: ar1_schedule(T, p, args.ar1_tail))
+                                       for p in args.phis]
                         candidates += [(f"last term x{b}", lambda b=b: scaled_schedule(T, np.r_[np.ones(T - 1), b]))
                                        for b in args.last_scales]
                         for label, make in candidates:
                             ratios, outs = _ratios(make, n, T, k, gamma, eps, args.runs, seeds, mse0)
                             sd = statistics.fmean(o["sigma_delta"] for o in outs)
-                            print(f"  {label:16s} {_fmt(ratios)}  (sigma_delta {sd:.3f})", flush=True)
+                            print(f"  {label:26s} {_fmt(ratios)}  (sigma_delta {sd:.3f})", flush=True)
                         print(f"  ({time.perf_counter() - start:.0f} s)")
 
 
@@ -349,8 +351,9 @@ def main() -> None:
     parser.add_argument("--gammas", type=float, nargs="+", default=[0.1])
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.5])
     parser.add_argument("--tails", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--phis", type=float, nargs="+", default=[0.3, 0.5])
-    parser.add_argument("--last-scales", type=float, nargs="+", default=[3.0])
+    parser.add_argument("--phis", type=float, nargs="*", default=[0.3, 0.5])
+    parser.add_argument("--ar1-tail", type=int, default=0, help="families: the value-free tail of the AR(1) candidates")
+    parser.add_argument("--last-scales", type=float, nargs="*", default=[3.0])
     parser.add_argument("--runs", type=int, default=100, help="calibration runs per schedule and seed")
     parser.add_argument("--train-runs", type=int, default=40, help="perterm: runs the LP is trained on")
     parser.add_argument("--replicates", type=int, default=3, help="independent seeds per setting")
