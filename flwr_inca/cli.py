@@ -411,7 +411,8 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                     "plotted), .png and .txt (the paper's statements next to what was measured).",
         epilog="example:\n  flwr-inca reproduce fig3b --runs 20 --out outputs/reproduce",
         formatter_class=_HelpFormatter)
-    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"], help="which figure (all: the paper's figures, in order; frontier: IncA's "
+    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"],
+                   help="which figure (all: the paper's figures, in order; frontier: IncA's "
                         "communication-accuracy frontier under dropouts, hours at its full grid)")
     r.add_argument("--runs", type=_positive_int, default=None,
                    help="simulated runs per point (per figure if not given: "
@@ -422,11 +423,14 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     frontier = r.add_argument_group("frontier only (default: its whole grid)")
     frontier.add_argument("--parties", type=int, nargs="+", default=None, metavar="N", help="n values")
-    frontier.add_argument("--epsilons", type=float, nargs="+", default=None, metavar="EPS", help="epsilon values")
+    frontier.add_argument("--epsilons", type=float, nargs="+", default=None, metavar="EPS",
+                          help="epsilon values")
     frontier.add_argument("--gammas", type=float, nargs="+", default=None, metavar="GAMMA",
                           help="dropout fractions")
-    frontier.add_argument("--iterations", type=int, nargs="+", default=None, metavar="T", help="IncA's T values")
-    frontier.add_argument("--neighbors", type=int, nargs="+", default=None, metavar="K", help="IncA's k values")
+    frontier.add_argument("--iterations", type=int, nargs="+", default=None, metavar="T",
+                          help="IncA's T values")
+    frontier.add_argument("--neighbors", type=int, nargs="+", default=None, metavar="K",
+                          help="IncA's k values")
     r.set_defaults(func=cmd_reproduce)
 
 
