@@ -708,7 +708,10 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     from .reproduce import reproduce
 
     try:
-        reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress)
+        settings = {"parties": args.parties, "epsilons": args.epsilons, "gammas": args.gammas,
+                    "iterations": args.iterations, "neighbors": args.neighbors}
+        reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress,
+                  settings=settings)
     except OSError as exc:  # e.g. the disk filled up while writing a figure
         print(f"error: --out {args.out}: cannot write the results: {exc}", file=sys.stderr)
         return 2
@@ -724,7 +727,9 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                     "plotted), .png and .txt (the paper's statements next to what was measured).",
         epilog="example:\n  flwr-inca reproduce fig3b --runs 20 --out outputs/reproduce",
         formatter_class=_HelpFormatter)
-    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"], help="which figure (all: every one, in order)")
+    r.add_argument("figure", choices=[*DEFAULT_RUNS, "all"],
+                   help="which figure (all: the paper's figures, in order; frontier: IncA's "
+                        "communication-accuracy frontier under dropouts, hours at its full grid)")
     r.add_argument("--runs", type=_runs, default=None,
                    help="simulated runs per point (per figure if not given: "
                         + ", ".join(f"{k} {v}" for k, v in DEFAULT_RUNS.items())
@@ -732,6 +737,16 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--out", default="outputs/reproduce", help="directory for the CSV, PNG and text files")
     r.add_argument("--seed", type=_seed, default=0, help="seed of every simulated run")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    frontier = r.add_argument_group("frontier only (default: its whole grid)")
+    frontier.add_argument("--parties", type=_parties, nargs="+", default=None, metavar="N", help="n values")
+    frontier.add_argument("--epsilons", type=_epsilon, nargs="+", default=None, metavar="EPS",
+                          help="epsilon values")
+    frontier.add_argument("--gammas", type=_real_in(0.0, 1.0, high_open=True), nargs="+", default=None,
+                          metavar="GAMMA", help="dropout fractions, in [0, 1)")
+    frontier.add_argument("--iterations", type=_iterations, nargs="+", default=None, metavar="T",
+                          help="IncA's T values")
+    frontier.add_argument("--neighbors", type=_neighbors, nargs="+", default=None, metavar="K",
+                          help="IncA's k values")
     r.set_defaults(func=cmd_reproduce)
 
 

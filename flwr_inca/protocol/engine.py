@@ -244,7 +244,9 @@ class _Mixing:
         W64 = step.matrix(self.n)
         W = W64 if self.dtype == np.float64 else W64.astype(self.dtype)
         self.omega = W64 @ self.omega
-        if step.online.size == self.n and self.incremental and self.c_const and self.s_delta > 0:
+        # the fast path needs one c for everybody: a constant c, or equal slots (nobody was ever offline)
+        if step.online.size == self.n and self.incremental and self.s_delta > 0 and (
+                self.c_const or self.slot.min() == self.slot.max()):
             self._fast_incremental_step(t, W)
         else:
             self.y = W @ self.y
@@ -302,9 +304,11 @@ class _Mixing:
             self.outstanding[who] += term
 
     def _fast_incremental_step(self, t: int, W) -> None:
-        """One D_Inc iteration with everybody online, in 3 passes over (n, d) beside the draws:
-        ``y' = c x~ - S; S = sigma_delta * fresh; y' += S; y' += W y`` (same numbers as :meth:`inject`)."""
-        c = self.dtype.type(self.schedule.c[0])
+        """One D_Inc iteration with everybody online at a common slot (so one c), in 3 passes over (n, d)
+        beside the draws: ``y' = c x~ - S; S = sigma_delta * fresh; y' += S; y' += W y`` (the numbers of
+        :meth:`inject`, summed in another order)."""
+        share = float(self.schedule.c[self.slot[0]])
+        c = self.dtype.type(share)
         y_next = self._spare
         np.multiply(self.x_tilde, c, out=y_next)
         y_next -= self.outstanding
@@ -315,8 +319,8 @@ class _Mixing:
         else:
             self.outstanding[...] = 0
         _add_matvec(W, self.y, y_next)
-        self.omega += self.schedule.c[0]
-        self.injected += self.schedule.c[0]
+        self.omega += share
+        self.injected += share
         if t < self.T:
             self.slot += 1
         self.y, self._spare = y_next, self.y

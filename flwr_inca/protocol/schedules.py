@@ -8,12 +8,21 @@ With dropouts every party follows the dropout-adapted schedule D^O (paper Sec. 3
 read 0-based: the printed indices are off by one): at its r-th online step t < T it uses row r of
 (c, Z); at t = T, if online, it uses c_r and the negated sum of the Z-rows it has used, so that every
 noise term it injected is cancelled.
+
+``incremental(T, tail=L)`` is D_Inc with a *value-free tail*: the value is injected in equal parts at
+steps 0..T-L and the last L steps inject none of it (they only carry D_Inc's noise chain on). The
+final messages are public, and a party whose last messages reached no honest party (its receivers
+dropped out or were corrupted) publishes in its final the value it injected since, almost unmixed;
+with a tail that value is zero. At equal certified privacy this needs less sigma_delta, hence less
+noise left uncancelled by dropouts (benchmarks/bench_schedules.py; docs/reproduction.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import re
 
 import numpy as np
 
@@ -23,6 +32,7 @@ __all__ = ["InjectionSchedule", "adapted_rows"]
 
 _TOL = 1e-9
 _RANK_COND = 1e12
+_TAIL_SPEC = re.compile(r"incremental:tail=(\d+)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,7 +43,7 @@ class InjectionSchedule:
         c: shape (T+1,), fraction of ``x_i + eta*_i`` injected at each step; sums to 1.
         Z: shape (T+1, T), coefficient of noise term ``eta_k`` (column k-1) at each step;
             every column sums to 0 so that the noise cancels.
-        name: ``"incremental"``, ``"early"`` or ``"custom"``.
+        name: ``"incremental"``, ``"incremental:tail=L"``, ``"early"`` or ``"custom"``.
     """
 
     c: np.ndarray
@@ -42,15 +52,22 @@ class InjectionSchedule:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def incremental(cls, iterations: int) -> InjectionSchedule:
-        """D_Inc (paper Ex. 3.2): inject 1/(T+1) of the value per step; one noise term outstanding."""
+    def incremental(cls, iterations: int, tail: int = 0) -> InjectionSchedule:
+        """D_Inc (paper Ex. 3.2): one noise term outstanding; the value in equal parts.
+
+        ``tail = 0``: 1/(T+1) of the value per step (the paper's D_Inc). ``tail = L`` (0 <= L <= T): the
+        value in equal parts 1/(T+1-L) at steps 0..T-L and none at the last L steps; Z is D_Inc's, so
+        the noise (and what dropouts leave uncancelled per unit sigma_delta) is unchanged.
+        """
         T = _check_iterations(iterations)
-        c = np.full(T + 1, 1.0 / (T + 1))
+        L = check_int("tail (value-free last steps)", tail, 0, T)
+        c = np.zeros(T + 1)
+        c[: T + 1 - L] = 1.0 / (T + 1 - L)
         Z = np.zeros((T + 1, T))
         idx = np.arange(T)
         Z[idx, idx] = 1.0  # row t adds eta_{t+1} (column t)
         Z[idx + 1, idx] = -1.0  # row t+1 cancels it
-        return cls(c, Z, "incremental")
+        return cls(c, Z, "incremental" if L == 0 else f"incremental:tail={L}")
 
     @classmethod
     def early(cls, iterations: int) -> InjectionSchedule:
@@ -84,7 +101,8 @@ class InjectionSchedule:
 
     @classmethod
     def resolve(cls, schedule: str | InjectionSchedule, iterations: int) -> InjectionSchedule:
-        """Turn ``"incremental"``/``"early"``/an instance into a schedule for ``iterations``."""
+        """Turn ``"incremental"``/``"incremental:tail=L"``/``"early"``/an instance into a schedule for
+        ``iterations``."""
         if isinstance(schedule, InjectionSchedule):
             if schedule.iterations != iterations:
                 raise ValueError(
@@ -95,14 +113,24 @@ class InjectionSchedule:
             return cls.incremental(iterations)
         if schedule == "early":
             return cls.early(iterations)
+        tail = _TAIL_SPEC.fullmatch(schedule) if isinstance(schedule, str) else None
+        if tail is not None:
+            return cls.incremental(iterations, tail=int(tail.group(1)))
         raise ValueError(
-            f"schedule: expected 'incremental', 'early' or an InjectionSchedule, got {schedule!r}"
+            "schedule: expected 'incremental', 'incremental:tail=L' (0 <= L <= iterations), 'early' or an "
+            f"InjectionSchedule, got {schedule!r}"
         )
 
     # ------------------------------------------------------------------ properties
     @property
     def iterations(self) -> int:
         return int(self.c.shape[0] - 1)
+
+    @property
+    def tail(self) -> int | None:
+        """L of ``incremental(T, tail=L)`` when this is such a schedule (0: D_Inc), else None."""
+        match = _TAIL_SPEC.fullmatch(self.name)
+        return int(match.group(1)) if match else 0 if self.name == "incremental" else None
 
     @property
     def is_incremental_pattern(self) -> bool:
@@ -141,6 +169,8 @@ class InjectionSchedule:
 
     # ------------------------------------------------------------------ serialization
     def to_json(self) -> str | dict[str, list]:
+        """``"incremental"``/``"early"``, else ``{"c": [...], "Z": [[...]]}`` (a tail schedule too, so that
+        readers without it load it as a custom schedule; :meth:`from_json` recognizes it again)."""
         if self.name in ("incremental", "early"):
             return self.name
         return {"c": self.c.tolist(), "Z": self.Z.tolist()}
@@ -156,9 +186,9 @@ class InjectionSchedule:
                     f"schedule: c has length {schedule.iterations + 1}, expected iterations+1 = "
                     f"{iterations + 1}"
                 )
-            return schedule
+            return _recognize_tail(schedule)
         raise ValueError(
-            "schedule: expected 'incremental', 'early' or {\"c\": [...], \"Z\": [[...]]}, "
+            "schedule: expected 'incremental', 'incremental:tail=L', 'early' or {\"c\": [...], \"Z\": [[...]]}, "
             f"got {obj!r:.80}"
         )
 
@@ -196,6 +226,17 @@ def adapted_rows(schedule: InjectionSchedule, online: np.ndarray) -> tuple[np.nd
         else:
             Z_o[t, on] = -used[on]
     return c_o, Z_o
+
+
+def _recognize_tail(schedule: InjectionSchedule) -> InjectionSchedule:
+    """``schedule`` itself, or the equal ``incremental(T, tail=L)`` (L >= 1) under its name."""
+    T = schedule.iterations
+    tail = T + 1 - int(np.count_nonzero(schedule.c))
+    if tail >= 1 and schedule.is_incremental_pattern:
+        named = InjectionSchedule.incremental(T, tail=tail)
+        if np.array_equal(named.c, schedule.c):
+            return named
+    return schedule
 
 
 def _check_iterations(iterations: int) -> int:

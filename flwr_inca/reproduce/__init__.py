@@ -1,4 +1,6 @@
-"""Re-measure the paper's figures: ``flwr-inca reproduce fig1|fig2|fig3a|fig3b|fig5|all``.
+"""Re-measure the paper's figures: ``flwr-inca reproduce fig1|fig2|fig3a|fig3b|fig5|all``, and map IncA's
+communication-accuracy frontier under dropouts: ``flwr-inca reproduce frontier`` (not part of ``all``: hours at
+its default scale, see :mod:`flwr_inca.reproduce.frontier`).
 
 Each figure writes ``<out>/<figure>.csv`` (every number plotted), ``<out>/<figure>.png`` (needs
 matplotlib) and ``<out>/<figure>.txt`` (the printed table and the paper's statements next to what was
@@ -16,13 +18,13 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from .._checks import check_bool, check_int, check_runs
-from . import fig1, fig2, fig3, fig5
+from . import fig1, fig2, fig3, fig5, frontier
 from .common import Check, FigureResult, ProgressBar, single_blas_thread, write_csv
 
 __all__ = ["DEFAULT_RUNS", "FIGURES", "Check", "FigureResult", "reproduce"]
@@ -35,6 +37,8 @@ class _Figure:
     default_runs: int
     display: tuple[str, ...]
     shares_cache: bool = False
+    in_all: bool = True  # run by "all" (the paper's figures)
+    settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors)
 
 
 FIGURES: dict[str, _Figure] = {
@@ -53,6 +57,9 @@ FIGURES: dict[str, _Figure] = {
                       "mse", "mse_stderr", "noise_lower_bound"), shares_cache=True),
     "fig5": _Figure(fig5.run, fig5.work, fig5.DEFAULT_RUNS,
                     ("threat", "k", "T", "messages", "precondition_success", "exact_floor_success")),
+    "frontier": _Figure(frontier.run, frontier.work, frontier.DEFAULT_RUNS,
+                        ("n", "epsilon", "gamma", "protocol", "T", "k_PR", "messages_per_party", "rounds",
+                         "sigma_star", "sigma_delta", "alpha", "predicted_mse"), in_all=False, settings=True),
 }
 DEFAULT_RUNS = {name: f.default_runs for name, f in FIGURES.items()}
 
@@ -66,13 +73,18 @@ def reproduce(
     progress: bool = True,
     stream: TextIO | None = None,
     plots: bool = True,
+    settings: Mapping[str, Sequence] | None = None,
 ) -> list[FigureResult]:
-    """Reproduce ``figures`` (names of :data:`FIGURES`, or ``["all"]``); see the module docstring.
+    """Reproduce ``figures`` (names of :data:`FIGURES`, or ``["all"]``: the paper's figures, not the
+    frontier); see the module docstring.
+
+    ``settings`` narrow the frontier's grid (:class:`flwr_inca.reproduce.frontier.Grid`: ``parties``,
+    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``); the paper's figures take none.
 
     Raises ``ValueError`` naming the bad argument (unknown figure, runs outside [1, MAX_RUNS], seed < 0, an
-    ``out`` that is not a directory).
+    ``out`` that is not a directory, settings for a figure that takes none or out of range).
     """
-    names = list(FIGURES) if list(figures) == ["all"] else list(figures)
+    names = [n for n, f in FIGURES.items() if f.in_all] if list(figures) == ["all"] else list(figures)
     unknown = [f for f in names if f not in FIGURES]
     if unknown or not names:
         raise ValueError(f"figure must be one of {', '.join(FIGURES)} or all, got {', '.join(unknown) or 'none'}")
@@ -83,6 +95,13 @@ def reproduce(
     check_bool("plots", plots)
     if not isinstance(out, (str, Path)):
         raise ValueError(f"out (--out) must be a path, got {out!r}")  # noqa: TRY004 - one error type for bad arguments
+    settings = {k: v for k, v in (settings or {}).items() if v is not None}
+    if settings:
+        fixed = [f for f in names if not FIGURES[f].settings]
+        if fixed:
+            raise ValueError(f"--{', --'.join(settings)}: only the frontier takes these settings, not "
+                             f"{', '.join(fixed)}")
+        frontier.Grid.of(**settings)  # raises naming a bad setting before anything runs
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out (--out) must be a directory, got the file {out}")
@@ -98,9 +117,11 @@ def reproduce(
         for name in names:
             fig = FIGURES[name]
             n_runs = runs if runs is not None else fig.default_runs
-            bar = ProgressBar(fig.work(n_runs), name, enabled=progress)
+            kwargs = dict(settings) if fig.settings else {}
+            bar = ProgressBar(fig.work(n_runs, **kwargs), name, enabled=progress)
             start = time.perf_counter()
-            kwargs = {"cache": cache} if fig.shares_cache else {}
+            if fig.shares_cache:
+                kwargs["cache"] = cache
             result = fig.run(n_runs, seed, bar, **kwargs)
             bar.close()
             result.seconds = time.perf_counter() - start
@@ -125,11 +146,12 @@ def _write(result: FigureResult, display: Sequence[str], out: Path, plots: bool,
     write_csv(result, out / f"{result.figure}.csv")
     if plots and result.plot is not None:
         result.plot(result, out / f"{result.figure}.png")
+    extra = result.write_extra(result, out) if result.write_extra is not None else []
     params = ", ".join(f"{k} = {v}" for k, v in result.params.items())
     lines = [f"== {result.title}", f"({params}; {result.seconds:.1f} s)", "", result.table(list(display)), "",
-             "The paper's statements, measured:", result.checks_table()]
+             result.checks_heading, result.checks_table()]
     lines += [f"note: {n}" for n in result.notes]
-    written = [f"{result.figure}.csv"] + ([f"{result.figure}.png"] if plots and result.plot else [])
+    written = [f"{result.figure}.csv"] + ([f"{result.figure}.png"] if plots and result.plot else []) + extra
     lines += ["", f"wrote {', '.join(str(out / w) for w in written)}"]
     text = "\n".join(lines)
     (out / f"{result.figure}.txt").write_text(text + "\n", encoding="utf-8")

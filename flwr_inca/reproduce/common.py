@@ -40,6 +40,9 @@ class FigureResult:
     params: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     plot: Callable[[FigureResult, Path], None] | None = None
+    # writes further files into the output directory and returns their names (e.g. a markdown table)
+    write_extra: Callable[[FigureResult, Path], list[str]] | None = None
+    checks_heading: str = "The paper's statements, measured:"
 
     def table(self, columns: list[str] | None = None) -> str:
         cols = columns or self.columns

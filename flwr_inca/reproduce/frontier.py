@@ -1,0 +1,411 @@
+"""The communication-accuracy frontier under dropouts: ``flwr-inca reproduce frontier``.
+
+Mean estimation of values in [0, 1] (U[0, 1] for the MSE), delta = 1e-5, a random coalition of 10%
+of the parties, a fraction gamma of the parties dropping out permanently. Every protocol is calibrated
+by the same exact procedure (``flwr_inca.privacy.calibrate``'s ``"exact"``: every simulated run
+certified at the target, alpha chosen to minimise the predicted MSE, ``min_alpha = 1``); each point is
+the predicted MSE (closed form per execution, averaged over the simulated executions) against what a
+party sends per round:
+
+* **IncA**, T in {10, 20, 40, 80} x k in {1, 2}, with D_Inc and with D_Inc's value-free tail
+  (``InjectionSchedule.incremental(T, tail=L)``, L = :data:`TAIL` [k]): T k peer messages per party plus
+  its final message; T + 1 rounds of latency.
+* **GOPA**, k_PR in {5, 10, 20, 40}, gamma_2 (the share of the parties dropping out during its roll-back
+  round) in :data:`GOPA_SPLITS`: its pairwise-term messages (one per edge of the union graph) plus the
+  published value plus the roll-back message; 3 rounds (terms, publish, roll-back).
+* **CorDP-DME**: the complete graph, no roll-back: (n - 1)/2 pairwise messages per party plus the value;
+  2 rounds.
+* **central DP**: the Gaussian mechanism on the mean of all n values (one message each), and on the
+  n - round(gamma n) values that stay (what a trusted curator could do with the same dropouts).
+
+Bytes per party are for scalar values (d = 1) and 8-byte floats: an IncA message carries (y, omega),
+a pairwise term, a published value and a rolled-back term one float each (a roll-back message carries
+one term per dropped neighbour). With d-dimensional values every count of floats but IncA's omega
+scales with d.
+
+Outputs (besides ``frontier.csv`` and ``frontier.txt``): ``frontier.png`` (every (n, epsilon) x
+gamma panel), ``frontier-n<n>-eps<epsilon>.png`` and ``.svg`` (one figure per (n, epsilon), one panel
+per gamma) and ``frontier.md`` (the markdown table).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .._checks import check_int, check_real
+from ..baselines.base import Threat
+from ..baselines.calibration import calibrate_samples, run_seeds, sample_views
+from ..baselines.gaussian import gaussian_mu
+from ..baselines.pairwise import GOPA, CorDPDME
+from ..privacy.calibration import BOUND_NOMINAL_RATIO, alpha_grid, evaluate_alpha, pick_alpha, simulate_runs
+from ..privacy.conversions import mu_for_epsilon
+from ..protocol.config import IncaConfig
+from ..protocol.dropout import PermanentDropout
+from ..protocol.schedules import InjectionSchedule
+from .common import Check, FigureResult, ProgressBar
+
+__all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "markdown", "pairwise_cost", "plot", "run",
+           "work"]
+
+PARTIES = (200, 1000)
+EPSILONS = (0.2, 1.0)
+GAMMAS = (0.0, 0.05, 0.1, 0.2, 0.3)
+DELTA, RHO = 1e-5, 0.1
+INCA_ITERATIONS = (10, 20, 40, 80)
+INCA_NEIGHBORS = (1, 2)
+# the value-free tail L per k (benchmarks/bench_schedules.py "tails": among the lowest MSE across T and gamma)
+TAIL = {1: 3, 2: 2}
+GOPA_NEIGHBORS = (5, 10, 20, 40)
+GOPA_SPLITS = ("1/n", "gamma/4")
+VALUE_VARIANCE = 1.0 / 12.0  # U[0, 1]
+FLOAT_BYTES = 8
+# calibration runs: at n = 200 (T in {10, 20, 40}, gamma = 0.1) the worst-case sigma_delta over the first 400 runs
+# is within 5% of that over 800 (benchmarks/bench_schedules.py "stability")
+DEFAULT_RUNS = 400
+
+COLUMNS = ["n", "epsilon", "gamma", "protocol", "schedule", "k", "T", "k_PR", "gamma_2", "messages_per_party",
+           "bytes_per_party", "rounds", "sigma_star", "sigma_delta", "alpha", "success_fraction", "predicted_mse",
+           "central_dp_mse", "runs", "seconds"]
+
+
+# ---------------------------------------------------------------------------------------------- counting
+def inca_cost(T: int, k: int) -> tuple[float, float, int]:
+    """(messages, bytes, rounds) per party per round: T k peer messages and the final, each (y, omega)."""
+    messages = T * k + 1
+    return float(messages), float(messages * 2 * FLOAT_BYTES), T + 1
+
+
+def pairwise_cost(baseline: GOPA | CorDPDME, n: int, seeds: np.ndarray) -> tuple[float, float, int]:
+    """(messages, bytes, rounds) per party per round, averaged over the executions of ``seeds``: one message
+    per edge (the term, from one end to the other), the published value, and for GOPA one roll-back message
+    carrying one term per dropped neighbour."""
+    edges, revealed = [], []
+    for s in seeds[:, 0]:
+        execution = baseline.sample_execution(n, int(s))
+        edges.append(execution.edges.shape[0] / n)
+        revealed.append(float(execution.edge_status()[0].sum()) / n)
+    rollback = 1.0 if baseline.rollback else 0.0
+    messages = statistics.fmean(edges) + 1.0 + rollback
+    floats = statistics.fmean(edges) + 1.0 + statistics.fmean(revealed)
+    return messages, floats * FLOAT_BYTES, 3 if baseline.rollback else 2
+
+
+def central_mse(n: int, epsilon: float, gamma: float = 0.0) -> float:
+    """MSE of the Gaussian mechanism on the mean of the n - round(gamma n) values that stay, against the
+    mean of all n (values of variance 1/12): noise 1 / (mu n_O)^2 plus the values missing."""
+    stay = n - round(gamma * n)
+    mu = gaussian_mu(epsilon, DELTA)
+    return 1.0 / (mu * stay) ** 2 + VALUE_VARIANCE * (1.0 / stay - 1.0 / n)
+
+
+# ---------------------------------------------------------------------------------------------- points
+def _gamma_2(split: str, gamma: float, n: int) -> float:
+    return min(gamma, {"1/n": 1.0 / n, "gamma/4": gamma / 4}[split])
+
+
+def _seed(seed: int, *key: float) -> int:
+    return (seed * 1_000_003 + sum(int(round(v * 1000)) * 7919**i for i, v in enumerate(key, 1))) % 2**62
+
+
+def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: int, bar: ProgressBar,
+              epsilons: tuple[float, ...] | None = None) -> list[dict]:
+    """IncA calibrated for every epsilon on one set of simulated executions: the steps of the product's
+    ``calibrate`` (exact procedure), the executions' certificates computed once. Exact certificates hold
+    for every pair of sigmas; a sound bound (views too large for the exact method) is tightest near the
+    central-DP level of the geometric mean of the epsilons' targets and valid at both."""
+    epsilons = EPSILONS if epsilons is None else epsilons
+    schedule = InjectionSchedule.incremental(T, tail=tail)
+    dropout = PermanentDropout(gamma) if gamma > 0 else None
+    base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k, schedule=schedule,
+                      dropout=dropout)
+    targets = [mu_for_epsilon(eps, DELTA) for eps in epsilons]
+    guess = 1.0 / (math.sqrt(n * (1.0 - RHO)) * math.prod(targets) ** (1.0 / len(targets)))
+    bar.set_status(f"IncA n={n} T={T} k={k} {schedule.name} gamma={gamma:g}")
+    start = time.perf_counter()
+    sims = simulate_runs(n, base, run_seeds(_seed(seed, n, T, k, gamma), runs), rho=RHO, observed_fraction=None,
+                         nominal=(guess, BOUND_NOMINAL_RATIO * guess), progress=bar.callback(len(epsilons)))
+    messages, size, rounds = inca_cost(T, k)
+    rows = []
+    for eps, mu in zip(epsilons, targets):
+        candidates, n_o = alpha_grid(sims, "exact", mu, 1.0, parties=n, rho=RHO, dropout=dropout, alphas=None,
+                                     min_alpha=1.0)
+        tried = [evaluate_alpha(a, sims, procedure="exact", mu_target=mu, n_o=n_o, quantile=1.0, parties=n,
+                                value_sensitivity=1.0, value_variance=VALUE_VARIANCE) for a in candidates]
+        best, _ = pick_alpha(tried, "exact", 1.0, runs=runs, epsilon=eps, delta=DELTA, local_dp_sigma=1.0 / mu)
+        rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": f"IncA k={k}" + (" tail" if tail else ""),
+                     "schedule": schedule.name, "k": k, "T": T, "messages_per_party": messages,
+                     "bytes_per_party": size, "rounds": rounds, "sigma_star": best["sigma_star"],
+                     "sigma_delta": best["sigma_delta"], "alpha": best["alpha"],
+                     "success_fraction": best["success_fraction"], "predicted_mse": best["predicted_mse"],
+                     "central_dp_mse": central_mse(n, eps), "runs": runs,
+                     "seconds": (time.perf_counter() - start) / len(epsilons)})
+    return rows
+
+
+def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float, runs: int, seed: int,
+                  bar: ProgressBar, epsilons: tuple[float, ...], **extra) -> list[dict]:
+    """GOPA or CorDP-DME: one set of simulated views, calibrated for every epsilon."""
+    bar.set_status(f"{protocol} n={n} gamma={gamma:g}")
+    key = _seed(seed, n, gamma, extra.get("k_PR", 0), extra.get("gamma_2", 0))
+    samples = sample_views(baseline, n, Threat.collusion(RHO), runs, key, bar.callback(len(epsilons)))
+    messages, size, rounds = pairwise_cost(baseline, n, run_seeds(key, runs))
+    rows = []
+    for eps in epsilons:
+        cal = calibrate_samples(samples, eps, DELTA, procedure="exact", baseline=baseline.name,
+                                value_variance=VALUE_VARIANCE)
+        rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
+                     "messages_per_party": messages, "bytes_per_party": size, "rounds": rounds,
+                     "sigma_star": cal.sigma_star, "sigma_delta": cal.sigma_delta, "alpha": cal.alpha,
+                     "success_fraction": cal.success_fraction, "predicted_mse": cal.predicted_mse,
+                     "central_dp_mse": central_mse(n, eps), "runs": runs, "seconds": cal.seconds, **extra})
+    return rows
+
+
+def central_rows(n: int, gamma: float, epsilons: tuple[float, ...]) -> list[dict]:
+    rows = []
+    for eps in epsilons:
+        for protocol, g in (("central DP", 0.0), ("central DP (stayers)", gamma)):
+            rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
+                         "messages_per_party": 1.0, "bytes_per_party": float(FLOAT_BYTES), "rounds": 1,
+                         "predicted_mse": central_mse(n, eps, g), "central_dp_mse": central_mse(n, eps)})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- run
+@dataclass(frozen=True)
+class Grid:
+    """The settings a frontier covers; :meth:`of` fills what is not given from the module's constants."""
+
+    parties: tuple[int, ...]
+    epsilons: tuple[float, ...]
+    gammas: tuple[float, ...]
+    iterations: tuple[int, ...]
+    neighbors: tuple[int, ...]
+
+    @classmethod
+    def of(cls, parties: Sequence[int] | None = None, epsilons: Sequence[float] | None = None,
+           gammas: Sequence[float] | None = None, iterations: Sequence[int] | None = None,
+           neighbors: Sequence[int] | None = None) -> Grid:
+        """Raises ``ValueError`` naming the setting (as its command-line option) and its range."""
+        def values(name: str, given, default, check) -> tuple:
+            got = tuple(default if given is None else given)
+            if not got:
+                raise ValueError(f"{name} must list at least one value")
+            return tuple(check(name, v) for v in got)
+
+        grid = cls(values("--parties", parties, PARTIES, lambda n, v: check_int(n, v, 3)),
+                   values("--epsilons", epsilons, EPSILONS, lambda n, v: check_real(n, v, 0.0, low_open=True)),
+                   values("--gammas", gammas, GAMMAS, lambda n, v: check_real(n, v, 0.0, 0.8, high_open=True)),
+                   values("--iterations", iterations, INCA_ITERATIONS, lambda n, v: check_int(n, v, 1, 1000)),
+                   values("--neighbors", neighbors, INCA_NEIGHBORS, lambda n, v: check_int(n, v, 1, 2)))
+        return grid
+
+    def inca_settings(self) -> list[tuple[int, int, int]]:
+        """(T, k, tail) of every IncA point: D_Inc and the value-free tail (where T > L)."""
+        return [(T, k, tail) for k in self.neighbors for tail in (0, TAIL[k]) for T in self.iterations if tail < T]
+
+    def work(self, runs: int) -> int:
+        """Progress units: every simulated execution (IncA's and the pairwise baselines'), counted once per
+        epsilon it is calibrated for."""
+        configs = len(self.inca_settings()) + len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) + 1
+        return len(self.parties) * len(self.gammas) * runs * configs * len(self.epsilons)
+
+
+def work(runs: int, **settings: Sequence) -> int:
+    return Grid.of(**settings).work(runs)
+
+
+def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureResult:
+    """The frontier over :class:`Grid` ``.of(**settings)`` (parties, epsilons, gammas, iterations, neighbors)."""
+    grid = Grid.of(**settings)
+    eps = grid.epsilons
+    rows: list[dict] = []
+    for n in grid.parties:
+        for gamma in grid.gammas:
+            rows += central_rows(n, gamma, eps)
+            for T, k, tail in grid.inca_settings():
+                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps)
+            for k_pr in GOPA_NEIGHBORS:
+                for split in GOPA_SPLITS:
+                    g2 = _gamma_2(split, gamma, n)
+                    gopa = GOPA(1.0, 1.0, neighbors=min(k_pr, n - 1), gamma=gamma, gamma_rollback=g2)
+                    rows += pairwise_rows(gopa, f"GOPA gamma_2={split}", n, gamma, runs, seed, bar, eps,
+                                          k_PR=min(k_pr, n - 1), gamma_2=g2)
+            rows += pairwise_rows(CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", n, gamma, runs, seed, bar, eps,
+                                  k_PR=n - 1)
+    result = FigureResult(
+        "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
+        "exactly", COLUMNS, rows, plot=plot, params=_params(grid, runs, seed), write_extra=write_extra,
+        checks_heading="What the frontier shows (measured; the paper states none of it):")
+    result.checks = checks(rows)
+    result.notes.append(f"value-free tail per k: {TAIL}; GOPA gamma_2 in {GOPA_SPLITS}; MSE = predicted (closed "
+                        "form per simulated execution, averaged over them)")
+    return result
+
+
+def _params(grid: Grid, runs: int, seed: int) -> dict:
+    return {"n": grid.parties, "epsilon": grid.epsilons, "gamma": grid.gammas, "T": grid.iterations,
+            "k": grid.neighbors, "delta": DELTA, "rho": RHO, "runs": runs, "seed": seed}
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _select(rows: list[dict], **match) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _mse(rows: list[dict], **match) -> float:
+    got = _select(rows, **match)
+    return got[0]["predicted_mse"] if got else math.nan
+
+
+def _ratio_line(ratios: list[float]) -> str:
+    return (f"median x{statistics.median(ratios):.2f}, range [{min(ratios):.2f}, {max(ratios):.2f}]; "
+            f"lower in {sum(r < 1 for r in ratios)} of {len(ratios)}")
+
+
+def checks(rows: list[dict]) -> list[Check]:
+    """What the frontier shows, as measured statements (the paper states none of these)."""
+    out = []
+    keys = sorted({(r["n"], r["epsilon"], r["gamma"]) for r in rows})
+    for k in sorted({r["k"] for r in rows if r["protocol"].startswith("IncA")}):
+        ratios = [r["predicted_mse"] / _mse(rows, n=r["n"], epsilon=r["epsilon"], gamma=r["gamma"], T=r["T"],
+                                             protocol=f"IncA k={k}")
+                  for r in rows if r["protocol"] == f"IncA k={k} tail" and r["gamma"] >= 0.1]
+        ratios = [x for x in ratios if math.isfinite(x)]
+        if ratios:
+            out.append(Check(f"value-free tail (L = {TAIL[k]}) vs D_Inc, k = {k}, equal messages, gamma >= 0.1: "
+                             "MSE ratio", "-", _ratio_line(ratios), None))
+    for split in GOPA_SPLITS:
+        for protocol in ("IncA k=1", "IncA k=1 tail"):
+            wins, cells, notes = 0, 0, []
+            for n, eps, gamma in keys:
+                for m in sorted(set(GOPA_NEIGHBORS) & {r["T"] for r in rows if r["protocol"] == protocol}):
+                    inca = _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol=protocol, T=m)
+                    gopa = _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol=f"GOPA gamma_2={split}", k_PR=m)
+                    if gamma > 0 and math.isfinite(inca) and math.isfinite(gopa):
+                        cells += 1
+                        wins += inca < gopa
+                        notes.append(gopa / inca)
+            if cells:
+                out.append(Check(f"{protocol} (T = m) vs GOPA gamma_2 = {split} (k_PR = m), gamma > 0", "-",
+                                 f"IncA lower in {wins} of {cells} (n, eps, gamma, m) cells", None,
+                                 f"GOPA / IncA MSE: median {statistics.median(notes):.2f}, range "
+                                 f"[{min(notes):.2f}, {max(notes):.2f}]"))
+    for gamma_zero in (True, False):
+        gaps = [min((r["predicted_mse"] for r in _select(rows, n=n, epsilon=eps, gamma=gamma)
+                     if r["protocol"].startswith("IncA") and math.isfinite(r["predicted_mse"])), default=math.nan)
+                / _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol="central DP (stayers)")
+                for n, eps, gamma in keys if (gamma == 0) == gamma_zero]
+        gaps = [g for g in gaps if math.isfinite(g)]
+        if gaps:
+            out.append(Check(f"best IncA point vs central DP on the parties that stay, gamma {'=' if gamma_zero else '>'}"
+                             " 0: MSE ratio", "-", f"x{min(gaps):.2f} to x{max(gaps):.2f}", None))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- output
+SERIES = (("IncA k=1", "tab:blue", "o-"), ("IncA k=1 tail", "tab:blue", "o--"),
+          ("IncA k=2", "tab:purple", "s-"), ("IncA k=2 tail", "tab:purple", "s--"),
+          ("GOPA gamma_2=1/n", "tab:green", "^-"), ("GOPA gamma_2=gamma/4", "tab:olive", "^--"),
+          ("CorDP-DME", "tab:brown", "x"))
+
+
+def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
+    from matplotlib.ticker import NullFormatter
+
+    cell = _select(rows, n=n, epsilon=eps, gamma=gamma)
+    for protocol, color, style in SERIES:
+        pts = sorted((r["messages_per_party"], r["predicted_mse"]) for r in cell
+                     if r["protocol"] == protocol and math.isfinite(r["predicted_mse"]))
+        if pts:
+            label = protocol + (f" (L={TAIL[int(protocol.split()[1][2:])]})" if protocol.endswith("tail") else "")
+            ax.plot(*zip(*pts), style, color=color, label=label, ms=4)
+    for protocol, style in (("central DP", "k-"), ("central DP (stayers)", "k:")):
+        got = _select(cell, protocol=protocol)
+        if got:
+            ax.axhline(got[0]["predicted_mse"], color="k", ls=style[1:], lw=1, label=protocol)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    low, high = ax.get_xlim()
+    ticks = [t for t in (2, 5, 10, 20, 50, 100, 200, 500, 1000) if low <= t <= high]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_title(f"n = {n}, eps = {eps:g}, gamma = {gamma:g}", fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+
+
+def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]):
+    import matplotlib.pyplot as plt
+
+    columns = max(2, min(5, 2 * len(gammas)))
+    legend_rows = math.ceil((len(SERIES) + 2) / columns)
+    legend_inches = 0.22 * legend_rows + 0.15
+    height = 2.9 * len(keys) + legend_inches
+    fig, axes = plt.subplots(len(keys), len(gammas), figsize=(3.2 * len(gammas), height), squeeze=False)
+    for i, (n, eps) in enumerate(keys):
+        for j, gamma in enumerate(gammas):
+            _panel(axes[i, j], rows, n, eps, gamma)
+        axes[i, 0].set_ylabel("MSE of the mean")
+    for ax in axes[-1]:
+        ax.set_xlabel("messages per party per round")
+    handles, labels = axes[0, -1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
+    return fig, plt
+
+
+def _keys(rows: list[dict]) -> tuple[list[tuple[int, float]], list[float]]:
+    keys = sorted({(r["n"], r["epsilon"]) for r in rows})
+    return keys, sorted({r["gamma"] for r in rows})
+
+
+def plot(result: FigureResult, path: Path) -> None:
+    """``frontier.png`` (all panels) and one PNG + SVG per (n, epsilon)."""
+    keys, gammas = _keys(result.rows)
+    fig, plt = _figure(result.rows, keys, gammas)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    for key in keys:
+        fig, plt = _figure(result.rows, [key], gammas)
+        for ext in ("png", "svg"):
+            fig.savefig(path.with_name(f"frontier-n{key[0]}-eps{key[1]:g}.{ext}"), dpi=110)
+        plt.close(fig)
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per (n, epsilon): the predicted MSE of every configuration, a column per gamma."""
+    keys, gammas = _keys(rows)
+    parts = []
+    for n, eps in keys:
+        cell = _select(rows, n=n, epsilon=eps)
+        configs: dict[tuple, dict] = {}  # (protocol, T, k_PR) -> its first row (messages, rounds)
+        for r in sorted(cell, key=lambda r: (r["protocol"], r["messages_per_party"])):
+            configs.setdefault((r["protocol"], r.get("T") or 0, r.get("k_PR") or 0), r)
+        header = ["protocol", "T / k_PR", "messages", "rounds"] + [f"γ = {g:g}" for g in gammas]
+        lines = [f"**n = {n}, ε = {eps:g}** (predicted MSE of the mean)", "",
+                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for (protocol, T, k_pr), first in configs.items():
+            values = []
+            for g in gammas:
+                got = [r for r in cell if r["gamma"] == g and r["protocol"] == protocol and (r.get("T") or 0) == T
+                       and (r.get("k_PR") or 0) == k_pr]
+                values.append(f"{got[0]['predicted_mse']:.3g}" if got else "")
+            lines.append(f"| {protocol} | {T or k_pr or ''} | {first['messages_per_party']:.1f} | {first['rounds']} | "
+                         + " | ".join(values) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_extra(result: FigureResult, out: Path) -> list[str]:
+    """``frontier.md``; the plots' extra files are written by :func:`plot`."""
+    (out / "frontier.md").write_text(markdown(result.rows), encoding="utf-8")
+    return ["frontier.md"]
+
+

@@ -1,0 +1,136 @@
+"""``flwr-inca reproduce frontier`` at a tiny scale: the files it writes, how it counts messages, and
+that its IncA points are the product's ``calibrate`` (both epsilons on one set of executions)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+import numpy as np
+import pytest
+
+from flwr_inca import PermanentDropout, cli
+from flwr_inca.baselines.calibration import run_seeds
+from flwr_inca.baselines.pairwise import GOPA, CorDPDME
+from flwr_inca.privacy import calibrate
+from flwr_inca.reproduce import FIGURES, frontier, reproduce
+from flwr_inca.reproduce.common import ProgressBar, single_blas_thread
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(frontier, "PARTIES", (30,))
+    monkeypatch.setattr(frontier, "EPSILONS", (0.5, 1.0))
+    monkeypatch.setattr(frontier, "GAMMAS", (0.0, 0.2))
+    monkeypatch.setattr(frontier, "INCA_ITERATIONS", (4, 6))
+    monkeypatch.setattr(frontier, "GOPA_NEIGHBORS", (4,))
+
+
+def _csv(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_frontier_pipeline_writes_csv_plots_and_markdown(tiny, tmp_path):
+    out = io.StringIO()
+    (result,) = reproduce(["frontier"], runs=2, out=tmp_path, seed=3, progress=False, stream=out)
+    assert result.figure == "frontier" and result.checks
+    rows = _csv(tmp_path / "frontier.csv")
+    assert len(rows) == len(result.rows) and list(rows[0]) == frontier.COLUMNS
+    for name in ("frontier.png", "frontier-n30-eps0.5.png", "frontier-n30-eps1.png", "frontier-n30-eps0.5.svg",
+                 "frontier-n30-eps1.svg"):
+        assert (tmp_path / name).stat().st_size > 5000, name
+    md = (tmp_path / "frontier.md").read_text()
+    assert md.count("**n = 30, ε =") == 2 and "| IncA k=1 tail | 6 | 7.0 | 7 |" in md
+    assert "frontier.md" in (tmp_path / "frontier.txt").read_text()
+    by = {}
+    for r in result.rows:
+        by.setdefault(r["protocol"], []).append(r)
+    # 2 gammas x 2 epsilons per configuration
+    assert {p: len(v) for p, v in by.items()} == {
+        "IncA k=1": 8, "IncA k=1 tail": 8, "IncA k=2": 8, "IncA k=2 tail": 8, "GOPA gamma_2=1/n": 4,
+        "GOPA gamma_2=gamma/4": 4, "CorDP-DME": 4, "central DP": 4, "central DP (stayers)": 4}
+    # the tail per k: L = 3 (k = 1) and 2 (k = 2), only where T > L
+    assert {r["schedule"] for r in by["IncA k=1 tail"]} == {"incremental:tail=3"}
+    assert {r["schedule"] for r in by["IncA k=2 tail"]} == {"incremental:tail=2"}
+    for r in by["IncA k=2"]:
+        assert r["messages_per_party"] == 2 * r["T"] + 1 and r["rounds"] == r["T"] + 1
+        assert r["bytes_per_party"] == 16 * r["messages_per_party"]
+        assert math.isfinite(r["predicted_mse"]) and r["success_fraction"] == 1.0
+    for r in by["CorDP-DME"]:
+        assert r["messages_per_party"] == pytest.approx(29 / 2 + 1) and r["rounds"] == 2
+    for r in by["GOPA gamma_2=1/n"]:
+        assert 4 < r["messages_per_party"] <= 4 + 2 and r["rounds"] == 3
+    claims = [c.claim for c in result.checks]
+    assert any("IncA k=1 tail (T = m) vs GOPA gamma_2 = 1/n" in c for c in claims)
+    assert any("value-free tail (L = 3) vs D_Inc, k = 1" in c for c in claims)
+    assert "What the frontier shows" in (tmp_path / "frontier.txt").read_text()
+    cdp = {(r["epsilon"], r["gamma"]): r["predicted_mse"] for r in by["central DP"]}
+    stay = {(r["epsilon"], r["gamma"]): r["predicted_mse"] for r in by["central DP (stayers)"]}
+    assert cdp[(1.0, 0.0)] == stay[(1.0, 0.0)] < stay[(1.0, 0.2)] and cdp[(1.0, 0.2)] == cdp[(1.0, 0.0)]
+
+
+def test_frontier_is_not_part_of_all():
+    assert "frontier" in FIGURES and not FIGURES["frontier"].in_all
+    assert all(f.in_all for name, f in FIGURES.items() if name != "frontier")
+
+
+def test_inca_points_are_the_products_calibration(tiny):
+    bar = ProgressBar(1, "t", enabled=False)
+    for tail, gamma in ((0, 0.2), (2, 0.2), (2, 0.0)):
+        with single_blas_thread():
+            rows = frontier.inca_rows(30, 5, 1, tail, gamma, 4, 7, bar)
+        for row in rows:
+            cal = calibrate(row["epsilon"], frontier.DELTA, 30, iterations=5, neighbors=1, collusion=frontier.RHO,
+                            schedule=row["schedule"], runs=4, seed=frontier._seed(7, 30, 5, 1, gamma),
+                            dropout=PermanentDropout(gamma) if gamma else None)
+            assert (row["sigma_star"], row["alpha"]) == (cal.sigma_star, cal.alpha)
+            assert row["sigma_delta"] == pytest.approx(cal.sigma_delta, rel=1e-12)
+            assert row["predicted_mse"] == pytest.approx(cal.predicted_mse, rel=1e-12)
+
+
+def test_pairwise_messages_are_counted_per_edge_plus_publish_and_rollback():
+    n, seeds = 25, run_seeds(4, 3)
+    gopa = GOPA(1.0, 1.0, neighbors=4, gamma=0.2, gamma_rollback=0.04)
+    messages, size, rounds = frontier.pairwise_cost(gopa, n, seeds)
+    edges, revealed = 0, 0
+    for s in seeds[:, 0]:
+        execution = gopa.sample_execution(n, int(s))
+        pairs = {tuple(sorted(e)) for e in execution.edges.tolist()}  # one message per undirected pair
+        edges += len(pairs)
+        pub = execution.published
+        gone = execution.dropped_rollback
+        revealed += sum(1 for i, j in pairs if pub[i] != pub[j] and not gone[i if pub[i] else j])
+    assert messages == pytest.approx(edges / (3 * n) + 2)
+    assert size == pytest.approx(8 * (edges / (3 * n) + 1 + revealed / (3 * n)))
+    assert rounds == 3
+    assert frontier.pairwise_cost(CorDPDME(1.0, 1.0, gamma=0.2), n, seeds)[:1] == (pytest.approx((n - 1) / 2 + 1),)
+    assert frontier.inca_cost(20, 2) == (41.0, 41 * 16.0, 21)
+
+
+def test_central_dp_lines():
+    mu = frontier.gaussian_mu(1.0, frontier.DELTA)
+    assert frontier.central_mse(200, 1.0) == pytest.approx(1 / (mu * 200) ** 2)
+    stay = 200 - 60
+    assert frontier.central_mse(200, 1.0, 0.3) == pytest.approx(1 / (mu * stay) ** 2 + (1 / stay - 1 / 200) / 12)
+    assert np.isclose(frontier.central_mse(200, 1.0, 0.0), frontier.central_mse(200, 1.0))
+
+
+def test_settings_narrow_the_grid_and_bad_ones_are_refused(tiny, tmp_path, capsys):
+    (result,) = reproduce(["frontier"], runs=1, out=tmp_path, seed=0, progress=False, stream=io.StringIO(),
+                          plots=False, settings={"gammas": [0.1], "iterations": [5], "neighbors": [1],
+                                                 "epsilons": [1.0]})
+    assert {r["gamma"] for r in result.rows} == {0.1} and {r["epsilon"] for r in result.rows} == {1.0}
+    assert {(r["T"], r["k"]) for r in result.rows if r["protocol"].startswith("IncA")} == {(5, 1)}
+    for settings, needle in (({"gammas": [0.8]}, r"--gammas must be in \[0, 0.8\)"),
+                             ({"neighbors": [3]}, r"--neighbors must be an integer in \[1, 2\]"),
+                             ({"parties": []}, "--parties must list at least one value"),
+                             ({"iterations": [0]}, "--iterations must be an integer")):
+        with pytest.raises(ValueError, match=needle):
+            reproduce(["frontier"], runs=1, out=tmp_path, settings=settings)
+    with pytest.raises(ValueError, match="only the frontier takes these settings, not fig2"):
+        reproduce(["fig2"], runs=1, out=tmp_path, settings={"parties": [50]})
+    assert cli.main(["reproduce", "frontier", "--gammas", "0.9", "--out", str(tmp_path)]) == 2
+    assert "--gammas must be in [0, 0.8), got 0.9" in capsys.readouterr().err
+    assert cli.main(["reproduce", "fig1", "--parties", "100", "--out", str(tmp_path)]) == 2
+    assert "not fig1" in capsys.readouterr().err
