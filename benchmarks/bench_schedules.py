@@ -52,6 +52,7 @@ from scipy.optimize import linprog  # noqa: E402
 from flwr_inca import IncaConfig, InjectionSchedule, PermanentDropout, ScheduledDropout  # noqa: E402
 from flwr_inca.privacy import calibrate, profile, random_collusion  # noqa: E402
 from flwr_inca.privacy.conversions import mu_for_epsilon  # noqa: E402
+from flwr_inca.privacy.calibration import simulation_seeds  # noqa: E402
 from flwr_inca.privacy.linear_system import dense_system  # noqa: E402
 from flwr_inca.protocol import sample_trace  # noqa: E402
 from flwr_inca.protocol.utility import output_coefficients  # noqa: E402
@@ -61,11 +62,6 @@ RHO = 0.1
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def run_seeds(seed: int, runs: int) -> np.ndarray:
-    """The (trace seed, view seed) pairs ``calibrate(seed=seed, runs=runs)`` simulates."""
-    return np.random.SeedSequence(seed).generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
-
-
 def predicted(schedule: InjectionSchedule | str, n: int, T: int, k: int, gamma: float, eps: float, runs: int,
               seed: int) -> dict[str, float]:
     """The exact calibration of ``schedule``: sigmas and predicted MSE (unit sensitivity, U[0, 1])."""
@@ -143,7 +139,7 @@ def section_anatomy(args: argparse.Namespace) -> None:
         config = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k, schedule=schedule,
                             dropout=PermanentDropout(gamma) if gamma > 0 else None)
         rows = []  # (mu at the calibrated sigmas, unmixed tail) of every honest finalist
-        for ts, vs in run_seeds(args.seed, args.runs):
+        for ts, vs in simulation_seeds(args.seed, args.runs):
             trace = sample_trace(n, config, int(ts))
             view = random_collusion(trace, RHO, int(vs))
             mu = profile(trace, view).mu(cal.sigma_star, cal.sigma_delta)
@@ -226,7 +222,7 @@ def section_perterm(args: argparse.Namespace) -> None:
         config = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k, schedule=base,
                             dropout=PermanentDropout(gamma))
         models = []
-        for ts, vs in run_seeds(args.seed + 1000, args.train_runs):
+        for ts, vs in simulation_seeds(args.seed + 1000, args.train_runs):
             trace = sample_trace(n, config, int(ts))
             models.append(_TermModel(trace, random_collusion(trace, RHO, int(vs))))
         s2 = 1.0 / ((1 - RHO) * (n - round(gamma * n)) * mu**2)  # alpha = 1 at about the honest finalists
@@ -326,7 +322,7 @@ def section_stability(args: argparse.Namespace) -> None:
                                             schedule=schedule, dropout=PermanentDropout(gamma) if gamma else None)
                         mu = mu_for_epsilon(args.epsilons[0], DELTA)
                         profiles, finalists = [], []
-                        for ts, vs in run_seeds(args.seed, args.runs):
+                        for ts, vs in simulation_seeds(args.seed, args.runs):
                             trace = sample_trace(n, config, int(ts))
                             view = random_collusion(trace, RHO, int(vs))
                             profiles.append(profile(trace, view))

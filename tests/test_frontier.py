@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flwr_inca import PermanentDropout, cli
-from flwr_inca.baselines.calibration import run_seeds
+from flwr_inca.privacy.calibration import simulation_seeds
 from flwr_inca.baselines.pairwise import GOPA, CorDPDME
 from flwr_inca.privacy import calibrate
 from flwr_inca.reproduce import FIGURES, frontier, reproduce
@@ -90,7 +90,7 @@ def test_inca_points_are_the_products_calibration(tiny):
 
 
 def test_pairwise_messages_are_counted_per_edge_plus_publish_and_rollback():
-    n, seeds = 25, run_seeds(4, 3)
+    n, seeds = 25, simulation_seeds(4, 3)
     gopa = GOPA(1.0, 1.0, neighbors=4, gamma=0.2, gamma_rollback=0.04)
     messages, size, rounds = frontier.pairwise_cost(gopa, n, seeds)
     edges, revealed = 0, 0

@@ -41,10 +41,10 @@ import numpy as np
 
 from .._checks import check_int, check_real
 from ..baselines.base import Threat
-from ..baselines.calibration import calibrate_samples, run_seeds, sample_views
+from ..baselines.calibration import calibrate_samples, sample_views
 from ..baselines.gaussian import gaussian_mu
 from ..baselines.pairwise import GOPA, CorDPDME
-from ..privacy.calibration import BOUND_NOMINAL_RATIO, alpha_grid, evaluate_alpha, pick_alpha, simulate_runs
+from ..privacy.calibration import BOUND_NOMINAL_RATIO, AlphaSelection, simulate_runs, simulation_seeds
 from ..privacy.conversions import mu_for_epsilon
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import PermanentDropout
@@ -129,16 +129,14 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
     guess = 1.0 / (math.sqrt(n * (1.0 - RHO)) * math.prod(targets) ** (1.0 / len(targets)))
     bar.set_status(f"IncA n={n} T={T} k={k} {schedule.name} gamma={gamma:g}")
     start = time.perf_counter()
-    sims = simulate_runs(n, base, run_seeds(_seed(seed, n, T, k, gamma), runs), rho=RHO, observed_fraction=None,
+    sims = simulate_runs(n, base, simulation_seeds(_seed(seed, n, T, k, gamma), runs), rho=RHO, observed_fraction=None,
                          nominal=(guess, BOUND_NOMINAL_RATIO * guess), progress=bar.callback(len(epsilons)))
     messages, size, rounds = inca_cost(T, k)
     rows = []
     for eps, mu in zip(epsilons, targets):
-        candidates, n_o = alpha_grid(sims, "exact", mu, 1.0, parties=n, rho=RHO, dropout=dropout, alphas=None,
-                                     min_alpha=1.0)
-        tried = [evaluate_alpha(a, sims, procedure="exact", mu_target=mu, n_o=n_o, quantile=1.0, parties=n,
-                                value_sensitivity=1.0, value_variance=VALUE_VARIANCE) for a in candidates]
-        best, _ = pick_alpha(tried, "exact", 1.0, runs=runs, epsilon=eps, delta=DELTA, local_dp_sigma=1.0 / mu)
+        selection = AlphaSelection(procedure="exact", mu_target=mu, quantile=1.0, epsilon=eps, delta=DELTA,
+                                   value_sensitivity=1.0, value_variance=VALUE_VARIANCE)
+        best, _, _ = selection.choose(sims)
         rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": f"IncA k={k}" + (" tail" if tail else ""),
                      "schedule": schedule.name, "k": k, "T": T, "messages_per_party": messages,
                      "bytes_per_party": size, "rounds": rounds, "sigma_star": best["sigma_star"],
@@ -155,7 +153,7 @@ def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float
     bar.set_status(f"{protocol} n={n} gamma={gamma:g}")
     key = _seed(seed, n, gamma, extra.get("k_PR", 0), extra.get("gamma_2", 0))
     samples = sample_views(baseline, n, Threat.collusion(RHO), runs, key, bar.callback(len(epsilons)))
-    messages, size, rounds = pairwise_cost(baseline, n, run_seeds(key, runs))
+    messages, size, rounds = pairwise_cost(baseline, n, simulation_seeds(key, runs))
     rows = []
     for eps in epsilons:
         cal = calibrate_samples(samples, eps, DELTA, procedure="exact", baseline=baseline.name,
