@@ -40,22 +40,21 @@ import math
 import os
 import statistics
 import time
-from dataclasses import replace
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import numpy as np  # noqa: E402
-import scipy.linalg as la  # noqa: E402
-from scipy.optimize import linprog  # noqa: E402
+import numpy as np
+import scipy.linalg as la
+from scipy.optimize import linprog
 
-from flwr_inca import IncaConfig, InjectionSchedule, PermanentDropout, ScheduledDropout  # noqa: E402
-from flwr_inca.privacy import calibrate, profile, random_collusion  # noqa: E402
-from flwr_inca.privacy.conversions import mu_for_epsilon  # noqa: E402
-from flwr_inca.privacy.calibration import simulation_seeds  # noqa: E402
-from flwr_inca.privacy.linear_system import dense_system  # noqa: E402
-from flwr_inca.protocol import sample_trace  # noqa: E402
-from flwr_inca.protocol.utility import output_coefficients  # noqa: E402
+from flwr_inca import IncaConfig, InjectionSchedule, PermanentDropout, ScheduledDropout
+from flwr_inca.privacy import calibrate, profile, random_collusion
+from flwr_inca.privacy.calibration import simulation_seeds
+from flwr_inca.privacy.conversions import mu_for_epsilon
+from flwr_inca.privacy.linear_system import dense_system
+from flwr_inca.protocol import sample_trace
+from flwr_inca.protocol.utility import output_coefficients
 
 DELTA = 1e-5
 RHO = 0.1

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from flwr_inca import PermanentDropout, cli
-from flwr_inca.privacy.calibration import simulation_seeds
 from flwr_inca.baselines.pairwise import GOPA, CorDPDME
 from flwr_inca.privacy import calibrate
+from flwr_inca.privacy.calibration import simulation_seeds
 from flwr_inca.reproduce import FIGURES, frontier, reproduce
 from flwr_inca.reproduce.common import ProgressBar, single_blas_thread
+
 
 @pytest.fixture
 def tiny(monkeypatch):
