@@ -77,7 +77,7 @@ def check_replay(relay, noise, values):
     return trace, res
 
 
-@pytest.mark.parametrize("schedule", ["incremental", "early"])
+@pytest.mark.parametrize("schedule", ["incremental", "early", "incremental:tail=2"])
 def test_fault_free_round_is_exact(schedule):
     values = np.random.default_rng(0).random((9, 4))
     relay, noise = run_local(values, s_star=0.0, s_delta=50.0, schedule=schedule)
@@ -464,3 +464,31 @@ def test_roster_encoding_and_a_request_without_roster():
     assert (again.roster, again.public_keys, again.round, req.party) == (ids, keys, 1, 1)
     full = decode_request(encode_request(Request(1, 1, -1), params))[1]
     assert (full.roster, full.public_keys) == (ids, keys)
+
+
+def test_every_schedule_travels_in_requests_and_a_tail_costs_no_extra_bytes():
+    import struct
+
+    from flwr_inca.flower.relay import Request
+    from flwr_inca.flower.wire import decode_request, encode_request
+
+    keys, ids, T = [KeyPair().public for _ in range(2)], [3, 4], 8
+    sizes = {}
+    for schedule in (InjectionSchedule.incremental(T), InjectionSchedule.early(T),
+                     InjectionSchedule.incremental(T, tail=3),
+                     InjectionSchedule.custom(InjectionSchedule.incremental(T, tail=3).c[::-1].copy(),
+                                              InjectionSchedule.incremental(T).Z)):
+        params = RoundParams(1, T, 1, 0.5, 2.0, schedule, ids, keys)
+        data = encode_request(Request(1, 1, -1), params)
+        again = decode_request(data)[1].schedule
+        assert again.name == schedule.name
+        assert np.array_equal(again.c, schedule.c) and np.array_equal(again.Z, schedule.Z)
+        sizes[schedule.name] = len(data)
+    assert sizes["incremental:tail=3"] == sizes["incremental"] < sizes["custom"]
+    # a tail longer than the iterations is a malformed header, refused
+    params = RoundParams(1, T, 1, 0.5, 2.0, InjectionSchedule.incremental(T, tail=3), ids, keys)
+    data = bytearray(encode_request(Request(1, 1, -1), params))
+    offset = struct.calcsize("<4sqqqddB")
+    data[offset] = 3 + T + 1
+    with pytest.raises(ValueError, match="malformed request header"):
+        decode_request(bytes(data))

@@ -25,6 +25,7 @@ __all__ = ["encode_request", "decode_request", "encode_reply", "decode_reply", "
 FIELD = "m"  # the ConfigRecord key holding the encoded message
 _REQ, _REP = b"INQ1", b"INP2"  # INP2: refusals carry their reason
 _SCHEDULES = {"incremental": 0, "early": 1, "custom": 2}
+_TAIL_CODE = 3  # incremental(T, tail=L) travels as the code 3 + L (L <= 252): no dense (c, Z) per request
 _PRECISIONS = {"float32": 4, "float64": 8}
 _REQ_HEAD = "<4sqqqddBBqqBqqdIIBB"  # magic .. has_restore, has_roster
 # magic, computed, need_restore, has_roster, n_rej, out_iter, n_out, n_rt, has_final; then the refused
@@ -97,13 +98,13 @@ def _blob(b: bytes) -> bytes:
 def encode_request(req: Request, params: RoundParams, with_roster: bool = True) -> bytes:
     """``with_roster=False`` leaves out the roster and public keys (O(n) per request), which a node
     keeps once it has acknowledged them."""
-    kind = params.schedule.name if params.schedule.name in ("incremental", "early") else "custom"
+    code = schedule_code(params.schedule)
     parts = [struct.pack(
         _REQ_HEAD, _REQ, params.round, params.iterations, params.neighbors, params.sigma_star,
-        params.sigma_delta, _PRECISIONS[params.precision], _SCHEDULES[kind], req.party, req.commit,
+        params.sigma_delta, _PRECISIONS[params.precision], code, req.party, req.commit,
         int(req.final), req.version, req.task, req.delivered_weight, len(req.incoming), len(req.retransmit),
         int(req.restore is not None), int(with_roster))]
-    if kind == "custom":
+    if code == _SCHEDULES["custom"]:
         parts.append(np.ascontiguousarray(params.schedule.c, dtype="<f8").tobytes())
         parts.append(np.ascontiguousarray(params.schedule.Z, dtype="<f8").tobytes())
     if with_roster:
@@ -135,7 +136,7 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
      n_rt, has_restore, has_roster) = rd.take(_REQ_HEAD)
     if magic != _REQ:
         raise ValueError("not an IncA request")
-    if T < 1 or T > 100_000 or prec not in (4, 8) or kind not in (0, 1, 2):
+    if T < 1 or T > 100_000 or prec not in (4, 8) or kind - _TAIL_CODE > T:
         raise ValueError("malformed request header")
     if kind == 2:
         c = np.frombuffer(rd.raw(8 * (T + 1)), dtype="<f8")
@@ -165,10 +166,24 @@ def decode_request(data: bytes, roster: tuple[list[int], list[bytes]] | None = N
     return req, params
 
 
+def schedule_code(schedule: InjectionSchedule) -> int:
+    """The request header's schedule byte: 0 D_Inc, 1 D_EI, 3 + L the value-free tail L, 2 any other
+    (its dense (c, Z) follow the header)."""
+    if schedule.name in ("incremental", "early"):
+        return _SCHEDULES[schedule.name]
+    tail = schedule.tail
+    if tail is not None and 1 <= tail <= 255 - _TAIL_CODE:
+        return _TAIL_CODE + tail
+    return _SCHEDULES["custom"]
+
+
 @lru_cache(maxsize=64)
 def _named_schedule(kind: int, iterations: int) -> InjectionSchedule:
     """Built once per (kind, T) in a process, not once per request; shared, hence read-only."""
-    schedule = InjectionSchedule.resolve("incremental" if kind == 0 else "early", iterations)
+    if kind >= _TAIL_CODE:
+        schedule = InjectionSchedule.incremental(iterations, tail=kind - _TAIL_CODE)
+    else:
+        schedule = InjectionSchedule.resolve("incremental" if kind == 0 else "early", iterations)
     schedule.c.flags.writeable = False
     schedule.Z.flags.writeable = False
     return schedule
