@@ -44,6 +44,7 @@ from .protocol import (
     run_inca,
 )
 from .protocol.dropout import DropoutModel
+from .protocol.schedules import RECOMMENDED_SCHEDULE
 from .study import add_study_parser
 
 
@@ -147,6 +148,22 @@ _positive_int = _int_in(1)
 _seed = _int_in(0)
 _parties = _int_in(2, MAX_PARTIES)
 _iterations = _int_in(1, MAX_ITERATIONS)
+
+
+def _iterations_or_auto(text: str) -> int | str:
+    """``--iterations`` of a training: 'auto' or an integer in [1, MAX_ITERATIONS]."""
+    return "auto" if text.strip().lower() == "auto" else _iterations(text)
+
+
+def _schedule(text: str) -> str:
+    """``--schedule``: 'auto', 'incremental', 'incremental:tail=L' or 'early' (checked against T later)."""
+    from .protocol.schedules import InjectionSchedule
+
+    try:
+        InjectionSchedule.resolve(text, MAX_ITERATIONS)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("schedule: ")) from None
+    return text
 _neighbors = _int_in(1, MAX_PARTIES - 1)
 _runs = _int_in(1, MAX_RUNS)
 _rounds = _int_in(1, MAX_ROUNDS)
@@ -174,7 +191,7 @@ def _check_protocol(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` if --parties, --iterations, --neighbors and --dropout cannot run together (e.g.
     --neighbors >= --parties, a trace too large for memory): before any note or progress is printed."""
     IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=args.iterations, neighbors=args.neighbors,
-               dropout=args.dropout).check(args.parties)
+               dropout=args.dropout, schedule=args.schedule).check(args.parties)
 
 
 # ---------------------------------------------------------------------------------------- mean
@@ -197,13 +214,14 @@ def cmd_mean(args: argparse.Namespace) -> int:
         return 2
     else:
         cal = calibrate(args.epsilon, args.delta, n, iterations=args.iterations, neighbors=args.neighbors,
-                        collusion=args.collusion, dropout=args.dropout, runs=args.runs, seed=args.seed,
+                        collusion=args.collusion, dropout=args.dropout, schedule=args.schedule, runs=args.runs,
+                        seed=args.seed,
                         value_sensitivity=sensitivity, progress=_progress("calibrating"))
         s_star, s_delta, source = cal.sigma_star, cal.sigma_delta, f"calibrated over {args.runs} runs"
         for note in cal.notes:
             print(f"note: {note}", file=sys.stderr)
     config = IncaConfig(iterations=args.iterations, neighbors=args.neighbors, sigma_star=s_star,
-                        sigma_delta=s_delta, dropout=args.dropout)
+                        sigma_delta=s_delta, dropout=args.dropout, schedule=args.schedule)
     result = run_inca(x, config, seed=args.seed, progress=_progress("mixing") if n * d > 1e7 else None)
     mse = float(np.mean((result.estimate - x.mean(axis=0)) ** 2))
     view = random_collusion(result.trace, args.collusion, seed=args.seed + 1)
@@ -221,7 +239,7 @@ def cmd_mean(args: argparse.Namespace) -> int:
         print(dumps(out, indent=1))
         return 0
     print(f"IncA mean of {n} parties, {d}-dim values clipped to L2 norm {C}, {args.iterations} iterations, "
-          f"k = {args.neighbors}, dropout: {args.dropout!r}")
+          f"k = {args.neighbors}, schedule {config.resolved_schedule().name}, dropout: {args.dropout!r}")
     print(f"noise ({source}): sigma_star = {s_star:.4g}, sigma_delta = {s_delta:.4g}; "
           f"{result.finalists.size}/{n} parties finished")
     print(_table([
@@ -252,7 +270,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         results.append(calibrate(
             args.epsilon, args.delta, args.parties, iterations=args.iterations, neighbors=args.neighbors,
             collusion=args.collusion, observed_fraction=args.observed_fraction, dropout=args.dropout,
-            runs=args.runs, seed=args.seed, procedure=proc, value_sensitivity=args.value_sensitivity,
+            schedule=args.schedule, runs=args.runs, seed=args.seed, procedure=proc, value_sensitivity=args.value_sensitivity,
             target_success=args.target_success, progress=None if args.json else _progress(f"{proc} runs"),
         ))
     central = (args.value_sensitivity / (args.parties * results[-1].mu_target)) ** 2 if results else math.nan
@@ -260,7 +278,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(dumps({"calibrations": [r.to_dict() for r in results], "mse_central_dp": central}, indent=1))
         return 0
     print(f"target ({args.epsilon:g}, {args.delta:g})-DP, n = {args.parties}, T = {args.iterations}, "
-          f"k = {args.neighbors}, {results[0].threat if results else ''}, dropout: {args.dropout!r}, "
+          f"k = {args.neighbors}, schedule {args.schedule}, {results[0].threat if results else ''}, dropout: {args.dropout!r}, "
           f"{args.runs} simulated runs")
     print(_table([[r.procedure, r.alpha, r.sigma_star, r.sigma_delta, r.success_fraction, r.predicted_mse,
                    f"{r.seconds:.1f}s"] for r in results],
@@ -657,7 +675,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         availability=_availability(args.availability), privacy_unit=args.privacy_unit, lr=args.lr,
         clip_norm=args.clip_norm, batch_size=args.batch_size, local_steps=args.local_steps,
         local_epochs=args.local_epochs, max_epsilon=args.max_epsilon, delta=args.delta, accountant=args.accountant,
-        iterations=args.iterations, neighbors=args.neighbors, topology=args.topology, dropout=args.dropout,
+        iterations=args.iterations, max_iterations=args.max_iterations, schedule=args.schedule,
+        neighbors=args.neighbors, topology=args.topology, dropout=args.dropout,
         collusion=args.collusion, observed_fraction=args.observed_fraction, threat_draws=args.threat_draws,
         sigma_star=args.sigma_star, sigma_delta=args.sigma_delta, calibration_runs=args.calibration_runs,
         certification=args.certification, certify_every=args.certify_every,
@@ -806,6 +825,9 @@ def _protocol_args(sp: argparse.ArgumentParser, parties: int) -> None:
                     help=f"mixing iterations T, in [1, {MAX_ITERATIONS}]")
     sp.add_argument("--neighbors", "-k", type=_neighbors, default=1,
                     help="out-neighbours each party sends to per iteration")
+    sp.add_argument("--schedule", type=_schedule, default=RECOMMENDED_SCHEDULE,
+                    help="injection schedule: auto (D_Inc with a value-free tail of 3 steps, fewer below T = 9) | "
+                         "incremental (the paper's D_Inc) | incremental:tail=<L> | early")
     sp.add_argument("--epsilon", type=_epsilon, default=1.0, help="target epsilon of the (epsilon, delta)-DP "
                     f"guarantee, in [{MIN_EPSILON:g}, {MAX_EPSILON:g}]")
     sp.add_argument("--delta", type=_delta, default=1e-5, help="target delta, in (0, 1)")
@@ -942,9 +964,15 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp"],
                    default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
                                       "party level)")
-    s.add_argument("--iterations", "-T", type=_iterations, default=10,
-                   help=f"IncA mixing iterations per round, in [1, {MAX_ITERATIONS}]")
+    s.add_argument("--iterations", "-T", type=_iterations_or_auto, default="auto",
+                   help=f"IncA mixing iterations per round, in [1, {MAX_ITERATIONS}], or auto: the fewest of 10, "
+                        "20, 40, 80 (at most --max-iterations) whose noise left uncancelled by the expected "
+                        "--dropout is at most a quarter of the central noise (10 without --dropout)")
+    s.add_argument("--max-iterations", type=_iterations, default=40, help="most iterations auto may choose")
     s.add_argument("--neighbors", "-k", type=_neighbors, default=1, help="peers per mixing iteration")
+    s.add_argument("--schedule", type=_schedule, default=RECOMMENDED_SCHEDULE,
+                   help="injection schedule: auto (D_Inc with a value-free tail of 3 steps, fewer below T = 9) | "
+                        "incremental (the paper's D_Inc) | incremental:tail=<L> | early")
     s.add_argument("--topology", default="random", help="topology of the mixing (as IncaConfig's topology=)")
     s.add_argument("--collusion", type=_collusion, default=0.1,
                    help="fraction of colluding clients certified against, in [0, 1)")

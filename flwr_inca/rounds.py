@@ -19,8 +19,8 @@ same (a message of iteration t depends only on what happened up to t), from one 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -40,8 +40,9 @@ from .protocol.trace import ExecutionTrace
 from .protocol.utility import noise_std, output_coefficients
 from .settings import MixingConfig, PrivacyTarget
 
-__all__ = ["IncaRound", "IncaRounds", "IterationChoice", "ReproducedCharge", "budget_share", "choose_iterations",
-           "dropout_noise_share", "reproduce_charge", "round_target", "trace_privacy"]
+__all__ = ["Calibrators", "IncaRound", "IncaRounds", "IterationChoice", "ReproducedCharge", "budget_share",
+           "choose_iterations", "dropout_noise_share", "noise_calibrator", "reproduce_charge", "round_target",
+           "sampled_executions", "trace_privacy"]
 
 
 def round_target(privacy: PrivacyTarget, rounds: int, sample_rate: float | None = None,
@@ -102,50 +103,91 @@ def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1
 
 ITERATION_CANDIDATES = (10, 20, 40, 80)  # what iterations="auto" chooses from
 
+Calibrators = Callable[[int], NoiseCalibrator]  # the calibrator of a training's noise at T iterations
+
+
+def noise_calibrator(privacy: PrivacyTarget, mixing: MixingConfig, iterations: int, seed: int,
+                     log: Callable[[str], None] | None = None) -> NoiseCalibrator:
+    """The calibrator of a training's noise at ``iterations`` T (the protocol and threat of the settings)."""
+    return NoiseCalibrator(
+        iterations=iterations, neighbors=mixing.neighbors, collusion=privacy.collusion,
+        observed_fraction=privacy.observed_fraction, dropout=mixing.dropout, topology=mixing.topology,
+        schedule=mixing.schedule, runs=privacy.calibration_runs, target_success=privacy.calibration_success,
+        seed=seed, progress=log)
+
 
 @dataclass(frozen=True)
 class IterationChoice:
     """What ``iterations="auto"`` chose: ``iterations``, and for each candidate T tried, the share of the
-    update's noise variance that dropouts leave uncancelled, relative to the central noise."""
+    update's noise variance that dropouts leave uncancelled, relative to the central noise; ``reason`` when
+    no candidate was calibrated (fixed noise, no dropouts expected); ``calibrator``: the chosen T's (reuse
+    it: it holds the calibration made for the choice)."""
 
     iterations: int
     shares: dict[int, float]
     aim: float
+    reason: str = ""
+    calibrator: NoiseCalibrator | None = field(default=None, compare=False, repr=False)
 
     def describe(self, neighbors: int) -> str:
+        messages = f"{self.iterations * neighbors + 1} messages per party per round"
+        if self.reason:
+            return f"iterations='auto' chose T = {self.iterations} ({messages}): {self.reason}"
         tried = ", ".join(f"T = {t}: {share:.3g}" for t, share in self.shares.items())
-        return (f"iterations='auto' chose T = {self.iterations} ({self.iterations * neighbors + 1} messages per "
-                f"party per round): uncancelled-dropout noise over central noise {tried} (aim: at most "
-                f"{self.aim:g})")
+        missed = "" if self.shares[self.iterations] <= self.aim else (
+            f"; the aim is not reached within max_iterations = {max(self.shares)}: more iterations leave less "
+            "noise at more messages")
+        return (f"iterations='auto' chose T = {self.iterations} ({messages}): uncancelled-dropout noise over "
+                f"central noise {tried} (aim: at most {self.aim:g}){missed}")
 
 
-def dropout_noise_share(config: IncaConfig, n: int, seed: int, runs: int = 4) -> float:
+def dropout_noise_share(traces: Sequence[ExecutionTrace]) -> float:
     """The noise variance that dropouts leave uncancelled in a round's update, over its central noise
-    variance (``sigma_delta^2 |a|^2 / sigma_star^2 |b|^2`` for the execution's output coefficients, mean over
-    ``runs`` sampled executions at ``config``): 0 without dropouts."""
+    variance, for executions ``traces`` (with their sigmas): ``sum sigma_delta^2 |a|^2 / sum sigma_star^2 |b|^2``
+    over the traces' output coefficients (``b``: of the parties' sigma_star terms, ``a``: of the cancelling
+    terms left uncancelled); 0 without dropouts."""
     central = uncancelled = 0.0
-    for s in np.random.SeedSequence(seed, spawn_key=(3, n)).generate_state(runs, dtype=np.uint64):
-        b, a = output_coefficients(sample_trace(n, config, seed=int(s)))
-        central += config.sigma_star**2 * float(b @ b)
-        uncancelled += config.sigma_delta**2 * float(np.sum(a * a))
+    for trace in traces:
+        b, a = output_coefficients(trace)
+        central += trace.sigma_star**2 * float(b @ b)
+        uncancelled += trace.sigma_delta**2 * float(np.sum(a * a))
     return uncancelled / central if central > 0 else math.inf
 
 
-def choose_iterations(privacy: PrivacyTarget, mixing: MixingConfig, n: int, *, mu_target: float,
-                      value_sensitivity: float, seed: int) -> IterationChoice:
+def sampled_executions(config: IncaConfig, n: int, seed: int, runs: int = 4) -> list[ExecutionTrace]:
+    """``runs`` executions of ``config`` among ``n`` parties, drawn from ``seed`` (what ``"auto"`` compares)."""
+    seeds = np.random.SeedSequence(seed, spawn_key=(3, n)).generate_state(runs, dtype=np.uint64)
+    return [sample_trace(n, config, seed=int(s)) for s in seeds]
+
+
+def choose_iterations(privacy: PrivacyTarget, mixing: MixingConfig, n: int, *, mu_target: float | None,
+                      value_sensitivity: float, seed: int, calibration_seed: int | None = None,
+                      calibrators: Calibrators | None = None,
+                      log: Callable[[str], None] | None = None) -> IterationChoice:
     """``iterations="auto"``: the fewest candidate T (10, 20, 40, 80, at most ``max_iterations``) whose
     calibrated noise leaves at most ``dropout_noise_share`` of the central noise uncancelled under the
     expected dropouts (:func:`dropout_noise_share`); the largest allowed when none does. Each candidate is
-    calibrated for ``n`` parties at the round target, as the rounds will be."""
+    calibrated for ``n`` parties at the round target, as the rounds will be (``calibrators``: the calibrator
+    of each T, e.g. shared between a study's runs; None: new ones, seeded by ``calibration_seed``).
+
+    Without expected dropouts (``mixing.dropout`` None), or with fixed noise (the sigmas given: the noise a
+    dropout leaves is then a fixed multiple of sigma_delta^2, whatever T), the fewest candidate is chosen
+    without calibrating anything."""
     candidates = [t for t in ITERATION_CANDIDATES if t <= mixing.max_iterations] or [mixing.max_iterations]
+    if not mixing.calibrated or mixing.dropout is None:
+        reason = ("the noise is given (sigma_star, sigma_delta): more iterations would not lower it" if
+                  not mixing.calibrated else "no dropouts expected (dropout=None), so no noise is left uncancelled")
+        return IterationChoice(candidates[0], {}, mixing.dropout_noise_share, reason)
+    cal_seed = seed if calibration_seed is None else int(calibration_seed)
     shares: dict[int, float] = {}
     for T in candidates:
-        fixed = replace(mixing, iterations=T)
-        rounds = IncaRounds(privacy, fixed, seed=seed, value_sensitivity=value_sensitivity, mu_target=mu_target)
-        shares[T] = dropout_noise_share(rounds.config(n), n, seed)
+        calibrator = calibrators(T) if calibrators is not None else noise_calibrator(privacy, mixing, T, cal_seed, log)
+        rounds = IncaRounds(privacy, replace(mixing, iterations=T), seed=seed, value_sensitivity=value_sensitivity,
+                            mu_target=mu_target, calibrator=calibrator)
+        shares[T] = dropout_noise_share(sampled_executions(rounds.config(n), n, seed))
         if shares[T] <= mixing.dropout_noise_share:
-            return IterationChoice(T, shares, mixing.dropout_noise_share)
-    return IterationChoice(candidates[-1], shares, mixing.dropout_noise_share)
+            break  # else the largest candidate allowed
+    return IterationChoice(T, shares, mixing.dropout_noise_share, calibrator=calibrator)
 
 
 class IncaRounds:
@@ -177,11 +219,8 @@ class IncaRounds:
         self.log = log
         self.calibrator = calibrator
         if mixing.calibrated and calibrator is None:
-            self.calibrator = NoiseCalibrator(
-                iterations=mixing.iterations, neighbors=mixing.neighbors, collusion=privacy.collusion,
-                observed_fraction=privacy.observed_fraction, dropout=mixing.dropout, topology=mixing.topology,
-                schedule=mixing.schedule, runs=privacy.calibration_runs, target_success=privacy.calibration_success,
-                seed=self.seed if calibration_seed is None else int(calibration_seed), progress=log)
+            self.calibrator = noise_calibrator(privacy, mixing, int(mixing.iterations),
+                                               self.seed if calibration_seed is None else int(calibration_seed), log)
         self.schedule = InjectionSchedule.resolve(mixing.schedule, mixing.iterations)
         self.planned_target = mu_target  # the target before any retargeting (the budget's share)
         self._ceilings: dict[tuple[int, float | None], np.ndarray] = {}

@@ -37,6 +37,7 @@ from ._checks import (
 from .privacy.accountants import create_accountant, resolve_accountant_name
 from .protocol.config import IncaConfig
 from .protocol.dropout import DropoutModel, resolve_dropout
+from .protocol.schedules import RECOMMENDED_SCHEDULE
 
 __all__ = ["MixingConfig", "PersistenceConfig", "PrivacyTarget", "build_groups"]
 
@@ -160,16 +161,21 @@ class MixingConfig:
 
     Attributes:
         iterations: mixing iterations T per round (one peer exchange each, plus the final report), or
-            ``"auto"``: the fewest of 10, 20, 40, 80 (at most ``max_iterations``) whose noise left uncancelled
-            by the expected dropouts is at most ``dropout_noise_share`` of the central noise
-            (:func:`flwr_inca.rounds.choose_iterations`; needs calibrated noise). The noise that dropouts
-            leave uncancelled falls as T grows, because calibration then needs less cancelling noise.
-        max_iterations: the communication budget of ``"auto"``: at most this many iterations.
+            ``"auto"`` (default): the fewest of 10, 20, 40, 80 (at most ``max_iterations``) whose noise left
+            uncancelled by the expected dropouts (``dropout``) is at most ``dropout_noise_share`` of the
+            central noise (:func:`flwr_inca.rounds.choose_iterations`); 10 without expected dropouts or with
+            given sigmas. The noise that dropouts leave uncancelled falls as T grows, because calibration then
+            needs less cancelling noise; each iteration costs ``neighbors`` messages per party.
+        max_iterations: the communication budget of ``"auto"``: at most this many iterations (default 40).
         dropout_noise_share: ``"auto"``'s aim: uncancelled-dropout noise variance over central noise variance.
         neighbors: out-neighbours k each party picks per iteration.
         sigma_star, sigma_delta: noise levels in value units; both None (default): calibrated for the
             per-round target of the :class:`PrivacyTarget`.
-        schedule: ``"incremental"`` (D_Inc, the paper's) or ``"early"`` (D_EI).
+        schedule: ``"auto"`` (default): D_Inc with a value-free tail, its value injected in equal parts in all
+            but the last L steps (L = 3 from T = 9 on, T // 3 below: :func:`~flwr_inca.protocol.schedules.
+            recommended_tail`), which needs less cancelling noise for the same certified privacy, hence leaves
+            less noise uncancelled by dropouts (``flwr-inca reproduce frontier``); ``"incremental"`` (D_Inc,
+            the paper's), ``"incremental:tail=L"`` or ``"early"`` (D_EI).
         topology: how parties pick peers (the simulator; a Flower node picks ``neighbors`` at random).
         dropout: the within-round dropout model: what calibration and the pre-round prediction expect
             (both drivers) and what the simulator draws. None: nobody drops out.
@@ -190,11 +196,11 @@ class MixingConfig:
             None: 10 * (``clip_norm`` + the expected norm of the update's noise); ``math.inf``: no guard.
     """
 
-    iterations: int | str = 10
+    iterations: int | str = "auto"
     neighbors: int = 1
     sigma_star: float | None = None
     sigma_delta: float | None = None
-    schedule: str = "incremental"
+    schedule: str = RECOMMENDED_SCHEDULE
     topology: str = "random"
     dropout: DropoutModel | None = None
     dissemination: str = "exact"
@@ -205,7 +211,7 @@ class MixingConfig:
     min_finalists: int = 2
     max_noise_inflation: float = 2.0
     max_update_norm: float | None = None
-    max_iterations: int = 80
+    max_iterations: int = 40
     dropout_noise_share: float = 0.25
 
     def __post_init__(self) -> None:
@@ -213,9 +219,6 @@ class MixingConfig:
             raise ValueError("give both sigma_star and sigma_delta, or neither (then they are calibrated)")
         check_iterations("max_iterations", self.max_iterations)
         check_real("dropout_noise_share", self.dropout_noise_share, 0.0, 1e6, low_open=True)
-        if self.iterations == "auto" and not self.calibrated:
-            raise ValueError("iterations='auto' chooses T by calibrating the noise: give iterations, or leave "
-                             "sigma_star and sigma_delta to calibration")
         # validates iterations, neighbors, sigmas, schedule, topology, dropout and dissemination
         iterations = self.max_iterations if self.iterations == "auto" else self.iterations
         IncaConfig(iterations=iterations, neighbors=self.neighbors, schedule=self.schedule,

@@ -43,6 +43,7 @@ from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from .._checks import check_int
+from ..privacy.calibration import NoiseCalibrator
 from ..privacy.ledger import LedgerOwnerError, PrivacyLedger
 from ..privacy.session import BudgetExhausted, RoundSession
 from ..rounds import IncaRounds, choose_iterations, round_target, trace_privacy
@@ -172,6 +173,7 @@ class IncaStrategy(FedAvg):
         self.train_metrics_serverapp: dict[int, MetricRecord] = {}
         self.num_rounds: int | None = None  # set by start(): the rounds a budget is shared by by default
         self._inca: IncaRounds | None = None
+        self._calibrator: NoiseCalibrator | None = None  # the one iterations='auto' calibrated for its choice
         self._pending: dict[int, _Pending] = {}
         self._ended: set[int] = set()  # nodes told that the run is over
         self._warned = False  # the usefulness check was made (before round 1)
@@ -187,7 +189,7 @@ class IncaStrategy(FedAvg):
                                  "nodes)")
             self._inca = IncaRounds(self.privacy, self.mixing, seed=self.seed,
                                     value_sensitivity=self.privacy.sensitivity, mu_target=self._round_target(),
-                                    log=lambda line: log(INFO, "IncA: %s", line))
+                                    calibrator=self._calibrator, log=lambda line: log(INFO, "IncA: %s", line))
         return self._inca
 
     def _round_target(self) -> float | None:
@@ -200,8 +202,10 @@ class IncaStrategy(FedAvg):
     def _choose_iterations(self, n: int) -> None:
         """``iterations="auto"``: T chosen for ``n`` nodes and the expected dropouts, once, and logged."""
         choice = choose_iterations(self.privacy, self.mixing, n, mu_target=self._round_target(),
-                                   value_sensitivity=self.privacy.sensitivity, seed=self.seed)
+                                   value_sensitivity=self.privacy.sensitivity, seed=self.seed,
+                                   log=lambda line: log(INFO, "IncA: %s", line))
         self.mixing = replace(self.mixing, iterations=choice.iterations)
+        self._calibrator = choice.calibrator
         log(INFO, "IncA: %s", choice.describe(self.mixing.neighbors))
 
     # ----------------------------------------------------------------------------- summary and start

@@ -23,7 +23,9 @@ class IncaConfig:
         sigma_delta: std of each cancelling noise term ``eta_{i,k}`` (per coordinate, value units).
         iterations: number of mixing iterations T (messages per party when ``neighbors = 1``).
         neighbors: out-neighbours k per iteration for the random topologies; weights 1/(k+1).
-        schedule: ``"incremental"`` (D_Inc, default), ``"early"`` (D_EI) or an ``InjectionSchedule``.
+        schedule: ``"incremental"`` (D_Inc, the paper's; default), ``"incremental:tail=L"``, ``"auto"`` (the
+            drivers' default: :data:`~flwr_inca.protocol.schedules.RECOMMENDED_SCHEDULE`), ``"early"`` (D_EI) or an
+            ``InjectionSchedule``.
         topology: ``"random"`` (k fresh random out-neighbours each iteration), ``"random-fresh"``
             (never the same neighbour twice), ``"ring"``, ``"hypercube"``, ``"complete"``,
             ``"erdos-renyi:<p>"``, or a ``Topology`` (e.g. ``StaticTopology`` from an edge list).

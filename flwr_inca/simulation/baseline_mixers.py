@@ -160,7 +160,8 @@ class DPGossipMixer(_LocalNoiseMixer):
         z = float(self.noise_multiplier)
         return RoundPlan(round, participants, 1.0 / z, True, info={
             "noise_multiplier": z, "execution": execution, "edge_probability": p,
-            "cost": "local DP (a neighbour sees x_i + eta_i)"})
+            "cost": "local DP (a neighbour sees x_i + eta_i)"},
+            messages=self.gossip_steps * execution.adjacency.nnz / participants)
 
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
         execution = plan.info.pop("execution")
@@ -223,7 +224,8 @@ class MuffliatoMixer(Mixer):
             "noise_std": sigma, "graph": graph, "iterations": T, "execution": execution,
             "mu_collusion": S / sigma,
             "cost": f"Pairwise Network DP, mean over pairs (Muffliato's own, weaker accounting); against "
-                    f"a colluding neighbour it is local DP with mu = {S / sigma:.4g}"})
+                    f"a colluding neighbour it is local DP with mu = {S / sigma:.4g}"},
+            messages=T * execution.adjacency.nnz / n)
 
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
         execution = plan.info.pop("execution")
@@ -421,7 +423,9 @@ class GOPAMixer(Mixer):
             "sigma_star": s_star, "sigma_delta": s_delta, "execution": execution, "edges": len(execution.edges),
             "published": int(execution.published.sum()), "rolled_back_terms": int(revealed.sum()),
             "uncancelled_terms": int(uncancelled.sum()), "cost": "certified", "method": "exact",
-            "seconds_trace": sampled - start, "seconds_certify": time.perf_counter() - sampled})
+            "seconds_trace": sampled - start, "seconds_certify": time.perf_counter() - sampled},
+            # one message per pairwise term (edge), the published value, the roll-back of dropped neighbours' terms
+            messages=len(execution.edges) / n + 1.0 + 1.0)
 
     def _terms(self, round: int, edges: np.ndarray, d: int) -> np.ndarray:
         """Unit draws of the pairwise terms of ``edges`` (indices), (len(edges), d): one stream per term,
@@ -513,7 +517,8 @@ class WithinRoundDropout(Mixer):
         inner = self.inner.plan(round, int(rows.size))
         info = dict(inner.info)
         info.update(rows=rows, dropped=drop, inner_plan=inner)
-        return RoundPlan(round, participants, inner.mu, inner.certified, inner.trace, info)
+        return RoundPlan(round, participants, inner.mu, inner.certified, inner.trace, info,
+                         messages=inner.messages * rows.size / participants)
 
     def mix(self, updates: np.ndarray, plan: RoundPlan) -> np.ndarray:
         inner: RoundPlan = plan.info["inner_plan"]

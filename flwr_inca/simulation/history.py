@@ -45,6 +45,7 @@ class RoundRecord:
     accuracy: float | None = None
     loss: float | None = None
     update_norm: float | None = None
+    messages: float = 0.0  # messages a participant sent in the round's mixing, on average (mixer's RoundPlan)
     failed: str = ""
     refused: bool = False
     seconds: float = 0.0

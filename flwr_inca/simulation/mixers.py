@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .._checks import check_int, check_real
-from ..privacy.calibration import Calibration, NoiseCalibrator
+from ..privacy.calibration import Calibration
 from ..privacy.rounds import RoundCertificate
 from ..privacy.session import RoundCharge, RoundSession
 from ..protocol.config import IncaConfig
@@ -54,7 +54,7 @@ from ..protocol.engine import replay, sample_trace
 from ..protocol.noise import NoiseSource
 from ..protocol.trace import ExecutionTrace
 from ..protocol.utility import output_coefficients
-from ..rounds import IncaRounds, choose_iterations
+from ..rounds import Calibrators, IncaRounds, choose_iterations
 from ..settings import MixingConfig, PrivacyTarget
 from . import seeding
 from .noise import NoiseAhead
@@ -110,6 +110,8 @@ class RoundPlan:
             exact mechanism); False if it is a prediction or a bound (then ``info["cost"]`` says which).
         trace: IncA's execution trace (None for mechanisms without one).
         info: mechanism details for the history (noise levels, finalists, seconds spent, notes).
+        messages: messages a participant sends in the round, on average (1: its update, to a server or as
+            its final message; a gossip protocol: one per neighbour per step).
     """
 
     round: int
@@ -118,6 +120,7 @@ class RoundPlan:
     certified: bool
     trace: ExecutionTrace | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    messages: float = 1.0
 
 
 class Mixer(ABC):
@@ -282,7 +285,9 @@ class IncaMixer(Mixer):
 
     Noise: ``mixing.sigma_star``/``sigma_delta`` given (value units), or calibrated for the round target
     (less ``privacy.calibration_margin``) at the expected participants, then reused for nearby counts
-    (:class:`~flwr_inca.privacy.calibration.NoiseCalibrator`).
+    (:class:`~flwr_inca.privacy.calibration.NoiseCalibrator`; ``calibrators``: the calibrator of each T, to
+    share calibrations between runs, e.g. a study's). ``mixing.iterations="auto"`` chooses T once, before
+    round 1 (:func:`~flwr_inca.rounds.choose_iterations`), and notes the choice.
 
     Cost: the sampled trace is certified exactly against the threat (worst of ``threat_draws``
     adversaries) every ``certify_every``-th round; other rounds are charged the largest certified mu so
@@ -298,13 +303,13 @@ class IncaMixer(Mixer):
     name = "inca"
 
     def __init__(self, *, privacy: PrivacyTarget | None = None, mixing: MixingConfig | None = None,
-                 calibrator: NoiseCalibrator | None = None, noise_ahead_bytes: int = 512 * 2**20) -> None:
+                 calibrators: Calibrators | None = None, noise_ahead_bytes: int = 512 * 2**20) -> None:
         super().__init__()
         self.privacy = privacy if privacy is not None else PrivacyTarget()
         self.mixing = mixing if mixing is not None else MixingConfig()
-        if calibrator is not None and not isinstance(calibrator, NoiseCalibrator):
-            raise ValueError(f"calibrator must be a NoiseCalibrator or None, got {type(calibrator).__name__}")
-        self.calibrator = calibrator  # shared between runs (e.g. a study's); None: the run's own
+        if calibrators is not None and not callable(calibrators):
+            raise ValueError(f"calibrators must map iterations to a NoiseCalibrator, got {type(calibrators).__name__}")
+        self.calibrators = calibrators  # T -> calibrator, shared between runs (e.g. a study's); None: the run's own
         self.noise_ahead_bytes = check_int("noise_ahead_bytes", noise_ahead_bytes, 0)
         self.rounds: IncaRounds | None = None
         self.notes: list[str] = []  # what the mixer chose before round 1 (the history keeps them)
@@ -339,16 +344,21 @@ class IncaMixer(Mixer):
         if self.mixing.calibrated and context.mu_round is None:
             raise ValueError("inca needs sigma_star and sigma_delta, or a budget (max_epsilon) to calibrate them")
         n = max(2, int(context.participants))
+        calibration_seed = seeding.seed_of(context.seed, seeding.CALIBRATION)
+        calibrator = None
         if self.mixing.automatic:  # T for the expected participants and dropouts, chosen once
             choice = choose_iterations(self.privacy, self.mixing, n, mu_target=context.mu_round,
                                        value_sensitivity=context.value_sensitivity,
-                                       seed=self.threat_seed(context.seed))
+                                       seed=self.threat_seed(context.seed), calibration_seed=calibration_seed,
+                                       calibrators=self.calibrators)
             self.mixing = replace(self.mixing, iterations=choice.iterations)
             self.notes.append(choice.describe(self.mixing.neighbors))
+            calibrator = choice.calibrator
+        if calibrator is None and self.calibrators is not None and self.mixing.calibrated:
+            calibrator = self.calibrators(int(self.mixing.iterations))
         self.rounds = IncaRounds(self.privacy, self.mixing, seed=self.threat_seed(context.seed),
                                  value_sensitivity=context.value_sensitivity, mu_target=context.mu_round,
-                                 calibration_seed=seeding.seed_of(context.seed, seeding.CALIBRATION),
-                                 calibrator=self.calibrator)
+                                 calibration_seed=calibration_seed, calibrator=calibrator)
         self.rounds.sigmas(n)  # calibrated once, before round 1
 
     @property
@@ -409,7 +419,8 @@ class IncaMixer(Mixer):
             info["method"] = "predicted"
         info["seconds_trace"] = sampled - start
         info["seconds_certify"] = time.perf_counter() - sampled
-        return RoundPlan(round, participants, mu, certified, trace, info)
+        sent = sum(int(step.messages.senders.size) for step in trace.steps) + info["finalists"]
+        return RoundPlan(round, participants, mu, certified, trace, info, messages=sent / participants)
 
     def charge(self, session: RoundSession, plan: RoundPlan) -> RoundCharge:
         """The round through the session as a deployment runs it (see the class doc). A round charged a

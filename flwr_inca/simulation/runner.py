@@ -330,6 +330,7 @@ class _Run:
         record.mu, record.certified = float(round_plan.mu), bool(round_plan.certified)
         record.cost = str(round_plan.info.get("cost", "certified" if round_plan.certified else ""))
         record.finalists = round_plan.info.get("finalists")
+        record.messages = float(round_plan.messages)
         record.noise = {k: float(v) for k, v in round_plan.info.items()
                         if k in ("sigma_star", "sigma_delta", "noise_multiplier", "noise_std")}
         return round_plan

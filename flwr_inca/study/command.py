@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import replace
 from typing import Any
@@ -19,6 +20,15 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _iterations(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer, got {text!r}") from None
 
 
 def add_study_parser(sub: Any, **parser_options: Any) -> None:
@@ -48,6 +58,10 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
     s.add_argument("--seeds", type=_ints, help="override the grid's seeds, e.g. 0,1,2")
     s.add_argument("--methods", type=lambda t: tuple(v for v in t.split(",") if v),
                    help=f"subset of {','.join(METHODS)}")
+    s.add_argument("--iterations", type=_iterations, help="IncA's T: auto (default: the fewest of 10, 20, 40 "
+                   "leaving at most a quarter of the central noise uncancelled by the run's dropouts) or a number")
+    s.add_argument("--schedule", help="IncA's injection schedule: auto (default: the value-free tail) | "
+                   "incremental | incremental:tail=<L> | early")
     s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
                    "without it, a folder holding runs is refused")
     s.set_defaults(func=_cmd_study)
@@ -58,8 +72,8 @@ def _cmd_study(args: Any) -> int:
     from .mnist import run_study
 
     grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
-    changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods")
-               if getattr(args, k, None)}
+    changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods",
+                                             "iterations", "schedule") if getattr(args, k, None) is not None}
     try:
         grid = replace(grid, **changes)
     except ValueError as exc:

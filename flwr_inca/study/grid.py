@@ -18,6 +18,7 @@ from .._checks import (
     check_runs,
     check_scale,
 )
+from ..protocol.schedules import RECOMMENDED_SCHEDULE, InjectionSchedule
 
 __all__ = ["DEFAULT_GRID", "FULL_GRID", "METHODS", "TINY_GRID", "TRUSTED", "StudyGrid", "partition_alpha"]
 
@@ -62,7 +63,11 @@ class StudyGrid:
     batch_size: int = 10
     validation: int = 6000
     collusion: float = 0.1
-    iterations: int = 10
+    # IncA's protocol, as the simulator's defaults: T chosen for the run's dropout rate (the fewest of 10, 20,
+    # 40 leaving at most a quarter of the central noise uncancelled; 10 without dropouts), the value-free tail
+    iterations: int | str = "auto"
+    max_iterations: int = 40
+    schedule: str = RECOMMENDED_SCHEDULE
     neighbors: int = 1
     # IncA's calibration and charging, at every n (docs/results.md, "IncA at n = 1000"). A fresh execution's
     # certificate spreads around the target its noise was calibrated for: calibrated on 3 executions at a
@@ -113,7 +118,10 @@ class StudyGrid:
         check_delta("delta", self.delta)
         check_batch_size("batch_size", self.batch_size)
         check_real("collusion", self.collusion, 0.0, 1.0, high_open=True)
-        check_iterations("iterations", self.iterations)
+        if self.iterations != "auto":
+            check_iterations("iterations (or 'auto')", self.iterations)
+        check_iterations("max_iterations", self.max_iterations)
+        InjectionSchedule.resolve(self.schedule, self.max_iterations)  # raises naming a bad schedule
         check_int("neighbors", self.neighbors, 1, min(self.clients) - 1)
         check_parties("small_clients", self.small_clients, 0)
         check_bool("product", self.product)
@@ -154,7 +162,8 @@ class StudyGrid:
                 f"{list(self.epsilons)} x gamma in {list(self.gammas)}") + (
                 f", seeds {list(self.seeds)}; tuning grid lr {list(self.tune_lr)} x clip {list(self.tune_clip)} x "
                 f"rounds {list(self.tune_rounds)} at epsilon = {self.tune_epsilon}, gamma = {self.tune_gamma}; "
-                f"batch {self.batch_size}, IncA T = {self.iterations}, k = {self.neighbors}, "
+                f"batch {self.batch_size}, IncA T = {self.iterations} (at most {self.max_iterations}), schedule "
+                f"{self.schedule}, k = {self.neighbors}, "
                 f"{self.collusion:.0%} colluders, calibrated on {self.calibration_runs} execution(s) "
                 f"(success share {self.calibration_success:g}) and certified every {self.certify_every} round(s); "
                 f"at n <= {self.small_clients}: {self.small_calibration_runs} execution(s), success share "

@@ -29,6 +29,7 @@ training set, never the test set); the best setting is used for all of that meth
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -118,18 +119,18 @@ class CalibrationCache:
     def seconds(self) -> float:
         return sum(c.seconds for c in self.calibrators.values())
 
-    def calibrator(self, procedure: str, gamma: float, clients: int) -> NoiseCalibrator:
-        """The calibrator of ``procedure`` at dropout rate ``gamma`` for a study of ``clients`` clients (whose
-        size picks the runs and success share, :meth:`StudyGrid.inca_settings`)."""
+    def calibrator(self, procedure: str, gamma: float, clients: int, iterations: int) -> NoiseCalibrator:
+        """The calibrator of ``procedure`` at dropout rate ``gamma`` and ``iterations`` T for a study of
+        ``clients`` clients (whose size picks the runs and success share, :meth:`StudyGrid.inca_settings`)."""
         from ..protocol.dropout import PermanentDropout
 
         runs, success, _ = self.grid.inca_settings(clients)
-        key = (procedure, gamma, runs, success)
+        key = (procedure, gamma, runs, success, iterations)
         if key not in self.calibrators:
             self.calibrators[key] = NoiseCalibrator(
-                iterations=self.grid.iterations, neighbors=self.grid.neighbors, collusion=self.grid.collusion,
-                dropout=PermanentDropout(gamma) if gamma > 0 else None, runs=runs, procedure=procedure,
-                target_success=success, seed=1414 + round(gamma * 1000))
+                iterations=iterations, neighbors=self.grid.neighbors, collusion=self.grid.collusion,
+                dropout=PermanentDropout(gamma) if gamma > 0 else None, schedule=self.grid.schedule, runs=runs,
+                procedure=procedure, target_success=success, seed=1414 + round(gamma * 1000))
         return self.calibrators[key]
 
 
@@ -184,7 +185,8 @@ def _config(grid: StudyGrid, method: str, clients: int, epsilon: float, gamma: f
         privacy_unit="record", lr=lr, clip_norm=clip, batch_size=grid.batch_size,
         availability=MarkovAvailability(p_off=0.5 * gamma / (1 - gamma), p_on=0.5) if gamma > 0 else None,
         dropout=PermanentDropout(gamma) if (mode == "inca" and gamma > 0) else None,
-        iterations=grid.iterations, neighbors=grid.neighbors, collusion=grid.collusion,
+        iterations=grid.iterations, max_iterations=grid.max_iterations, schedule=grid.schedule,
+        neighbors=grid.neighbors, collusion=grid.collusion,
         certify_every=certify_every, calibration_runs=calibration_runs, calibration_success=calibration_success,
         backend="inline", seed=seed, eval_every=rounds + 1)
 
@@ -198,7 +200,7 @@ def _mixer(config: Any, method: str, gamma: float, clients: int, phase: str, cac
     if config.mode == "inca":
         procedure = "paper" if method == "inca-paper" else "exact"
         return IncaMixer(privacy=config.privacy, mixing=config.mixing,
-                         calibrator=cache.calibrator(procedure, gamma, clients))
+                         calibrators=functools.partial(cache.calibrator, procedure, gamma, clients))
     if method == "gopa":  # its own in-round dropouts; calibrated on IncA's runs and success share
         success = config.privacy.calibration_success
         return create_mixer(config.replace(mixer_options={"gamma": gamma, "calibration_success": success}))
@@ -242,6 +244,8 @@ def _score(res: RunResult, history: Any, data: StudyData, nodes: _NodeModels | N
     res.accuracy = float(accuracies(params, *evaluation)[0])
     res.test_accuracy = float(accuracies(params, data.x_test, data.y_test)[0])
     res.rounds_done, res.rounds_refused = history.rounds_trained, history.rounds_refused
+    sent = [r.messages for r in history.rounds if not r.failed]
+    res.messages = float(np.mean(sent)) if sent else None
     res.epsilon_spent = None if res.method == "fedavg" else float(history.records[-1].epsilon)
     notes = []
     if res.rounds_refused:  # outlier executions: skipped, charged what they revealed, training went on

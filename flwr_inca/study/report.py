@@ -30,6 +30,7 @@ def summarise(rows: list[dict], grid: StudyGrid, points: list[tuple[float, float
                     accs = [float(r["accuracy"]) for r in sel if r["accuracy"] is not None]
                     worst = [float(r["worst_node"]) for r in sel if r["worst_node"] not in (None, "")]
                     spent = [float(r["epsilon_spent"]) for r in sel if r["epsilon_spent"] not in (None, "")]
+                    sent = [float(r["messages"]) for r in sel if r.get("messages") not in (None, "")]
                     table.append({
                         "method": method, "label": METHODS[method], "clients": n, "partition": part, "epsilon": eps,
                         "gamma": gamma, "runs": len(accs),
@@ -37,6 +38,7 @@ def summarise(rows: list[dict], grid: StudyGrid, points: list[tuple[float, float
                         "spread": float(np.std(accs)) if len(accs) > 1 else 0.0 if accs else None,
                         "worst_node": float(np.mean(worst)) if worst else None,
                         "epsilon_spent": float(np.max(spent)) if spent else None,
+                        "messages": float(np.mean(sent)) if sent else None,
                         "note": "; ".join(sorted({r["note"] for r in sel if r["note"]}))})
     return {"table": table}
 
@@ -78,7 +80,24 @@ def markdown_table(table: list[dict]) -> str:
                 cells.append(cell)
             lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
         lines.append("")
+        lines.extend(_messages_block(block, cols))
     return "\n".join(lines)
+
+
+def _messages_block(block: list[dict], cols: list[tuple[float, float]]) -> list[str]:
+    """Messages per participant per round (mean over the runs' rounds), per method and column."""
+    if all(r.get("messages") is None for r in block):
+        return []
+    lines = ["messages per participant per round (mean over the rounds; IncA: T k + 1 when nobody drops out)\n",
+             "| method | " + " | ".join(f"ε={e:g}, γ={g:g}" for e, g in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for method in dict.fromkeys(r["method"] for r in block):
+        cells = []
+        for e, g in cols:
+            r = next(x for x in block if x["method"] == method and x["epsilon"] == e and x["gamma"] == g)
+            cells.append("n/a" if r.get("messages") is None else f"{r['messages']:.1f}")
+        lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
 
 
 def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:

@@ -38,6 +38,7 @@ class RunResult:
     epsilon_spent: float | None = None
     rounds_done: int = 0  # rounds trained (the model updated)
     rounds_refused: int = 0  # rounds the budget refused and skipped (charged what they revealed; model kept)
+    messages: float | None = None  # messages a participant sent per round, mean over the rounds trained
     seconds: float = 0.0
     note: str = ""
 
