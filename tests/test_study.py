@@ -311,14 +311,16 @@ def test_study_runs_share_a_calibrator_per_protocol_with_the_settings_of_their_n
                      small_calibration_runs=8, small_calibration_success=0.5, small_certify_every=1)
     assert grid.inca_settings(30) == (8, 0.5, 1) and grid.inca_settings(31) == (2, 1.0, 10)
     cache = CalibrationCache(grid)
-    small, large = cache.calibrator("exact", 0.1, clients=25), cache.calibrator("exact", 0.1, clients=1000)
-    assert cache.calibrator("exact", 0.1, clients=20) is small and small is not large
+    small, large = cache.calibrator("exact", 0.1, 25, 4), cache.calibrator("exact", 0.1, 1000, 4)
+    assert cache.calibrator("exact", 0.1, 20, 4) is small and small is not large
+    assert cache.calibrator("exact", 0.1, 20, 8) is not small  # one per T ('auto' compares several)
+    assert cache.calibrator("exact", 0.1, 20, 8).settings["iterations"] == 8
     assert small.settings["runs"] == 8 and small.settings["target_success"] == 0.5
-    assert large.settings["runs"] == 2 and cache.calibrator("paper", 0.1, 25).settings["procedure"] == "paper"
+    assert large.settings["runs"] == 2 and cache.calibrator("paper", 0.1, 25, 4).settings["procedure"] == "paper"
     n, mu, S = 20, 0.3, 2.0
     cal = small.calibration(n, mu, 1e-5, S)
     direct = NoiseCalibrator(iterations=4, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1), runs=8,
-                             target_success=0.5, seed=small.seed).calibration(n, mu, 1e-5, S)
+                             schedule=grid.schedule, target_success=0.5, seed=small.seed).calibration(n, mu, 1e-5, S)
     assert cal.runs == 8 and cal.success_fraction >= 0.5
     assert (cal.sigma_star, cal.sigma_delta) == (direct.sigma_star, direct.sigma_delta)
     with pytest.raises(ValueError, match="small_calibration_success"):
