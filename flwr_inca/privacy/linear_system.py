@@ -185,7 +185,11 @@ class _NoiseState:
         self.Pyy = Pyy
         # the columns that survive (I - D): offline parties' stale ones, and the fresh ones of parties now offline
         newly = np.flatnonzero(~online & (self.fresh != 0))
-        mixed = (W[:, newly] @ sp.diags(self.fresh[newly])).toarray()
+        mixed = np.zeros((n, newly.size))  # their columns W[:, j] fresh[j]
+        position = np.full(n, -1)
+        position[newly] = np.arange(newly.size)
+        taken = position[entries.col] >= 0
+        mixed[entries.row[taken], position[entries.col[taken]]] = entries.data[taken] * self.fresh[entries.col[taken]]
         self.stale = np.hstack([propagated[:, ~back], mixed])
         self.stale_parties = np.concatenate([self.stale_parties[~back], newly])
         self.fresh = np.zeros(n)
@@ -193,7 +197,8 @@ class _NoiseState:
 
 
 class _ObservedBlock:
-    """The covariances of the current state with the messages observed at one earlier iteration s.
+    """The covariances of the current state with the messages observed at some consecutive earlier
+    iterations (the rows from ``offset`` on, ``a`` of them).
 
     Stored with one row per party (so that the sparse step is a product on contiguous rows, and a
     later iteration's observed parties are a gather of rows): ``cy`` (n, a) ``Cov(y^(t), o_s)``;
@@ -203,10 +208,30 @@ class _ObservedBlock:
     None when ``x~`` is not part of the covariance.
     """
 
-    def __init__(self, offset: int, cy: np.ndarray, ce: np.ndarray, cx: np.ndarray | None) -> None:
-        self.offset, self.cy, self.cx = offset, cy, cx
-        self.ce_rows = np.flatnonzero(np.any(ce != 0, axis=1))
-        self.ce = ce[self.ce_rows]
+    def __init__(self, offset: int, cy: np.ndarray, ce_rows: np.ndarray, ce: np.ndarray,
+                 cx: np.ndarray | None) -> None:
+        self.offset, self.cy, self.ce_rows, self.ce, self.cx = offset, cy, ce_rows, ce, cx
+
+    @classmethod
+    def observed(cls, offset: int, cy: np.ndarray, ce: np.ndarray, cx: np.ndarray | None) -> _ObservedBlock:
+        """A block of messages observed now; ``ce`` (n, a) with a row per party."""
+        rows = np.flatnonzero(np.any(ce != 0, axis=1))
+        return cls(offset, cy, rows, ce[rows], cx)
+
+    @property
+    def width(self) -> int:
+        return int(self.cy.shape[1])
+
+    def merged(self, later: _ObservedBlock) -> _ObservedBlock:
+        """One block for this one and the ``later`` one that follows it (same state time). The sparse step
+        computes each column on its own, so merging changes no value: it only makes fewer, larger
+        products (fewer calls where iterations observe few messages)."""
+        rows = np.union1d(self.ce_rows, later.ce_rows)
+        ce = np.zeros((rows.size, self.width + later.width))
+        ce[np.searchsorted(rows, self.ce_rows), : self.width] = self.ce
+        ce[np.searchsorted(rows, later.ce_rows), self.width :] = later.ce
+        cx = None if self.cx is None or later.cx is None else np.hstack([self.cx, later.cx])
+        return _ObservedBlock(self.offset, np.hstack([self.cy, later.cy]), rows, ce, cx)
 
     def step(self, W: sp.csr_matrix, on: np.ndarray, injected: np.ndarray) -> None:
         """``Cov(y', o_s) = W Cov(y, o_s) - D Cov(e, o_s) + diag(injected) Cov(x~, o_s)`` and
@@ -223,6 +248,73 @@ class _ObservedBlock:
         self.cy = cy
 
 
+class _Propagation:
+    """The covariances of the state ``(y^(t), e^(t), x~)`` of a D_Inc-like schedule with every message
+    observed so far, in variance units (``var_star`` for ``x~ = x + eta*``, ``var_delta`` for the noise
+    terms); see :func:`_observed_covariances`.
+
+    Attributes: ``noise`` the noise state (unit variance); ``B`` (n, n_H) ``B_t`` on the honest columns
+    (``y^(t) = B_t x~ + noise``, so ``Cov(y, x~) = var_star B_t``); ``blocks`` one per earlier iteration
+    with observed messages, or with several consecutive ones (merged up to ``width`` messages).
+    """
+
+    def __init__(self, trace: ExecutionTrace, honest: np.ndarray, var_star: float, var_delta: float) -> None:
+        n = trace.parties
+        self.trace, self.honest, self.var_star, self.var_delta = trace, honest, var_star, var_delta
+        self.online = trace.online_mask()
+        self.c_o, _ = adapted_rows(trace.schedule, self.online)
+        self.is_h = np.zeros(n)
+        self.is_h[honest] = 1.0
+        self.noise = _NoiseState(self.is_h)
+        self.B = np.zeros((n, honest.size))
+        self.B[honest, np.arange(honest.size)] = self.c_o[0, honest]
+        self.blocks: list[_ObservedBlock] = []
+        # blocks grow (by whole iterations) to about 1 MiB of cy: a few sparse products per step, each on
+        # data that fits a core's cache
+        self.width = max(1, 2**17 // n)
+
+    def step(self, t: int) -> None:
+        """Advance from iteration t-1 to t (1 <= t <= T)."""
+        n = self.trace.parties
+        on = self.online[t].astype(float)
+        W = self.trace.steps[t - 1].matrix(n).tocsr()
+        W.sum_duplicates()  # unique entries: the sparse updates of the noise state index by them
+        injected = self.c_o[t] * self.is_h
+        for block in self.blocks:
+            block.step(W, on, injected)
+        self.noise.step(W, on)
+        if t < self.trace.iterations:
+            self.noise.add_fresh(on * self.is_h)
+        self.B = W @ self.B
+        self.B[self.honest, np.arange(self.honest.size)] += self.c_o[t, self.honest]
+
+    def observe(self, idx: np.ndarray, offset: int, *, keep: bool) -> tuple[np.ndarray, list]:
+        """``(H_t, pieces)`` of the messages of parties ``idx`` now (rows from ``offset`` on), see
+        :func:`_observed_covariances`; ``keep``: later messages are observed, so propagate these."""
+        H_t = self.B[idx]
+        pieces = [(block.offset, block.cy[idx]) for block in self.blocks]
+        if not keep:  # only their own block is needed, not their covariance with the whole state
+            same = self.var_delta * self.noise.Pyy[np.ix_(idx, idx)]
+            if self.var_star:
+                same += self.var_star * (H_t @ H_t.T)
+            pieces.append((offset, (same + same.T) / 2))
+            return H_t, pieces
+        # Cov(y^(t), o_t) (n, a_t): the noise part, and the x~ part var_star B_t B_t[idx]^T
+        cy = self.var_delta * self.noise.Pyy[:, idx]
+        cx = None
+        if self.var_star:
+            cy += self.var_star * (self.B @ H_t.T)
+            cx = np.zeros((self.trace.parties, idx.size))
+            cx[self.honest] = self.var_star * H_t.T
+        same = cy[idx]
+        pieces.append((offset, (same + same.T) / 2))
+        block = _ObservedBlock.observed(offset, cy, self.var_delta * self.noise.cov_e_with(idx), cx)
+        if self.blocks and self.blocks[-1].width + block.width <= self.width:
+            block = self.blocks.pop().merged(block)
+        self.blocks.append(block)
+        return H_t, pieces
+
+
 def _observed_covariances(trace: ExecutionTrace, view: AdversaryView, per_t: list[np.ndarray],
                           var_star: float, var_delta: float) -> Iterator[tuple[int, np.ndarray, list]]:
     """The observed messages' covariance ``var_star G_B + var_delta G_A`` of a D_Inc-like schedule, one
@@ -232,52 +324,22 @@ def _observed_covariances(trace: ExecutionTrace, view: AdversaryView, per_t: lis
     rows of ``B_V``; ``pieces`` a list of ``(column offset, block)`` with ``block`` (a_t, a_s) the
     covariance of the messages of t with those of an iteration s <= t (the last one: s = t,
     symmetric). The covariances of the state with every message observed so far are propagated with the
-    sparse step matrix, never a dense (m, m) product; ``x~`` enters through ``B_t`` (``Cov(y, x~) =
-    var_star B_t``). Cost O(T m n) for the propagation plus O(m n_H n) for the new rows' ``x~`` part.
+    sparse step matrix, never a dense (m, m) product (no Gram of ``B_V``); ``x~`` enters through ``B_t``.
+    Cost O(T m n) for the propagation plus O(m n_H n) for the new rows' ``x~`` part.
     """
-    n, T = trace.parties, trace.iterations
-    honest = view.honest
-    online = trace.online_mask()
-    c_o, _ = adapted_rows(trace.schedule, online)
-    is_h = np.zeros(n)
-    is_h[honest] = 1.0
-    noise = _NoiseState(is_h)
-    cols = np.arange(honest.size)
-    B = np.zeros((n, honest.size))  # B_t on the honest columns: y^(t) = B_t x~ + noise
-    B[honest, cols] = c_o[0, honest]
-    blocks: list[_ObservedBlock] = []
+    observed = [t for t, p in enumerate(per_t) if p.size]
+    if not observed:
+        return
+    state = _Propagation(trace, view.honest, var_star, var_delta)
     offset = 0
-    for t in range(T + 1):
+    for t in range(observed[-1] + 1):  # nothing after the last observed messages matters
         if t:
-            on = online[t].astype(float)
-            W = trace.steps[t - 1].matrix(n).tocsr()
-            W.sum_duplicates()  # unique entries: the sparse updates of the noise state index by them
-            injected = c_o[t] * is_h
-            for block in blocks:
-                block.step(W, on, injected)
-            noise.step(W, on)
-            if t < T:
-                noise.add_fresh(on * is_h)
-            B = W @ B
-            B[honest, cols] += c_o[t, honest]
+            state.step(t)
         idx = per_t[t]
-        if idx.size == 0:
-            continue
-        H_t = B[idx]
-        # Cov(y^(t), o_t) (n, a_t): the noise part, and the x~ part var_star B_t B_t[idx]^T
-        cy = var_delta * noise.Pyy[:, idx]
-        if var_star:
-            cy += var_star * (B @ H_t.T)
-        same = cy[idx]
-        pieces = [(block.offset, block.cy[idx]) for block in blocks]
-        pieces.append((offset, (same + same.T) / 2))
-        yield t, H_t, pieces
-        cx = None
-        if var_star:
-            cx = np.zeros((n, idx.size))
-            cx[honest] = var_star * H_t.T
-        blocks.append(_ObservedBlock(offset, cy, var_delta * noise.cov_e_with(idx), cx))
-        offset += idx.size
+        if idx.size:
+            H_t, pieces = state.observe(idx, offset, keep=t < observed[-1])
+            yield t, H_t, pieces
+            offset += idx.size
 
 
 def _structured_gram_a(trace: ExecutionTrace, view: AdversaryView, per_t: list[np.ndarray]) -> np.ndarray:
