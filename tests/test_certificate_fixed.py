@@ -13,7 +13,13 @@ from test_bound import _case
 
 from flwr_inca import IncaConfig
 from flwr_inca.privacy import certify, profile, random_collusion
-from flwr_inca.privacy.certificate import SensitivityProfile, _FixedSigmas, lower_solve, whiten_at, whiten_lower
+from flwr_inca.privacy.certificate import (
+    SensitivityProfile,
+    _FixedSigmas,
+    lower_solve,
+    whiten_at,
+    whiten_lower,
+)
 from flwr_inca.privacy.linear_system import build_model, lower_norm1
 from flwr_inca.protocol import sample_trace
 

@@ -18,6 +18,12 @@ Two builders compute them:
   so the noise part is a linear state-space model with state ``(y^(t), e^(t))`` of size 2n. ``G_A``
   is the covariance of the observed outputs, propagated with the sparse ``W^O_t``; no noise column
   is ever formed. Cost O(T (k+3) n (n + m)) instead of O(m^2 n_H T).
+
+At one pair of sigmas (a round's certificate) the two Grams are not needed, only ``Sigma`` and ``H``:
+:func:`observed_covariance` propagates the covariance of the state ``(y^(t), e^(t), x~)`` (``x~``
+enters through ``B_t``) straight into the lower triangle of one (m, m) matrix, which the accountant
+then factorizes in place (:func:`~flwr_inca.privacy.certificate.whiten_lower`). For a round of 1000
+parties that is one (m, m) matrix at the peak instead of about five, and no ``m^2 n_H`` Gram of ``B_V``.
 """
 
 from __future__ import annotations
@@ -183,13 +189,15 @@ class _NoiseState:
             Pyy[parties, :] -= X.T
         _diagonal(Pyy)[:] += on * self.pee
         self.Pyy = Pyy
-        # the columns that survive (I - D): offline parties' stale ones, and the fresh ones of parties now offline
+        # the columns that survive (I - D): the stale ones of offline parties, and the fresh ones of
+        # parties now offline
         newly = np.flatnonzero(~online & (self.fresh != 0))
         mixed = np.zeros((n, newly.size))  # their columns W[:, j] fresh[j]
         position = np.full(n, -1)
         position[newly] = np.arange(newly.size)
         taken = position[entries.col] >= 0
-        mixed[entries.row[taken], position[entries.col[taken]]] = entries.data[taken] * self.fresh[entries.col[taken]]
+        col = entries.col[taken]
+        mixed[entries.row[taken], position[col]] = entries.data[taken] * self.fresh[col]
         self.stale = np.hstack([propagated[:, ~back], mixed])
         self.stale_parties = np.concatenate([self.stale_parties[~back], newly])
         self.fresh = np.zeros(n)
@@ -398,11 +406,12 @@ def _lower_from_products(H: np.ndarray, A_V: np.ndarray, var_star: float, var_de
     """(m, m) C-ordered, its lower triangle ``var_star H H^T + var_delta A_V A_V^T`` (BLAS ``dsyrk`` on one
     buffer: half the products of a full Gram, no (m, m) temporary)."""
     m = H.shape[0]
-    lower = np.zeros((m, m))
     # the transposes are Fortran-ordered views: dsyrk writes their upper triangle, i.e. lower's lower one
-    dsyrk(var_star, H.T, beta=0.0, c=lower.T, trans=1, lower=0, overwrite_c=1)
-    dsyrk(var_delta, A_V.T, beta=1.0, c=lower.T, trans=1, lower=0, overwrite_c=1)
-    return lower
+    upper = np.zeros((m, m)).T
+    for variance, M in ((var_star, H), (var_delta, A_V)):
+        if m and M.shape[1]:  # (BLAS refuses empty operands)
+            upper = dsyrk(variance, M.T, beta=1.0, c=upper, trans=1, lower=0, overwrite_c=1)
+    return upper.T
 
 
 def observed_covariance(trace: ExecutionTrace, view: AdversaryView, sigma_star: float,
@@ -441,7 +450,8 @@ def _check_match(trace: ExecutionTrace, view: AdversaryView) -> None:
 
 
 def _rows(per_t: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate([np.stack([p, np.full(p.size, t)], 1) for t, p in enumerate(per_t)]).astype(np.int64)
+    rows = [np.stack([p, np.full(p.size, t)], 1) for t, p in enumerate(per_t)]
+    return np.concatenate(rows).astype(np.int64)
 
 
 def build_model(trace: ExecutionTrace, view: AdversaryView, method: str = "auto") -> ObservationModel:

@@ -116,7 +116,8 @@ class PrefixProfile:
             return None
         L, W = factor
         # mu^2 of V_t: the squared rows of W up to offsets[t], summed per iteration then accumulated
-        per_iteration = np.stack([np.einsum("ij,ij->j", W[a:b], W[a:b]) for a, b in zip(offsets[:-1], offsets[1:])])
+        blocks = [W[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        per_iteration = np.stack([np.einsum("ij,ij->j", block, block) for block in blocks])
         cumulative = np.zeros((T + 2, nH))
         np.cumsum(per_iteration, axis=0, out=cumulative[1:])
         a = int(offsets[T])
