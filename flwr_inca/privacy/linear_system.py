@@ -127,7 +127,10 @@ def dense_system(trace: ExecutionTrace, view: AdversaryView) -> tuple[np.ndarray
 
 
 def _diagonal(square: np.ndarray) -> np.ndarray:
-    """A writable view of the diagonal of a C-contiguous square matrix."""
+    """A writable view of the diagonal of a C-contiguous square matrix (a reshape of any other would be a copy,
+    and writes to it lost)."""
+    if not square.flags.c_contiguous:
+        raise RuntimeError("expected a C-contiguous matrix")
     return square.reshape(-1)[:: square.shape[0] + 1]
 
 
@@ -263,7 +266,7 @@ class _Propagation:
 
     Attributes: ``noise`` the noise state (unit variance); ``B`` (n, n_H) ``B_t`` on the honest columns
     (``y^(t) = B_t x~ + noise``, so ``Cov(y, x~) = var_star B_t``); ``blocks`` one per earlier iteration
-    with observed messages, or with several consecutive ones (merged up to ``width`` messages).
+    with observed messages, or with several consecutive ones (merged up to ``merge_width`` messages).
     """
 
     def __init__(self, trace: ExecutionTrace, honest: np.ndarray, var_star: float, var_delta: float) -> None:
@@ -279,7 +282,7 @@ class _Propagation:
         self.blocks: list[_ObservedBlock] = []
         # blocks grow (by whole iterations) to about 1 MiB of cy: a few sparse products per step, each on
         # data that fits a core's cache
-        self.width = max(1, 2**17 // n)
+        self.merge_width = max(1, 2**17 // n)
 
     def step(self, t: int) -> None:
         """Advance from iteration t-1 to t (1 <= t <= T)."""
@@ -317,7 +320,7 @@ class _Propagation:
         same = cy[idx]
         pieces.append((offset, (same + same.T) / 2))
         block = _ObservedBlock.observed(offset, cy, self.var_delta * self.noise.cov_e_with(idx), cx)
-        if self.blocks and self.blocks[-1].width + block.width <= self.width:
+        if self.blocks and self.blocks[-1].width + block.width <= self.merge_width:
             block = self.blocks.pop().merged(block)
         self.blocks.append(block)
         return H_t, pieces
