@@ -4,9 +4,11 @@ random executions: both schedules, dropouts, Collusion and Eavesdrop views."""
 
 import itertools
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
+import scipy.linalg as la
 
 from flwr_inca import IncaConfig, PermanentDropout, TemporaryDropout
 from flwr_inca.privacy import (
@@ -18,6 +20,7 @@ from flwr_inca.privacy import (
     random_eavesdrop,
     with_finals,
 )
+from flwr_inca.privacy.linear_system import build_model
 from flwr_inca.privacy.prefinal import no_finals_bound
 from flwr_inca.privacy.prefix import (
     ROUND_UP,
@@ -161,3 +164,65 @@ def test_a_view_too_large_for_the_exact_method_uses_the_bound(monkeypatch):
     trace, view = _execution(3)
     monkeypatch.setattr(module, "EXACT_MAX_ROWS", 0)  # every view is "large"
     assert PrefixProfile.build(trace, view) is None
+
+
+def _dense_reference(trace, view):
+    """The prefix costs from the dense system (``A_V`` formed explicitly), one scipy Cholesky and triangular
+    solve of the full covariance: ``(cumulative mu^2 (T+2, n_H), L, W, condition number)``."""
+    model = build_model(trace, view, method="dense")
+    Sigma = model.covariance(trace.sigma_star, trace.sigma_delta)
+    L = la.cholesky(Sigma, lower=True)
+    W = la.solve_triangular(L, model.H, lower=True)
+    offsets = np.searchsorted(model.rows[:, 1], np.arange(trace.iterations + 2))
+    csum = np.concatenate([np.zeros((1, W.shape[1])), np.cumsum(W * W, axis=0)])
+    return csum[offsets], L, W, np.linalg.cond(Sigma)
+
+
+def _larger_execution(seed):
+    rng = np.random.default_rng(100 + seed)
+    dropout = [None, PermanentDropout(0.2), TemporaryDropout(0.3)][seed % 3]
+    config = IncaConfig(iterations=int(rng.integers(4, 13)), neighbors=int(rng.integers(1, 3)),
+                        sigma_star=float(rng.uniform(0.05, 2)), sigma_delta=float(rng.uniform(0.5, 30)),
+                        schedule=("incremental", "early")[seed % 2], dropout=dropout)
+    trace = sample_trace(int(rng.integers(20, 60)), config, seed=seed)
+    view = (random_collusion(trace, 0.2, seed) if seed % 4 < 2 else random_eavesdrop(trace, 0.4, seed))
+    return trace, view
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", ["small", "larger"])
+def test_every_prefix_and_the_finals_factor_match_a_dense_cholesky(size):
+    """The profile (the covariance propagated into one triangle, factorized in place) against the dense
+    system's covariance factorized by scipy: every prefix's mu, the finals' factor and whitened rows agree
+    to 1e-12 relative where Sigma is well conditioned, and within the rounding a solve with its condition
+    number allows (4 eps cond(Sigma)) elsewhere."""
+    eps = np.finfo(float).eps
+    for seed in range(40 if size == "small" else 16):
+        trace, view = _execution(seed) if size == "small" else _larger_execution(seed)
+        prof = PrefixProfile.build(trace, view)
+        cumulative, L, W, condition = _dense_reference(trace, view)
+        rel = max(1e-12, 4 * eps * condition)
+        for t in range(trace.iterations + 2):
+            ref = np.sqrt(cumulative[t])
+            np.testing.assert_allclose(prof.mu_through(t), ref, rtol=rel, atol=1e-300, err_msg=f"{seed}, {t}")
+        a = L.shape[0] - prof.final_parties.size
+        assert not np.triu(prof.last_factor, 1).any()  # lower triangular: mu_with_finals multiplies by it
+        np.testing.assert_allclose(prof.last_factor, L[a:, a:], rtol=0, atol=rel * np.abs(L).max())
+        np.testing.assert_allclose(prof.last_whitened, W[a:], rtol=0, atol=rel * max(np.abs(W).max(), 1e-300))
+
+
+@pytest.mark.timeout(120)
+def test_a_profile_holds_one_covariance_sized_matrix():
+    """The covariance is propagated into one (m, m) triangle and factorized there: no Gram of B_V or of
+    A_V, no copy of Sigma for the factorization (before: five (m, m) float64 matrices at the peak)."""
+    trace = sample_trace(400, IncaConfig(iterations=30, sigma_star=0.5, sigma_delta=5.0,
+                                         dropout=PermanentDropout(0.1)), seed=1)
+    view = random_collusion(trace, 0.1, seed=1)
+    m = int(view.honest_observed().sum())
+    tracemalloc.start()
+    try:
+        PrefixProfile.build(trace, view)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3.5 * 8 * m * m, (peak / (8 * m * m), m)  # 1 for Sigma/L, the rest O(m n) and O(n^2)

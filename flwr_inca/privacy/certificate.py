@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.linalg as la
 from scipy.linalg.blas import dtrsm
+from scipy.linalg.lapack import dpocon, dpotrf
 
 from .._checks import check_bytes, check_delta, check_scale
 from .._json import jsonable
 from ..protocol.trace import ExecutionTrace
 from .bound import BoundSettings, SensitivityBound, bound_bytes, bound_profile
 from .conversions import epsilon_for_delta
-from .linear_system import ObservationModel, build_model
+from .linear_system import ObservationModel, build_model, lower_norm1
 from .views import AdversaryView
 
 __all__ = [
@@ -235,28 +236,52 @@ def _whiten(K: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def lower_solve(L: np.ndarray, B: np.ndarray) -> np.ndarray:
-    """``L^{-1} B`` for lower triangular L, by BLAS ``dtrsm`` (``scipy.linalg.solve_triangular`` adds
-    about 10 ms per call on a 2-core machine, which dominates small solves)."""
+    """``L^{-1} B`` for lower triangular L (only its lower triangle is read), by BLAS ``dtrsm``
+    (``scipy.linalg.solve_triangular`` adds about 10 ms per call on a 2-core machine, which dominates small
+    solves). A C-ordered L is passed as its Fortran-ordered transpose, not copied."""
     if B.size == 0:
         return np.zeros(B.shape)
+    if L.flags.c_contiguous and not L.flags.f_contiguous:
+        # X = L^{-1} B  <=>  X^T L^T = B^T: a right-sided solve with the upper triangular L^T, whose
+        # Fortran-ordered storage is L's own; B^T of a C-ordered B is Fortran-ordered too
+        return dtrsm(1.0, L.T, np.asarray(B).T, side=1, lower=0).T
     return dtrsm(1.0, L, B, lower=1)
+
+
+def whiten_lower(lower: np.ndarray, norm1: float, H: np.ndarray, rcond: float = 1e-10, *,
+                 overwrite: bool = False, clean: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(L, L^{-1} H)`` with ``L L^T = Sigma``, Sigma the symmetric matrix whose lower triangle is
+    ``lower``'s ((m, m), C-ordered; its upper triangle is not read), or None when Sigma is not positive
+    definite or its reciprocal condition (LAPACK ``dpocon``, from ``norm1 = ||Sigma||_1``) is at most
+    ``rcond``.
+
+    ``overwrite``: factorize ``lower`` in place (it then holds L on and below the diagonal) and overwrite
+    ``H`` (C-ordered, (m, n_H)) with ``L^{-1} H``; no (m, m) copy is made. ``clean``: zero L's upper
+    triangle (else it keeps whatever ``lower`` held there). L is C-ordered, ``L^{-1} H`` too.
+    """
+    as_c = np.asarray if overwrite else np.array  # np.array copies, np.asarray only where it must
+    lower = as_c(lower, dtype=np.float64, order="C")
+    H = as_c(H, dtype=np.float64, order="C")
+    # LAPACK works on Fortran order: lower.T is the same memory, and its upper triangle is Sigma's lower one;
+    # the factor U of U^T U = Sigma it computes there is L^T
+    U, info = dpotrf(lower.T, lower=0, clean=int(clean), overwrite_a=1)
+    if info != 0:
+        return None
+    if not dpocon(U, norm1, uplo="U")[0] > rcond:
+        return None
+    # W = L^{-1} H  <=>  W^T U = H^T: a right-sided solve on the Fortran-ordered H^T, in place
+    Wt = dtrsm(1.0, U, H.T, side=1, lower=0, overwrite_b=1)
+    return U.T, Wt.T
 
 
 def whiten_at(model: ObservationModel, sigma_star: float, sigma_delta: float,
               rcond: float = 1e-10) -> tuple[np.ndarray, np.ndarray] | None:
     """``(L, L^{-1} H)`` with ``L L^T = Sigma = sigma_star^2 G_B + sigma_delta^2 G_A`` (Thm 4.1:
     ``mu_i = ||L^{-1} h_i||``), or None when Sigma is singular or its reciprocal condition is at most
-    ``rcond`` (the pencil method then handles the null space)."""
+    ``rcond`` (the pencil method then handles the null space). L is lower triangular (zeros above)."""
     Sigma = sigma_star**2 * model.G_B
     Sigma += sigma_delta**2 * model.G_A
-    norm1 = float(np.abs(Sigma).sum(axis=0).max())
-    try:
-        L = la.cholesky(Sigma, lower=True, check_finite=False, overwrite_a=True)
-    except la.LinAlgError:
-        return None
-    if not la.lapack.dpocon(L.T, norm1)[0] > rcond:
-        return None
-    return L, lower_solve(L, model.H)
+    return whiten_lower(Sigma, lower_norm1(Sigma), model.H.copy(), rcond, overwrite=True, clean=True)
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ import scipy.linalg as la
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.topology import Messages
 from ..protocol.trace import ExecutionTrace, TraceStep
-from .certificate import EXACT_MAX_PARTIES, EXACT_MAX_ROWS, certify, lower_solve, whiten_at
-from .linear_system import build_model
+from .certificate import EXACT_MAX_PARTIES, EXACT_MAX_ROWS, certify, lower_solve, whiten_lower
+from .linear_system import observed_covariance
 from .rounds import RoundCertificate, certification_views, worst_mu
 from .views import AdversaryView, with_finals
 
@@ -101,25 +101,28 @@ class PrefixProfile:
             return None
         s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
         s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
-        model = build_model(trace, view)
+        cov = observed_covariance(trace, view, s_star, s_delta)
         T = trace.iterations
-        row_t = model.rows[:, 1]
+        row_t = cov.rows[:, 1]
         # offsets[t]: rows of iterations < t, i.e. the rows of V_t (rows come ordered by t)
         offsets = np.searchsorted(row_t, np.arange(T + 2), side="left")
-        nH, m = model.honest.size, row_t.size
+        nH, m = cov.honest.size, row_t.size
         if m == 0:
             empty = np.zeros((0, 0))
-            return cls(model.honest, np.zeros((T + 2, nH)), np.zeros(0, np.int64), empty,
+            return cls(cov.honest, np.zeros((T + 2, nH)), np.zeros(0, np.int64), empty,
                        np.zeros((0, nH)), float(value_sensitivity))
-        factor = whiten_at(model, s_star, s_delta)
+        factor = whiten_lower(cov.lower, cov.norm1, cov.H, overwrite=True)  # in place: no (m, m) copy
         if factor is None:
             return None
         L, W = factor
-        csum = np.zeros((m + 1, nH))
-        np.cumsum(W * W, axis=0, out=csum[1:])
+        # mu^2 of V_t: the squared rows of W up to offsets[t], summed per iteration then accumulated
+        blocks = [W[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        per_iteration = np.stack([np.einsum("ij,ij->j", block, block) for block in blocks])
+        cumulative = np.zeros((T + 2, nH))
+        np.cumsum(per_iteration, axis=0, out=cumulative[1:])
         a = int(offsets[T])
-        return cls(model.honest, csum[offsets], model.rows[a:, 0].copy(), np.ascontiguousarray(L[a:, a:]),
-                   W[a:].copy(), float(value_sensitivity))
+        return cls(cov.honest, cumulative, cov.rows[a:, 0].copy(), np.tril(L[a:, a:]), W[a:].copy(),
+                   float(value_sensitivity))
 
     def mu_through(self, through: int) -> np.ndarray:
         """(n_H,) mu of ``V_through``: the messages of iterations 1..``through`` observed (0..T+1)."""
