@@ -6,6 +6,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,14 +45,51 @@ def _csv(path):
         return list(csv.DictReader(fh))
 
 
-def test_every_figure_pipeline_writes_csv_png_and_table(tiny, tmp_path):
+@pytest.fixture
+def drawn(monkeypatch):
+    """``{file name: figure}`` of every figure the plots save (still written), to look inside."""
+    pytest.importorskip("matplotlib")
+    from flwr_inca import _plots
+
+    figures = {}
+    save = _plots.save_figure
+
+    def keep(fig, path, **options):
+        figures[Path(path).name] = fig
+        return save(fig, path, **options)
+
+    monkeypatch.setattr(_plots, "save_figure", keep)
+    return figures
+
+
+def _words_outside_math(fig) -> list[str]:
+    """Names of symbols written out in words (``gamma``, ``eps``...) in any text of ``fig``, outside ``$...$``."""
+    from matplotlib.text import Text
+
+    found = []
+    for text in fig.findobj(Text):
+        plain = re.sub(r"\$[^$]*\$", "", text.get_text())
+        found += re.findall(r"\b(?:eps|epsilon|gamma\w*|sigma\w*|delta|rho|alpha|mu)\b", plain)
+    return found
+
+
+PAPER_FIGURE = {"fig1": "Fig. 1", "fig2": "Fig. 2", "fig3a": "Fig. 3a", "fig3b": "Fig. 3b", "fig5": "Fig. 5"}
+
+
+def test_every_figure_pipeline_writes_csv_png_svg_and_table(tiny, tmp_path, drawn):
     out = io.StringIO()
     results = reproduce(["all"], runs=2, out=tmp_path, seed=1, progress=False, stream=out)
     assert [r.figure for r in results] == [name for name, f in FIGURES.items() if f.in_all]  # not the frontier
     text = out.getvalue()
     for r in results:
         assert (tmp_path / f"{r.figure}.png").stat().st_size > 5000
-        assert (tmp_path / f"{r.figure}.txt").read_text().startswith(f"== {r.title}")
+        svg = (tmp_path / f"{r.figure}.svg").read_text()
+        assert svg.startswith("<?xml") and "<svg" in svg
+        # the plot names the paper's figure it reproduces (matplotlib keeps each text as a comment)
+        assert f"Reproduces {PAPER_FIGURE[r.figure]} of Sabater et al., PoPETs 2026" in svg
+        table = (tmp_path / f"{r.figure}.txt").read_text()
+        assert table.startswith(f"== {r.title}")
+        assert f"{tmp_path / r.figure}.png, {tmp_path / r.figure}.svg" in table
         rows = _csv(tmp_path / f"{r.figure}.csv")
         assert len(rows) == len(r.rows) > 0 and list(rows[0]) == r.columns
         assert r.checks and r.title in text
@@ -66,6 +107,119 @@ def test_every_figure_pipeline_writes_csv_png_and_table(tiny, tmp_path):
     assert math.isnan(f1[0.25]["inca_paper_mse"])
     cordp = [row for row in fig3b if row["protocol"] == "CorDP-DME"]
     assert all(row["noise_lower_bound"] > 0 for row in cordp)
+    # symbols, not words: epsilon, gamma, sigma, delta, rho, alpha, mu in mathtext everywhere
+    assert sorted(drawn) == sorted(f"{f}.png" for f in FIGURES)
+    for name, fig in drawn.items():
+        assert _words_outside_math(fig) == [], name
+
+
+def _error_bars(ax) -> list:
+    """The (lower, upper) y of every error bar drawn in ``ax``."""
+    from matplotlib.container import ErrorbarContainer
+
+    bars = []
+    for container in ax.containers:
+        if isinstance(container, ErrorbarContainer) and container.has_yerr:
+            for segments in container.lines[2]:
+                bars += [(seg[0][1], seg[1][1]) for seg in segments.get_segments()]
+    return bars
+
+
+def test_measured_mse_points_carry_their_standard_error_and_the_plots_draw_it(tiny, tmp_path, drawn):
+    """Figs. 1 and 3: every measured MSE has its standard error over the runs in the CSV, and the plots
+    draw it as an error bar of +-1 standard error around the point."""
+    results = {r.figure: r for r in reproduce(["fig1", "fig3b"], runs=3, out=tmp_path, seed=2, progress=False,
+                                              stream=io.StringIO())}
+    f1 = _csv(tmp_path / "fig1.csv")
+    for proc in ("paper", "exact"):
+        for row in f1:
+            mse, stderr = float(row[f"inca_{proc}_mse"]), float(row[f"inca_{proc}_mse_stderr"])
+            assert math.isnan(mse) == math.isnan(stderr)
+            assert math.isnan(stderr) or 0 < stderr < mse
+    f3 = [r for r in _csv(tmp_path / "fig3b.csv") if r["figure"] == "3b"]
+    assert f3 and all(0 < float(r["mse_stderr"]) < float(r["mse"]) for r in f3)
+    # the bars: one per measured point, from mse - stderr (on the log axis: at most 95% down) to mse + stderr
+    def bar(mse, stderr):
+        return (mse - min(stderr, 0.95 * mse), mse + stderr)
+
+    measured = [bar(r[f"inca_{p}_mse"], r[f"inca_{p}_mse_stderr"]) for p in ("paper", "exact")
+                for r in results["fig1"].rows if math.isfinite(r[f"inca_{p}_mse"])]
+    np.testing.assert_allclose(sorted(_error_bars(drawn["fig1.png"].axes[0])), sorted(measured), rtol=1e-12)
+    expected = [bar(r["mse"], r["mse_stderr"]) for r in results["fig3b"].rows
+                if r.get("figure") == "3b" and r["procedure"] == "paper"]
+    np.testing.assert_allclose(sorted(_error_bars(drawn["fig3b.png"].axes[0])), sorted(expected), rtol=1e-12)
+
+
+def test_fig5_success_shares_carry_their_standard_error_and_each_panel_its_legend(tiny, tmp_path, drawn):
+    """Fig. 5: the binomial standard error of each success share, a band of +-1 of it, and in every panel a
+    legend naming k and both markers; the exact markers are drawn above the precondition's, smaller and of
+    another shape, so both show where they coincide."""
+    (result,) = reproduce(["fig5"], runs=5, out=tmp_path, seed=3, progress=False, stream=io.StringIO())
+    for row in _csv(tmp_path / "fig5.csv"):
+        runs = int(row["runs"])
+        for column in ("precondition_success", "exact_floor_success"):
+            successes = round(float(row[column]) * runs)
+            spread = math.sqrt(sum((float(i < successes) - successes / runs) ** 2 for i in range(runs)) / runs)
+            assert float(row[f"{column}_stderr"]) == pytest.approx(spread / math.sqrt(runs), abs=1e-12)
+    fig = drawn["fig5.png"]
+    assert "Reproduces Fig. 5 of Sabater et al., PoPETs 2026" in fig.get_suptitle()
+    assert len(fig.axes) == 4
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert labels == [f"$k = {k}$" for k in fig5.KS] + ["precondition", "exact certificate"]
+        pre = [line for line in ax.get_lines() if line.get_marker() == "o"]
+        exact = [line for line in ax.get_lines() if line.get_marker() == "x"]
+        assert len(pre) == len(exact) == len(fig5.KS)
+        for p, e in zip(pre, exact):
+            assert e.get_zorder() > p.get_zorder() and p.get_markersize() > e.get_markersize()
+            assert p.get_markerfacecolor() == "white"  # hollow: the cross inside stays visible
+        assert len(ax.collections) == len(fig5.KS)  # one +-1 standard error band per k
+    assert result.rows[0]["precondition_success_stderr"] >= 0
+
+
+def test_fig2_tells_measured_cells_from_extrapolated_ones(tiny, tmp_path, drawn):
+    """Fig. 2: measured cells (filled markers, solid lines) and extrapolated ones (hollow markers, dashed),
+    the legend saying which is which, and the spread of the runs shaded."""
+    reproduce(["fig2"], runs=4, out=tmp_path, seed=1, progress=False, stream=io.StringIO())
+    fig = drawn["fig2.png"]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any(label.startswith("measured: smallest $T$") for label in labels)
+    assert any(label.startswith("extrapolated:") for label in labels)
+    assert any("spread" in label for label in labels)
+    panels = [ax for ax in fig.axes if ax.get_lines()]
+    assert len(panels) == len(fig2.PARTIES)
+    for ax in panels:
+        measured = [line for line in ax.get_lines() if line.get_marker() == "o"]
+        extrapolated = [line for line in ax.get_lines() if line.get_marker() == "s"]
+        assert len(measured) == len(extrapolated) == 1
+        assert measured[0].get_linestyle() == "-" and measured[0].get_markerfacecolor() != "white"
+        assert extrapolated[0].get_linestyle() == "--" and extrapolated[0].get_markerfacecolor() == "white"
+        assert len(ax.collections) == 1  # the band: median to 99th percentile of the runs
+
+
+def test_plots_need_no_matplotlib_to_import_and_reproduce_writes_the_csv_without_it(tmp_path):
+    """matplotlib is optional: the package and its plotting modules import without it, and a reproduction
+    writes its CSV and table (no PNG, a note saying why)."""
+    code = (
+        "import io, sys\n"
+        "sys.modules['matplotlib'] = None\n"  # any import of it now fails
+        "import flwr_inca, flwr_inca._plots, flwr_inca.reproduce, flwr_inca.study.report\n"
+        "import flwr_inca.privacy.attack, flwr_inca.simulation.history\n"
+        "from flwr_inca._plots import have_matplotlib\n"
+        "from flwr_inca.reproduce import fig2, reproduce\n"
+        "assert not have_matplotlib()\n"
+        "fig2.PARTIES, fig2.RHOS = (20,), (0.1,)\n"
+        "out = io.StringIO()\n"
+        f"reproduce(['fig2'], runs=2, out={str(tmp_path)!r}, progress=False, stream=out)\n"
+        "assert 'matplotlib is not installed' in out.getvalue()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "fig2.csv").exists() and not (tmp_path / "fig2.png").exists()
+    assert not (tmp_path / "fig2.svg").exists()
 
 
 def test_reproduction_is_deterministic(tiny, tmp_path):

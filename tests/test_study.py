@@ -179,7 +179,7 @@ def test_study_pipeline_tunes_on_validation_and_writes_table_and_plots(tmp_path)
     lines = []
     summary = run_study(_dataset(), grid, tmp_path, log=lines.append)
     for name in ("runs.csv", "results.json", "table.csv", "table.md", "accuracy_vs_epsilon.png",
-                 "accuracy_vs_gamma.png"):
+                 "accuracy_vs_gamma.png", "accuracy_vs_epsilon.svg", "accuracy_vs_gamma.svg"):
         assert (tmp_path / name).stat().st_size > 0, name
     # the package's progress bar, through the study's log: the share done and the time left
     assert any(line.startswith("[flwr-inca study mnist] [") and " left" in line for line in lines)
@@ -393,6 +393,59 @@ def test_plots_have_one_panel_per_clients_and_partition(tmp_path):
     for quadrant in (coloured[: h // 2, : w // 2], coloured[: h // 2, w // 2:], coloured[h // 2:, : w // 2],
                      coloured[h // 2:, w // 2:]):
         assert quadrant.sum() > 50
+
+
+def _seeded_summary(methods=("fedavg", "inca")):
+    """A summary of two seeds per point: accuracy and its spread (std over the seeds) per (method, epsilon)."""
+    return {"table": [
+        {"method": m, "clients": 8, "partition": "iid", "epsilon": e, "gamma": 0.1, "runs": 2,
+         "accuracy": 0.6 + 0.05 * i + 0.01 * e, "spread": 0.01 * (i + 1) * e}
+        for i, m in enumerate(methods) for e in (1.0, 4.0)]}
+
+
+def test_study_plots_draw_the_spread_over_seeds_as_error_bars_and_symbols_for_epsilon_and_gamma():
+    """Each point's bar is +-1 spread (the table's std over seeds), in percent; the axes and titles write
+    epsilon, gamma and delta as symbols."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.container import ErrorbarContainer
+
+    from flwr_inca.study.report import figures
+
+    summary = _seeded_summary()
+    grid = StudyGrid(clients=(8,), partitions=("iid",), methods=("fedavg", "inca"), epsilons=(1.0, 4.0))
+    (name, fig), _ = figures(summary, grid)
+    assert name == "accuracy_vs_epsilon"
+    ax = fig.axes[0]
+    bars = sorted((seg[0][1], seg[1][1]) for c in ax.containers if isinstance(c, ErrorbarContainer)
+                  for seg in c.lines[2][0].get_segments())
+    expected = sorted((100 * (r["accuracy"] - r["spread"]), 100 * (r["accuracy"] + r["spread"]))
+                      for r in summary["table"])
+    np.testing.assert_allclose(bars, expected, rtol=1e-12)
+    assert ax.get_xlabel().startswith(r"$\varepsilon$") and r"$\delta = 10^{-5}$" in ax.get_xlabel()
+    assert r"$\gamma = 0.1$" in ax.get_title() and "2 seeds" in ax.get_title()
+
+
+def test_replot_redraws_png_and_svg_from_results_json_and_names_a_bad_file(tmp_path, capsys):
+    """``flwr-inca study mnist --replot --out DIR`` redraws both plots (PNG and SVG) from DIR/results.json,
+    running nothing; a folder without a study's results: exit 2, one line naming --replot and the file."""
+    pytest.importorskip("matplotlib")
+    from dataclasses import asdict
+
+    from flwr_inca.cli import main
+
+    grid = StudyGrid(clients=(8,), partitions=("iid",), methods=("fedavg", "inca"), epsilons=(1.0, 4.0))
+    (tmp_path / "results.json").write_text(json.dumps({**_seeded_summary(), "grid": asdict(grid)}))
+    assert main(["study", "mnist", "--replot", "--out", str(tmp_path)]) == 0
+    for name in ("accuracy_vs_epsilon", "accuracy_vs_gamma"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 5000
+        assert (tmp_path / f"{name}.svg").read_text().startswith("<?xml")
+    assert str(tmp_path / "accuracy_vs_gamma.svg") in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["study", "mnist", "--replot", "--out", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--replot" in err[0] and str(empty / "results.json") in err[0]
+    assert list(empty.iterdir()) == []
 
 
 @pytest.mark.parametrize("clients,partitions", [((8,), ("iid",)), ((8,), ("iid", "dirichlet:0.5")),

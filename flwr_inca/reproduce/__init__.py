@@ -2,8 +2,8 @@
 communication-accuracy frontier under dropouts: ``flwr-inca reproduce frontier`` (not part of ``all``: hours at
 its default scale, see :mod:`flwr_inca.reproduce.frontier`).
 
-Each figure writes ``<out>/<figure>.csv`` (every number plotted), ``<out>/<figure>.png`` (needs
-matplotlib) and ``<out>/<figure>.txt`` (the printed table and the paper's statements next to what was
+Each figure writes ``<out>/<figure>.csv`` (every number plotted), ``<out>/<figure>.png`` and ``.svg``
+(needs matplotlib) and ``<out>/<figure>.txt`` (the printed table and the paper's statements next to what was
 measured), and returns a :class:`FigureResult`::
 
     from flwr_inca.reproduce import reproduce
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from .._checks import check_bool, check_int, check_runs
+from .._plots import have_matplotlib
 from . import fig1, fig2, fig3, fig5, frontier
 from .common import Check, FigureResult, ProgressBar, single_blas_thread, write_csv
 
@@ -131,28 +132,26 @@ def reproduce(
 
 
 def _have_matplotlib(stream: TextIO) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
+    if have_matplotlib():
         return True
-    except ImportError:
-        print("note: matplotlib is not installed (pip install matplotlib): CSV and tables only, no PNG",
-              file=stream)
-        return False
+    print("note: matplotlib is not installed (pip install matplotlib): CSV and tables only, no PNG",
+          file=stream)
+    return False
 
 
 def _write(result: FigureResult, display: Sequence[str], out: Path, plots: bool, stream: TextIO) -> None:
     write_csv(result, out / f"{result.figure}.csv")
+    figures: list[Path] = []
     if plots and result.plot is not None:
-        result.plot(result, out / f"{result.figure}.png")
+        png = out / f"{result.figure}.png"
+        figures = result.plot(result, png) or [png]
     extra = result.write_extra(result, out) if result.write_extra is not None else []
     params = ", ".join(f"{k} = {v}" for k, v in result.params.items())
     lines = [f"== {result.title}", f"({params}; {result.seconds:.1f} s)", "", result.table(list(display)), "",
              result.checks_heading, result.checks_table()]
     lines += [f"note: {n}" for n in result.notes]
-    written = [f"{result.figure}.csv"] + ([f"{result.figure}.png"] if plots and result.plot else []) + extra
-    lines += ["", f"wrote {', '.join(str(out / w) for w in written)}"]
+    written = [out / f"{result.figure}.csv", *figures, *(out / name for name in extra)]
+    lines += ["", f"wrote {', '.join(str(w) for w in written)}"]
     text = "\n".join(lines)
     (out / f"{result.figure}.txt").write_text(text + "\n", encoding="utf-8")
     print(text + "\n", file=stream, flush=True)

@@ -13,7 +13,16 @@ from typing import Any
 
 from .._progress import ProgressBar  # re-exported: the package's one progress display
 
-__all__ = ["Check", "FigureResult", "ProgressBar", "format_table", "single_blas_thread", "write_csv"]
+__all__ = ["PAPER", "Check", "FigureResult", "ProgressBar", "format_table", "reproduces", "single_blas_thread",
+           "write_csv"]
+
+PAPER = "Sabater et al., PoPETs 2026"  # Sabater, Ben Mokhtar & Ramon, the IncA paper
+
+
+def reproduces(figure: str) -> str:
+    """The line each reproduction's plot carries: ``reproduces("Fig. 3b")`` is
+    ``"Reproduces Fig. 3b of Sabater et al., PoPETs 2026"``."""
+    return f"Reproduces {figure} of {PAPER}"
 
 
 @dataclass
@@ -39,7 +48,9 @@ class FigureResult:
     notes: list[str] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
-    plot: Callable[[FigureResult, Path], None] | None = None
+    # draws the figure to the PNG path given (and its SVG beside it, flwr_inca._plots.save_figure); returns
+    # the paths written (None: only the PNG)
+    plot: Callable[[FigureResult, Path], list[Path] | None] | None = None
     # writes further files into the output directory and returns their names (e.g. a markdown table)
     write_extra: Callable[[FigureResult, Path], list[str]] | None = None
     checks_heading: str = "The paper's statements, measured:"

@@ -25,7 +25,7 @@ from ..baselines.inca import IncaBaseline
 from ..privacy.conversions import classic_c
 from ..privacy.views import coalition_size
 from ..protocol.config import IncaConfig
-from .common import Check, FigureResult, ProgressBar
+from .common import Check, FigureResult, ProgressBar, reproduces
 from .experiments import calibrate_and_measure, units
 
 N, EPSILON, DELTA = 1024, 0.1, 1e-5
@@ -40,8 +40,9 @@ COLUMNS = [
     "rho", "n_honest", "cdp_classic", "cdp_exact", "ldp_classic", "ldp_exact",
     "muffliato_pndp_T8", "muffliato_pndp_T17", "muffliato_T8_measured_party",
     "inca_formula_classic", "inca_formula_exact",
-    "inca_paper_mse", "inca_paper_sigma_star", "inca_paper_sigma_delta",
-    "inca_exact_mse", "inca_exact_sigma_star", "inca_exact_sigma_delta", "inca_exact_alpha", "runs",
+    "inca_paper_mse", "inca_paper_mse_stderr", "inca_paper_sigma_star", "inca_paper_sigma_delta",
+    "inca_exact_mse", "inca_exact_mse_stderr", "inca_exact_sigma_star", "inca_exact_sigma_delta", "inca_exact_alpha",
+    "runs",
 ]
 
 
@@ -76,6 +77,8 @@ def run(runs: int, seed: int, bar: ProgressBar) -> FigureResult:
         for proc in ("paper", "exact"):
             got = measured.get(rho, {}).get(proc)
             row[f"inca_{proc}_mse"] = got.measured if got else math.nan
+            # standard error of the MSE over the runs (each run's squared error averaged over DIM coordinates)
+            row[f"inca_{proc}_mse_stderr"] = got.mse.stderr if got and got.mse else math.nan
             row[f"inca_{proc}_sigma_star"] = got.calibration.sigma_star if got else math.nan
             row[f"inca_{proc}_sigma_delta"] = got.calibration.sigma_delta if got else math.nan
         row["inca_exact_alpha"] = measured[rho]["exact"].calibration.alpha if rho in measured else math.nan
@@ -110,33 +113,51 @@ def run(runs: int, seed: int, bar: ProgressBar) -> FigureResult:
     return result
 
 
-def plot(result: FigureResult, path: Path) -> None:
-    import matplotlib.pyplot as plt
+def plot(result: FigureResult, path: Path) -> list[Path]:
+    """The paper's Fig. 1: MSE against the corrupted fraction rho, closed forms as lines, the measured
+    IncA runs as points with +-1 standard error; PNG at ``path`` and SVG beside it."""
+    from .._plots import log_yerr, math_number, new_figure, paper_style, save_figure
 
     rows = result.rows
     rho = np.array([r["rho"] for r in rows])
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
-    ax.plot(rho, [r["ldp_classic"] for r in rows], "k--", label="LDP (classic)")
-    ax.plot(rho, [r["ldp_exact"] for r in rows], "--", color="gray", lw=1, label="LDP (tight)")
-    ax.plot(rho, [r["muffliato_pndp_T17"] for r in rows], "-", color="tab:purple", label="Muffliato PNDP, T = 17")
-    ax.plot(rho, [r["muffliato_pndp_T8"] for r in rows], ":", color="tab:purple", label="Muffliato PNDP, T = 8 (paper)")
-    ax.plot(rho, [r["inca_formula_classic"] for r in rows], "-", color="tab:blue", label="IncA formula (classic)")
-    ax.plot(rho, [r["inca_formula_exact"] for r in rows], "-", color="tab:green", label="IncA formula (tight)")
-    for proc, marker, color in (("paper", "o", "tab:blue"), ("exact", "s", "tab:green")):
-        pts = [(r["rho"], r[f"inca_{proc}_mse"]) for r in rows if math.isfinite(r[f"inca_{proc}_mse"])]
-        if pts:
-            ax.plot(*zip(*pts), marker, color=color, mfc="none",
-                    label=f"IncA measured, {'paper calibration' if proc == 'paper' else 'exact calibration'}")
-    ax.plot(rho, [r["muffliato_T8_measured_party"] for r in rows], "-.", color="tab:purple", lw=1,
-            label="Muffliato measured, a party's own estimate (T = 8)")
-    ax.plot(rho, [r["cdp_classic"] for r in rows], "k-", label="CDP (classic)")
-    ax.plot(rho, [r["cdp_exact"] for r in rows], "-", color="gray", lw=1, label="CDP (tight)")
-    ax.set_yscale("log")
-    ax.set_xlabel("fraction of corrupted parties")
-    ax.set_ylabel("MSE")
-    ax.set_title(f"n = {N}, eps = {EPSILON}, delta = {DELTA:g}, {result.params['runs']} runs per point", fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with paper_style():
+        fig, ax = new_figure(figsize=(8.2, 4.6))
+        for column, style, color, width, label in _LINES:
+            ax.plot(rho, [r[column] for r in rows], style, color=color, lw=width, label=label)
+        for proc, marker, color, label in (("paper", "o", "tab:blue", r"paper's calibration ($\alpha = 1.3$)"),
+                                           ("exact", "s", "tab:green", r"exact calibration ($\alpha$ chosen)")):
+            pts = [r for r in rows if math.isfinite(r[f"inca_{proc}_mse"])]
+            if pts:
+                y = np.array([r[f"inca_{proc}_mse"] for r in pts])
+                err = log_yerr(y, [r.get(f"inca_{proc}_mse_stderr", math.nan) for r in pts])
+                ax.errorbar([r["rho"] for r in pts], y, yerr=err, fmt=marker, color=color, mfc="white", ms=6,
+                            mew=1.5, zorder=4, label=f"IncA measured, {label}")
+        ax.set_yscale("log")
+        ax.set_xlabel(r"fraction of corrupted parties $\rho$")
+        ax.set_ylabel("MSE of the average")
+        ax.set_title(f"$n = {N}$, $\\varepsilon = {EPSILON:g}$, $\\delta = {math_number(DELTA)}$; IncA "
+                     f"$k = {NEIGHBORS}$, $T = {ITERATIONS}$\n{result.params['runs']} runs per measured point "
+                     "(bars: $\\pm 1$ standard error)", fontsize=8)
+        fig.suptitle(reproduces("Fig. 1"))
+        ax.grid(which="minor", alpha=0.12)
+        handles, labels = ax.get_legend_handles_labels()  # the measured points next to their formulas
+        cut = next((i for i, label in enumerate(labels) if label.startswith("central DP")), len(labels))
+        measured = [i for i, label in enumerate(labels) if label.startswith("IncA measured")]
+        order = [i for i in range(cut) if i not in measured] + measured + [
+            i for i in range(cut, len(labels)) if i not in measured]
+        fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside right center")
+        return save_figure(fig, path)
+
+
+# the closed forms and Muffliato: (column, line style, colour, width, legend label)
+_LINES = (
+    ("ldp_classic", "--", "black", 1.5, r"local DP, classic bound $c^2/(n \varepsilon^2)$"),
+    ("ldp_exact", "--", "gray", 1.0, r"local DP, tight $1/(n \mu^2)$"),
+    ("muffliato_pndp_T17", "-", "tab:purple", 1.5, r"Muffliato PNDP, $T = 17$"),
+    ("muffliato_T8_measured_party", "-.", "tab:purple", 1.0, r"Muffliato measured, a party's own estimate ($T = 8$)"),
+    ("muffliato_pndp_T8", ":", "tab:purple", 1.5, r"Muffliato PNDP, $T = 8$ (paper)"),
+    ("inca_formula_classic", "-", "tab:blue", 1.5, r"IncA, classic bound $c^2/(n_H n \varepsilon^2)$"),
+    ("inca_formula_exact", "-", "tab:green", 1.5, r"IncA, tight $1/(n_H n \mu^2)$"),
+    ("cdp_classic", "-", "black", 1.5, r"central DP, classic bound $c^2/(n^2 \varepsilon^2)$"),
+    ("cdp_exact", "-", "gray", 1.0, r"central DP, tight $1/(n^2 \mu^2)$"),
+)

@@ -24,7 +24,7 @@ from ..baselines.pairwise import GOPA, CorDPDME
 from ..privacy.conversions import classic_c
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import PermanentDropout
-from .common import Check, FigureResult, ProgressBar
+from .common import Check, FigureResult, ProgressBar, reproduces
 from .experiments import Calibrated, calibrate_and_measure, units
 
 N, EPSILON, DELTA, RHO = 200, 0.2, 1e-5, 0.1
@@ -194,47 +194,67 @@ def _checks_3b(rows: list[dict]) -> list[Check]:
     return checks
 
 
-def _plot(result: FigureResult, path: Path, series: list[tuple[str, str, str]], lower_bound: bool) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-    for ax, proc in zip(axes, ("paper", "exact")):
-        for protocol, color, style in series:
-            pts = [(r["gamma"], r["mse"]) for r in result.rows
-                   if r["protocol"] == protocol and r["procedure"] == proc and math.isfinite(r["mse"])]
-            if pts:
-                ax.plot(*zip(*sorted(pts)), style, color=color, label=protocol)
-        if lower_bound:
-            pts = [(r["gamma"], r["noise_lower_bound"]) for r in result.rows
-                   if r["protocol"] == "CorDP-DME" and r["procedure"] == proc and math.isfinite(r["noise_lower_bound"])]
-            if pts:
-                ax.plot(*zip(*sorted(pts)), ":", color="tab:brown", label="CorDP-DME lower bound (paper)")
-        for ref, style in (("CDP", "k-"), ("LDP", "k--")):
-            pts = [(r["gamma"], r["mse"]) for r in result.rows if r["protocol"] == ref and r["procedure"] == proc]
-            ax.plot(*zip(*sorted(pts)), style, lw=1, label=ref)
-        ax.set_yscale("log")
-        ax.set_xlabel("fraction of parties dropping out (gamma)")
-        ax.set_title({"paper": "paper calibration (alpha = 1.3, classic bound)",
-                      "exact": "exact calibration (tight, alpha chosen)"}[proc], fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel(f"MSE ({result.params['runs']} runs per point)")
-    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _label(protocol: str) -> str:
+    """A protocol's legend label with symbols: ``IncA k=1 T=20`` -> IncA $k = 1$, $T = 20$."""
+    if protocol.startswith("IncA "):
+        k, T = (part.split("=")[1] for part in protocol.split()[1:3])
+        return f"IncA $k = {k}$, $T = {T}$"
+    if protocol.startswith("GOPA gamma_2="):
+        split = protocol.split("=", 1)[1].replace("gamma", r"\gamma")
+        return f"GOPA $\\gamma_2 = {split}$"
+    return protocol
 
 
-def plot_3a(result: FigureResult, path: Path) -> None:
+def _plot(result: FigureResult, path: Path, series: list[tuple[str, str, str]], lower_bound: bool,
+          figure: str) -> list[Path]:
+    """One panel per calibration procedure: MSE against gamma, +-1 standard error bars; PNG and SVG."""
+    from .._plots import log_yerr, math_number, new_figure, paper_style, save_figure
+
+    with paper_style():
+        fig, axes = new_figure(1, 2, figsize=(10, 4.4), sharey=True)
+        for ax, proc in zip(axes, ("paper", "exact")):
+            for protocol, color, style in series:
+                pts = sorted((r["gamma"], r["mse"], r.get("mse_stderr", math.nan)) for r in result.rows
+                             if r["protocol"] == protocol and r["procedure"] == proc and math.isfinite(r["mse"]))
+                if pts:
+                    gamma, mse, stderr = zip(*pts)
+                    ax.errorbar(gamma, mse, yerr=log_yerr(mse, stderr), fmt=style, color=color, label=_label(protocol))
+            if lower_bound:
+                pts = [(r["gamma"], r["noise_lower_bound"]) for r in result.rows if r["protocol"] == "CorDP-DME"
+                       and r["procedure"] == proc and math.isfinite(r["noise_lower_bound"])]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), ":", color="tab:brown", label="CorDP-DME lower bound (paper's)")
+            for ref, style, label in (("CDP", "k-", "central DP"), ("LDP", "k--", "local DP")):
+                pts = [(r["gamma"], r["mse"]) for r in result.rows if r["protocol"] == ref and r["procedure"] == proc]
+                ax.plot(*zip(*sorted(pts)), style, lw=1, label=label)
+            ax.set_yscale("log")
+            ax.set_xlabel(r"fraction of parties dropping out $\gamma$")
+            ax.set_title({"paper": r"paper's calibration ($\alpha = 1.3$, classic bound)",
+                          "exact": r"exact calibration (tight conversion, $\alpha$ chosen)"}[proc])
+            ax.grid(which="minor", alpha=0.12)
+        runs = result.params["runs"]
+        axes[0].set_ylabel("MSE of the average")
+        handles, labels = axes[1].get_legend_handles_labels()  # the protocols first, then bound and references
+        rank = {"CorDP-DME lower bound (paper's)": 1, "central DP": 2, "local DP": 3}
+        order = sorted(range(len(labels)), key=lambda i: (rank.get(labels[i], 0), i))
+        fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="outside right center")
+        fig.suptitle(f"{reproduces(f'Fig. {figure}')}\n$n = {N}$, $\\varepsilon = {EPSILON:g}$, "
+                     f"$\\delta = {math_number(DELTA)}$, $\\rho = {RHO:g}$ corrupted; {runs} calibration "
+                     f"and {runs} MSE runs per point (bars: $\\pm 1$ standard error)")
+        return save_figure(fig, path)
+
+
+def plot_3a(result: FigureResult, path: Path) -> list[Path]:
     palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
     ks = sorted({k for k, _ in TOPOLOGIES_3A})
     longest = max(T for _, T in TOPOLOGIES_3A)
     series = [(f"IncA k={k} T={T}", palette[ks.index(k) % len(palette)], "o-" if T == longest else "s--")
               for k, T in TOPOLOGIES_3A]
-    _plot(result, path, series, lower_bound=False)
+    return _plot(result, path, series, lower_bound=False, figure="3a")
 
 
-def plot_3b(result: FigureResult, path: Path) -> None:
+def plot_3b(result: FigureResult, path: Path) -> list[Path]:
     series = [("IncA k=1 T=20", "tab:blue", "o-"), ("GOPA gamma_2=1/n", "tab:green", "^-"),
               ("GOPA gamma_2=gamma/4", "tab:olive", "^--"), ("GOPA gamma_2=gamma/2", "tab:red", "^-."),
               ("CorDP-DME", "tab:brown", "x-")]
-    _plot(result, path, series, lower_bound=True)
+    return _plot(result, path, series, lower_bound=True, figure="3b")

@@ -25,7 +25,7 @@ from ..privacy.views import AdversaryView, coalition_size, eavesdrop_view, rando
 from ..protocol.config import IncaConfig
 from ..protocol.engine import sample_trace
 from ..protocol.trace import ExecutionTrace
-from .common import Check, FigureResult, ProgressBar
+from .common import Check, FigureResult, ProgressBar, reproduces
 
 N = 100
 KS = (1, 2, 3, 4, 5)
@@ -35,7 +35,8 @@ OBSERVED, CORRUPTED = 0.5, 0.3
 DEFAULT_RUNS = 100
 FLOOR_TOL = 1e-4  # relative; the certificate's limit is accurate to a few 1e-6 at n = 100
 
-COLUMNS = ["threat", "k", "T", "messages", "runs", "precondition_success", "exact_floor_success", "agreement"]
+COLUMNS = ["threat", "k", "T", "messages", "runs", "precondition_success", "precondition_success_stderr",
+           "exact_floor_success", "exact_floor_success_stderr", "agreement"]
 
 
 def eavesdrop_senders(trace: ExecutionTrace, fraction: float, seed: int | None) -> AdversaryView:
@@ -64,6 +65,13 @@ def exact_floor_holds(trace: ExecutionTrace, view: AdversaryView) -> bool:
     return bool(np.all(limit <= (1.0 + FLOOR_TOL) / math.sqrt(view.honest.size)))
 
 
+def binomial_stderr(successes: int, runs: int) -> float:
+    """Standard error of a success share measured over ``runs`` independent runs, sqrt(p (1 - p) / runs)
+    (0 when every run or none succeeded: the share of those runs has no spread)."""
+    p = successes / runs
+    return math.sqrt(p * (1.0 - p) / runs)
+
+
 def work(runs: int) -> int:
     return len(KS) * len(TS) * runs
 
@@ -87,7 +95,9 @@ def run(runs: int, seed: int, bar: ProgressBar) -> FigureResult:
                     c[2] += pre == exact
                 bar.advance()
     rows = [{"threat": th, "k": k, "T": T, "messages": k * T, "runs": runs,
-             "precondition_success": c[0] / runs, "exact_floor_success": c[1] / runs, "agreement": c[2] / runs}
+             "precondition_success": c[0] / runs, "precondition_success_stderr": binomial_stderr(c[0], runs),
+             "exact_floor_success": c[1] / runs, "exact_floor_success_stderr": binomial_stderr(c[1], runs),
+             "agreement": c[2] / runs}
             for (th, k, T), c in counts.items()]
     result = FigureResult("fig5", "Fig. 5: success of Thm 4.5's precondition, n = 100 (E-DP 50% observed, "
                           "C-DP 30% corrupted)", COLUMNS, rows, plot=plot, params={"n": N, "runs": runs, "seed": seed})
@@ -125,26 +135,50 @@ def _checks(rows: list[dict]) -> list[Check]:
     ]
 
 
-def plot(result: FigureResult, path: Path) -> None:
-    import matplotlib.pyplot as plt
+# (threat, x axis, panel title); panels a-c are the paper's, d the other reading of "50% observed"
+PANELS = (("eavesdrop", "T", "(a) E-DP, 50% of the message vectors observed"),
+          ("eavesdrop", "messages", "(b) E-DP, by messages per party $kT$"),
+          ("collusion", "T", "(c) C-DP, 30% of the parties corrupted"),
+          ("eavesdrop-copies", "T", "(d) E-DP, 50% of the $kn$ copies observed (not in the paper)"))
 
-    panels = [("eavesdrop", "T", "5a: E-DP (50% of message vectors)"),
-              ("eavesdrop", "messages", "5b: E-DP, by messages kT"),
-              ("collusion", "T", "5c: C-DP (30% corrupted)"),
-              ("eavesdrop-copies", "T", "E-DP, 50% of the copies")]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6), sharey=True)
-    for ax, (threat, by, title) in zip(axes, panels):
-        for k in KS:
-            rows = sorted((r for r in result.rows if r["threat"] == threat and r["k"] == k), key=lambda r: r[by])
-            line, = ax.plot([r[by] for r in rows], [100 * r["precondition_success"] for r in rows], "o-",
-                            label=f"k = {k}")
-            ax.plot([r[by] for r in rows], [100 * r["exact_floor_success"] for r in rows], "x:",
-                    color=line.get_color())
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("iterations T" if by == "T" else "messages per party kT")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"% success ({result.params['runs']} runs; o precondition, x exact)")
-    axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+def plot(result: FigureResult, path: Path) -> list[Path]:
+    """The paper's Fig. 5 (a-c) and the copies reading (d), a legend in each panel: the precondition's
+    success share (hollow circles, line, +-1 standard error shaded) and the exact certificate's (crosses
+    on top, which sit inside the circles wherever the two agree); PNG and SVG."""
+    from .._plots import new_figure, paper_style, save_figure
+
+    with paper_style():
+        fig, axes = new_figure(2, 2, figsize=(10, 7.4), sharey=True)
+        for ax, (threat, by, title) in zip(axes.flat, PANELS):
+            _panel(ax, [r for r in result.rows if r["threat"] == threat], by)
+            ax.set_title(title)
+            ax.set_xlabel(r"iterations $T$" if by == "T" else r"messages per party $kT$")
+        for ax in axes[:, 0]:
+            ax.set_ylabel("success (% of runs)")
+        fig.suptitle(f"{reproduces('Fig. 5')} (panels a-c): success of Theorem 4.5's precondition, $n = {N}$, no "
+                     f"dropouts\n{result.params['runs']} runs per point (bands: $\\pm 1$ standard error); circles: "
+                     "the precondition, crosses: the exact certificate's $\\sigma_\\Delta \\to \\infty$ limit "
+                     "at the central-DP level")
+        return save_figure(fig, path)
+
+
+def _panel(ax, rows: list[dict], by: str) -> None:
+    """One panel: a curve per k, precondition and exact markers, and its legend."""
+    from matplotlib.lines import Line2D
+
+    handles = []
+    for i, k in enumerate(KS):
+        cell = sorted((r for r in rows if r["k"] == k), key=lambda r: r[by])
+        x = np.array([r[by] for r in cell], dtype=float)
+        pre = 100 * np.array([r["precondition_success"] for r in cell], dtype=float)
+        se = 100 * np.array([r.get("precondition_success_stderr", 0.0) for r in cell], dtype=float)
+        color = f"C{i}"
+        ax.fill_between(x, np.clip(pre - se, 0, 100), np.clip(pre + se, 0, 100), color=color, alpha=0.15, lw=0)
+        ax.plot(x, pre, "o-", color=color, ms=9, mfc="white", mew=1.6, zorder=3)
+        ax.plot(x, [100 * r["exact_floor_success"] for r in cell], "x", color=color, ms=6, mew=1.6, zorder=4)
+        handles.append(Line2D([], [], color=color, lw=2.5, label=f"$k = {k}$"))
+    handles += [Line2D([], [], color="black", marker="o", ms=9, mfc="white", mew=1.6, ls="none", label="precondition"),
+                Line2D([], [], color="black", marker="x", ms=6, mew=1.6, ls="none", label="exact certificate")]
+    ax.set_ylim(-5, 105)
+    ax.legend(handles=handles, loc="best", ncol=2, handlelength=1.6, columnspacing=1.0)

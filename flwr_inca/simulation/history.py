@@ -14,6 +14,7 @@ import numpy as np
 
 from .._io import atomic_write_text
 from .._json import dumps, float_from_json, jsonable
+from .._plots import VECTOR_FORMAT, have_matplotlib, math_number, new_figure, paper_style, save_figure
 
 __all__ = ["RoundRecord", "History", "HISTORY_FORMAT"]
 
@@ -142,56 +143,58 @@ class History:
         return buf.getvalue()
 
     def save(self, directory: str | Path, plot: bool = True) -> list[Path]:
-        """Write ``history.json``, ``history.csv`` and (with matplotlib) ``accuracy_epsilon.png``."""
+        """Write ``history.json``, ``history.csv`` and (with matplotlib) ``accuracy_epsilon.png`` and ``.svg``."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "history.json", self.to_json())
         atomic_write_text(out / "history.csv", self.to_csv())
         written = [out / "history.json", out / "history.csv"]
         if plot and self.plot(out / "accuracy_epsilon.png"):
-            written.append(out / "accuracy_epsilon.png")
+            written += [out / "accuracy_epsilon.png", out / f"accuracy_epsilon.{VECTOR_FORMAT}"]
         return written
 
     def plot(self, path: str | Path) -> bool:
-        """Accuracy and epsilon against rounds (False if matplotlib is not installed)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
+        """Accuracy and epsilon against rounds, to ``path`` (PNG) and the same name with ``.svg`` (False if
+        matplotlib is not installed)."""
+        if not have_matplotlib():
             return False
-        evald = [r for r in self.records if r.accuracy is not None and math.isfinite(r.accuracy)]
-        fig, ax = plt.subplots(figsize=(6.4, 3.8))
-        ax.plot(
-            [r.round for r in evald], [r.accuracy for r in evald], marker="o", ms=3, label="test accuracy"
-        )
         from matplotlib.ticker import MaxNLocator
 
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy", color="tab:blue")
-        ax.grid(alpha=0.3)
-        spent = [r for r in self.records if math.isfinite(r.epsilon)]
-        if spent and any(r.epsilon > 0 for r in spent):
-            ax2 = ax.twinx()
-            ax2.plot(
-                [r.round for r in spent],
-                [r.epsilon for r in spent],
-                color="tab:red",
-                ls="--",
-                label="epsilon spent",
-            )
-            ax2.set_ylabel("epsilon (composed)", color="tab:red")
-            budget = self.config.get("epsilon")
-            if isinstance(budget, (int, float)):
-                ax2.axhline(budget, color="tab:red", lw=0.8, alpha=0.5, label="budget")
-            ax2.set_ylim(bottom=0)
-        ax.set_title(f"{self.mixer.split(' (')[0]}, {self.dataset}"[:80], fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        with paper_style():
+            fig, ax = new_figure(figsize=(6.4, 3.8))
+            evald = [r for r in self.records if r.accuracy is not None and math.isfinite(r.accuracy)]
+            ax.plot([r.round for r in evald], [r.accuracy for r in evald], marker="o", ms=3, label="test accuracy")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("round")
+            ax.set_ylabel("test accuracy", color="tab:blue")
+            spent = [r for r in self.records if math.isfinite(r.epsilon)]
+            if spent and any(r.epsilon > 0 for r in spent):
+                ax2 = ax.twinx()
+                ax2.grid(False)
+                ax2.plot([r.round for r in spent], [r.epsilon for r in spent], color="tab:red", ls="--",
+                         label=r"$\varepsilon$ spent")
+                ax2.set_ylabel(r"$\varepsilon$ spent (composed over the rounds)", color="tab:red")
+                budget = self.plan.get("epsilon")  # the total budget of the privacy plan
+                if isinstance(budget, (int, float)) and math.isfinite(budget):
+                    ax2.axhline(budget, color="tab:red", lw=0.8, alpha=0.5, label=r"$\varepsilon$ budget")
+                ax2.set_ylim(bottom=0)
+                lines = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
+                ax2.legend(lines, [h.get_label() for h in lines], loc="lower right")
+            ax.set_title(self._plot_title())
+            save_figure(fig, path, dpi=120)
         return True
+
+    def _plot_title(self) -> str:
+        """The mixer and data set, then delta and the first round's noise when the history has them."""
+        title = f"{self.mixer.split(' (')[0]}, {self.dataset}"[:80]
+        noise = next((r.noise for r in self.rounds if r.noise), {})
+        symbols = (("sigma_star", r"\sigma^*"), ("sigma_delta", r"\sigma_\Delta"), ("noise_multiplier", "z"))
+        known = [f"${symbol} = {noise[key]:.3g}$" for key, symbol in symbols
+                 if isinstance(noise.get(key), (int, float)) and math.isfinite(noise[key])]
+        delta = self.plan.get("delta")
+        if isinstance(delta, float) and 0 < delta < 1:
+            known.insert(0, f"$\\delta = {math_number(delta)}$")
+        return title + ("\n" + ", ".join(known) + (" (round 1)" if len(known) > 1 else "") if known else "")
 
     @classmethod
     def load(cls, path: str | Path) -> History:

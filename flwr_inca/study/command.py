@@ -64,6 +64,8 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
                    "incremental | incremental:tail=<L> | early")
     s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
                    "without it, a folder holding runs is refused")
+    s.add_argument("--replot", action="store_true",
+                   help="only redraw the plots of the study in OUT from its results.json (runs nothing)")
     s.set_defaults(func=_cmd_study)
 
 
@@ -71,6 +73,8 @@ def _cmd_study(args: Any) -> int:
     from ..simulation.data import load_mnist
     from .mnist import run_study
 
+    if args.replot:
+        return _replot(args.out)
     grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
     changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods",
                                              "iterations", "schedule") if getattr(args, k, None) is not None}
@@ -92,4 +96,16 @@ def _cmd_study(args: Any) -> int:
         return 2
     summary = run_study(dataset, grid, args.out, resume=args.resume)
     print(markdown_table(summary["table"]))
+    return 0
+
+
+def _replot(out: str) -> int:
+    from .report import replot
+
+    try:
+        written = replot(out)
+    except ValueError as exc:
+        print(f"flwr-inca study: --replot: {exc}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -1,20 +1,23 @@
 """The study's summary, table and plots, from its rows (``results.json``, ``table.csv``, ``table.md``,
-``accuracy_vs_epsilon.png``, ``accuracy_vs_gamma.png``)."""
+``accuracy_vs_epsilon.png``, ``accuracy_vs_gamma.png`` and their ``.svg``)."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._io import atomic_write_bytes, atomic_write_text
+from .._io import atomic_write_text
+from .._plots import math_number, new_figure, paper_style, save_figure
 from .grid import METHODS, TRUSTED, StudyGrid
 
-__all__ = ["figures", "markdown_table", "plot", "summarise", "write_table"]
+__all__ = ["figures", "markdown_table", "plot", "replot", "summarise", "write_table"]
 
 
 def summarise(rows: list[dict], grid: StudyGrid, points: list[tuple[float, float]]) -> dict[str, Any]:
@@ -100,60 +103,90 @@ def _messages_block(block: list[dict], cols: list[tuple[float, float]]) -> list[
     return lines
 
 
-def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> None:
+def plot(summary: dict[str, Any], grid: StudyGrid, out: Path) -> list[Path]:
     """``accuracy_vs_epsilon.png`` (at ``gamma_at_epsilon``) and ``accuracy_vs_gamma.png`` (at
-    ``epsilon_at_gamma``): one panel per (n, partition) of the grid, rows n, columns partitions."""
-    import matplotlib.pyplot as plt
-
+    ``epsilon_at_gamma``), each with its ``.svg`` beside it: one panel per (n, partition) of the grid, rows
+    n, columns partitions; error bars +-1 standard deviation over the seeds. Returns the paths written."""
+    written = []
     for name, fig in figures(summary, grid):
-        image = io.BytesIO()
-        fig.savefig(image, format="png", dpi=120)
-        plt.close(fig)
-        atomic_write_bytes(out / f"{name}.png", image.getvalue())
+        written += save_figure(fig, Path(out) / f"{name}.png", dpi=120)
+    return written
+
+
+def replot(directory: str | Path) -> list[Path]:
+    """Redraw the plots of a finished study from its ``results.json`` (its summary and grid), without
+    running anything; returns the paths written. Raises ``ValueError`` naming the file if it is not a
+    study's results."""
+    path = Path(directory) / "results.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        known = {f.name for f in fields(StudyGrid)}
+        grid = StudyGrid(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["grid"].items() if k in known})
+        if not saved["table"]:
+            raise ValueError("no rows in its table")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not the results of a study ({exc})") from None
+    return plot(saved, grid, Path(directory))
+
+
+def _label(method: str) -> str:
+    """A method's legend label, its symbols in mathtext (``k_PR`` -> $k_\\mathrm{PR}$)."""
+    return METHODS[method].replace("k_PR", r"$k_\mathrm{PR}$")
+
+
+def _axis_label(x_key: str, delta: float) -> str:
+    if x_key == "epsilon":
+        return rf"$\varepsilon$ (total over the rounds, $\delta = {math_number(delta)}$)"
+    return r"$\gamma$ (share of dropouts, within and across rounds)"
 
 
 def figures(summary: dict[str, Any], grid: StudyGrid) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, figure)`` for :func:`plot` (open matplotlib figures; the caller closes them)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = summary["table"]
-    rows, cols = len(grid.clients), len(grid.partitions)
+    """Yield ``(name, figure)`` for :func:`plot` (matplotlib figures without pyplot, drawn in the
+    package's style; :func:`flwr_inca._plots.save_figure` writes them)."""
     for name, x_key, fixed_key, fixed in (("accuracy_vs_epsilon", "epsilon", "gamma", grid.gamma_at_epsilon),
                                           ("accuracy_vs_gamma", "gamma", "epsilon", grid.epsilon_at_gamma)):
-        fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False)
-        where = f"γ = {fixed:g}" if x_key == "epsilon" else f"ε = {fixed:g}"
-        for (n, part), ax in zip(((n, p) for n in grid.clients for p in grid.partitions), axes.flat):
-            for method in grid.methods:
-                pts = sorted((r[x_key], r["accuracy"], r["spread"]) for r in table
-                             if r["method"] == method and r["clients"] == n and r["partition"] == part
-                             and r[fixed_key] == fixed and r["accuracy"] is not None)
-                if not pts:
-                    continue
-                xs, ys, sp = (np.array(v, dtype=float) for v in zip(*pts))
-                style = "--" if method in TRUSTED else ":" if method == "muffliato" else "-"
-                ax.errorbar(xs, 100 * ys, yerr=100 * sp, label=METHODS[method], linestyle=style, marker="o",
-                            capsize=2)
-            if x_key == "epsilon":
-                ax.set_xscale("log", base=2)
-            ax.set_xlabel("ε (total, δ = 1e-5)" if x_key == "epsilon" else "γ (dropouts within and across rounds)")
-            ax.set_ylabel("test accuracy (%)")
-            ax.set_title(f"MNIST logistic regression, n = {n}, {part}, {where}", fontsize=10)
-            ax.grid(alpha=0.3)
-        # one legend for all panels, below them: inside a panel it covered points wherever it went
-        handles, labels = [], []
-        for ax in axes.flat:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in labels:
-                    handles.append(h)
-                    labels.append(lab)
-        # room below the panels for the legend's rows (about 0.22 in each at fontsize 9), not a fixed share
-        ncol = min(len(labels), 4 if cols > 1 else 2) or 1
-        legend_rows = -(-len(labels) // ncol)
-        bottom = (0.22 * legend_rows + 0.12) / fig.get_figheight() if handles else 0.0
-        if handles:
-            fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
-        fig.tight_layout(rect=(0, bottom, 1, 1))
+        with paper_style():
+            fig = _figure(summary["table"], grid, x_key, fixed_key, fixed)
         yield name, fig
+
+
+def _figure(table: list[dict], grid: StudyGrid, x_key: str, fixed_key: str, fixed: float) -> Any:
+    rows, cols = len(grid.clients), len(grid.partitions)
+    fig, axes = new_figure(rows, cols, figsize=(6.4 * cols, 4.4 * rows), squeeze=False, layout=None)
+    where = rf"$\gamma = {fixed:g}$" if x_key == "epsilon" else rf"$\varepsilon = {fixed:g}$"
+    seeds = max((int(r.get("runs") or 1) for r in table), default=1)
+    spread = f"; bars: $\\pm 1$ std over {seeds} seeds" if seeds > 1 else ""
+    for (n, part), ax in zip(((n, p) for n in grid.clients for p in grid.partitions), axes.flat):
+        for method in grid.methods:
+            pts = sorted((r[x_key], r["accuracy"], r["spread"] or 0.0) for r in table
+                         if r["method"] == method and r["clients"] == n and r["partition"] == part
+                         and r[fixed_key] == fixed and r["accuracy"] is not None)
+            if not pts:
+                continue
+            xs, ys, sp = (np.array(v, dtype=float) for v in zip(*pts))
+            style = "--" if method in TRUSTED else ":" if method == "muffliato" else "-"
+            ax.errorbar(xs, 100 * ys, yerr=100 * sp, label=_label(method), linestyle=style, marker="o", ms=4)
+        if x_key == "epsilon":
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(_axis_label(x_key, grid.delta))
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"MNIST logistic regression, $n = {n}$, {part}, {where}{spread}")
+    _legend_below(fig, axes, cols)
+    return fig
+
+
+def _legend_below(fig: Any, axes: Any, cols: int) -> None:
+    """One legend for all panels, below them: inside a panel it covered points wherever it went."""
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    # room below the panels for the legend's rows (about 0.22 in each at fontsize 9), not a fixed share
+    ncol = min(len(labels), 4 if cols > 1 else 2) or 1
+    legend_rows = -(-len(labels) // ncol)
+    bottom = (0.22 * legend_rows + 0.12) / fig.get_figheight() if handles else 0.0
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, bottom, 1, 1))

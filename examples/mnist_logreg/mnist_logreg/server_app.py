@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from flwr_inca._plots import have_matplotlib, new_figure, paper_style, save_figure
 from flwr_inca._progress import ProgressBar
 from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
 
@@ -132,21 +133,19 @@ def _report(cfg: dict, dataset: str, nodes: int, plan: dict, strategy: IncaStrat
 
 
 def _plot(history: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    """Test accuracy and the epsilon spent against rounds: ``path`` (PNG) and the same name with ``.svg``."""
+    if not have_matplotlib():  # optional: the results are in results.json either way
         return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    rounds = [h["round"] for h in history]
-    ax.plot(rounds, [h["accuracy"] for h in history], marker="o", ms=3, label="test accuracy")
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy")
-    ax2 = ax.twinx()
-    ax2.plot(rounds, [h["epsilon"] for h in history], color="tab:red", ls="--", label="epsilon spent")
-    ax2.set_ylabel("epsilon (composed)", color="tab:red")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with paper_style():
+        fig, ax = new_figure(figsize=(6, 3.5))
+        rounds = [h["round"] for h in history]
+        ax.plot(rounds, [h["accuracy"] for h in history], marker="o", ms=3, label="test accuracy")
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy", color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.grid(False)
+        ax2.plot(rounds, [h["epsilon"] for h in history], color="tab:red", ls="--", label=r"$\varepsilon$ spent")
+        ax2.set_ylabel(r"$\varepsilon$ spent (composed over the rounds)", color="tab:red")
+        lines = ax.get_lines() + ax2.get_lines()
+        ax2.legend(lines, [line.get_label() for line in lines], loc="lower right")
+        save_figure(fig, path, dpi=120)

@@ -3,13 +3,12 @@ against the Gaussian-DP trade-off curve of the certified mu. Needs matplotlib (i
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
 import numpy as np
 
-from ..._io import atomic_write_bytes
+from ..._plots import new_figure, paper_style, save_figure
 from .audit import AttackAudit
 from .stats import gdp_tradeoff_tpr
 
@@ -24,23 +23,13 @@ def plot_attack(audit: AttackAudit, prefix: str | os.PathLike[str]) -> list[Path
     the likelihood-ratio distinguisher (log axes, where the privacy loss shows) and, dashed, the largest
     TPR that mu-GDP allows at each FPR, ``1 - Phi(Phi^-1(1 - FPR) - mu)``.
     """
-    from matplotlib.figure import Figure  # no pyplot: no global state, no backend switch
-
-    fig = Figure(figsize=(11, 4.4))
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.3]})
-    _ratio_panel(left, audit)
-    _roc_panel(right, audit)
-    fig.suptitle(f"{audit.mechanism}, {audit.adversary}: {audit.runs} fresh-noise runs, intervals "
-                 f"simultaneous at {100 * audit.confidence:g}%", fontsize=9)
-    fig.tight_layout()
-    paths = []
-    for fmt in ("png", "svg"):
-        path = Path(f"{os.fspath(prefix)}.{fmt}")
-        buf = io.BytesIO()
-        fig.savefig(buf, format=fmt, dpi=110)
-        atomic_write_bytes(path, buf.getvalue(), durable=False)
-        paths.append(path)
-    return paths
+    with paper_style():
+        fig, (left, right) = new_figure(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1, 1.3]})
+        _ratio_panel(left, audit)
+        _roc_panel(right, audit)
+        fig.suptitle(f"{audit.mechanism}, {audit.adversary}: {audit.runs} fresh-noise runs, intervals "
+                     f"simultaneous at {100 * audit.confidence:g}%")
+        return save_figure(fig, f"{os.fspath(prefix)}.png")
 
 
 def _ratio_panel(ax, audit: AttackAudit) -> None:
@@ -57,11 +46,11 @@ def _ratio_panel(ax, audit: AttackAudit) -> None:
     bottom, top = min(bottom, 0.97), max(top, 1.03)
     ax.axhspan(bottom, 1.0, color="tab:red", alpha=0.08, label="beats the certificate")
     ax.set_ylim(bottom, top)
-    ax.set_xticks(x, [f"party {t.party}\nmu = {t.mu:.3g}" for t in audit.targets], fontsize=8)
+    ax.set_xticks(x, [f"party {t.party}\n$\\mu = {t.mu:.3g}$" for t in audit.targets])
     ax.set_xlim(-0.6, len(audit.targets) - 0.4)
-    ax.set_ylabel("attacker's error std x mu / sensitivity")
-    ax.set_title("reconstruction: error vs the certificate's promise (= 1)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_ylabel(r"attacker's error std $\times\ \mu$ / sensitivity")
+    ax.set_title("reconstruction: error vs the certificate's promise (= 1)")
+    ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
 
 
@@ -72,7 +61,7 @@ def _roc_panel(ax, audit: AttackAudit) -> None:
         ok = fpr > 0
         ax.plot(fpr[ok], tpr[ok], "-", color=f"C{i}", lw=1.5, label=f"party {t.party}: attack ROC")
         ax.plot(grid, gdp_tradeoff_tpr(grid, t.mu), "--", color=f"C{i}", lw=1,
-                label=f"party {t.party}: mu-GDP limit, mu = {t.mu:.3g}")
+                label=f"party {t.party}: $\\mu$-GDP limit, $\\mu = {t.mu:.3g}$")
         for test, marker in ((t.mu_test, "s"), (t.epsilon_test, "^")):
             if test is None or test.fpr <= 0:
                 continue
@@ -87,7 +76,7 @@ def _roc_panel(ax, audit: AttackAudit) -> None:
     ax.set_ylim(1e-4, 1.05)
     ax.set_xlabel("false-positive rate")
     ax.set_ylabel("true-positive rate")
-    ax.set_title("distinguishing x_i = 0 from x_i = sensitivity (squares: mu test, triangles: epsilon test)",
-                 fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(r"distinguishing $x_i = 0$ from $x_i$ = sensitivity (squares: $\mu$ test, "
+                 r"triangles: $\varepsilon$ test)")
+    ax.legend(loc="lower right")
     ax.grid(alpha=0.3, which="both")
