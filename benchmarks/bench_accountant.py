@@ -4,6 +4,7 @@ Setting of the paper's Fig. 3 unless stated: k = 1, T = 20, collusion rho = 0.1,
 gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory = its max RSS).
 
     python benchmarks/bench_accountant.py --scaling 500 1000 2000 4000   # exact vs bound, side by side
+    python benchmarks/bench_accountant.py --scaling 1000 2000 --methods bound cascade --executions 5  # maxima
     python benchmarks/bench_accountant.py --tightness 200 500 1000 2000  # Fig. 3 settings, calibrated
     python benchmarks/bench_accountant.py --large 10000 100000           # bound at scale + Thm 4.5 check
     python benchmarks/bench_accountant.py --large 10000 --methods bound cascade  # old vs new
@@ -58,7 +59,7 @@ def _job(kind: str, n: int, extra: dict) -> dict:
     if kind in ("exact", "bound", "cascade", "cascade-numpy"):
         from flwr_inca.privacy.bound import BoundSettings, bound_profile
 
-        trace, view = _setting(n)
+        trace, view = _setting(n, seed=extra.get("seed", 1))
         out["rows"] = int(view.honest_observed().sum())
         start = time.perf_counter()
 
@@ -138,7 +139,9 @@ def run_job(kind: str, n: int, **extra) -> dict:
 
 
 # ------------------------------------------------------------------ sections
-def scaling(ns: list[int], exact_max: int, methods: list[str] | None = None) -> None:
+def scaling(ns: list[int], exact_max: int, methods: list[str] | None = None, executions: int = 1) -> None:
+    if executions > 1:
+        return _maxima(ns, exact_max, methods or ["bound"], executions)
     if methods and methods != ["bound"]:
         return _scaling_methods(ns, exact_max, methods)
     print(f"exact vs bound, sigma_star = {S_STAR}, sigma_delta = {S_DELTA} (each in its own process)\n")
@@ -173,6 +176,37 @@ def _scaling_methods(ns: list[int], exact_max: int, methods: list[str]) -> None:
             ratio = f" ({b['max_mu'] / e['max_mu']:.5f} x exact)" if e else ""
             line += f" {m} {b['seconds']:.2f} s / {b['max_rss_gb']:.2f} GB, max mu {b['max_mu']:.6g}{ratio};"
         print(line, flush=True)
+
+
+def _maxima(ns: list[int], exact_max: int, methods: list[str], executions: int) -> None:
+    """The charged maximum of each bound method against the exact one (where affordable) and against the
+    first method, on ``executions`` executions per n (seeds 1..executions), each in its own process."""
+    print(f"maximum mu of {methods} vs exact over {executions} executions per n, sigma_star = {S_STAR}, "
+          f"sigma_delta = {S_DELTA}\n")
+    for n in ns:
+        over: dict[str, list[float]] = {m: [] for m in methods}
+        versus: dict[str, list[float]] = {m: [] for m in methods[1:]}
+        for seed in range(1, executions + 1):
+            e = run_job("exact", n, seed=seed) if n <= exact_max else None
+            got = {m: run_job(m, n, seed=seed) for m in methods}
+            line = f"n = {n}, execution {seed}:" + (f" exact {e['max_mu']:.7g} ({e['seconds']:.1f} s);" if e else "")
+            for m, b in got.items():
+                line += f" {m} {b['max_mu']:.7g} ({b['seconds']:.1f} s)"
+                if e:
+                    over[m].append(b["max_mu"] / e["max_mu"] - 1)
+                    line += f" = exact + {100 * over[m][-1]:.3f}%"
+                if m != methods[0]:
+                    versus[m].append(b["max_mu"] / got[methods[0]]["max_mu"] - 1)
+                    line += f", {methods[0]} {100 * versus[m][-1]:+.3f}%"
+                line += ";"
+            print(line, flush=True)
+        for m, rel in over.items():
+            if rel:
+                print(f"n = {n}: {m} over exact {100 * min(rel):.3f}% to {100 * max(rel):.3f}%, above 0.2% in "
+                      f"{sum(r > 0.002 for r in rel)} of {len(rel)} executions", flush=True)
+        for m, rel in versus.items():
+            print(f"n = {n}: {m} against {methods[0]} {100 * min(rel):+.3f}% to {100 * max(rel):+.3f}%, higher in "
+                  f"{sum(r > 0 for r in rel)} of {len(rel)} executions", flush=True)
 
 
 def tightness(ns: list[int], gammas: list[float], runs: int, epsilon: float, passes: tuple[int, ...] = (1,),
@@ -727,6 +761,8 @@ def main() -> None:
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--scaling", type=int, nargs="*")
     p.add_argument("--exact-max", type=int, default=4000, help="run the exact method up to this n")
+    p.add_argument("--executions", type=int, default=1,
+                   help="--scaling: compare the methods' maxima with exact on this many executions per n")
     p.add_argument("--tightness", type=int, nargs="*")
     p.add_argument("--gammas", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     p.add_argument("--epsilon", type=float, default=0.2)
@@ -767,7 +803,7 @@ def main() -> None:
         print(json.dumps(_job(spec["kind"], spec["n"], spec["extra"])))
         return
     if args.scaling:
-        scaling(args.scaling, args.exact_max, args.methods)
+        scaling(args.scaling, args.exact_max, args.methods, args.executions)
     if args.tightness:
         tightness(args.tightness, args.gammas, args.runs, args.epsilon, tuple(args.passes),
                   tuple(t == "yes" for t in args.tight_runs))

@@ -39,7 +39,7 @@ def _config(args, sigma_star=None, sigma_delta=None, calibration_runs=3):
 
     g = args.gamma
     return SimulationConfig(
-        rounds=args.rounds, budget_rounds=25, epsilon=1.0, delta=1e-5, privacy_unit="record", lr=4.0, clip_norm=1.0,
+        rounds=args.rounds, budget_rounds=25, max_epsilon=1.0, delta=1e-5, privacy_unit="record", lr=4.0, clip_norm=1.0,
         batch_size=10, availability=MarkovAvailability(p_off=0.5 * g / (1 - g), p_on=0.5) if g > 0 else None,
         dropout=PermanentDropout(g) if g > 0 else None, iterations=10, neighbors=1, collusion=0.1, certify_every=1,
         calibration_runs=calibration_runs, sigma_star=sigma_star, sigma_delta=sigma_delta, backend="inline", seed=0,

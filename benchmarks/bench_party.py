@@ -26,7 +26,9 @@ import time
 
 import numpy as np
 
-from flwr_inca.flower.node import DirectoryStore, RoundParams, RoundSecrets, draw_noise_ahead, handle_exchange
+from flwr_inca.flower.node import RoundSecrets, draw_noise_ahead, handle_exchange
+from flwr_inca.flower.shared import RoundParams
+from flwr_inca.flower.storage import DirectoryStore
 from flwr_inca.flower.relay import RoundRelay, drive
 from flwr_inca.flower.wire import decode_reply, decode_request, encode_reply, encode_request
 from flwr_inca.protocol.schedules import InjectionSchedule

@@ -8,7 +8,7 @@ Per node count, side by side in one process:
   node's call (decode, ``handle_exchange``, encode) and the relay's ingest. Median over iterations
   2..T. Serial in-process execution is the cheapest an iteration gets on this machine (a Flower
   exchange adds the engine's ~5 ms per call), so the comparison is strict.
-* what IncaStrategy certifies, each the worst of its ``threat_draws`` = 3 random coalitions of 10%
+* what IncaStrategy certifies with ``threat_draws=3``, each the worst of 3 random coalitions of 10%
   (its own ``_certify``), on a round of the same n with 5% permanent dropouts (sigma* = 1,
   sigma_Delta = 20, sensitivity 2):
 
@@ -48,11 +48,13 @@ import numpy as np
 
 from flwr_inca import IncaConfig, PermanentDropout
 from flwr_inca.flower import IncaStrategy
-from flwr_inca.flower.node import MemoryStore, RoundParams, RoundSecrets, handle_exchange
+from flwr_inca.flower.node import RoundSecrets, handle_exchange
+from flwr_inca.flower.shared import RoundParams
+from flwr_inca.flower.storage import MemoryStore
 from flwr_inca.flower.relay import RoundRelay, collect_finals, run_iterations
 from flwr_inca.flower.wire import decode_reply, decode_request, encode_reply, encode_request
 from flwr_inca.privacy.prefix import padded_trace, prefix_ceilings
-from flwr_inca.privacy.rounds import certify_round
+from flwr_inca.privacy.rounds import certification_seeds, certify_round
 from flwr_inca.protocol import sample_trace
 from flwr_inca.protocol.schedules import InjectionSchedule
 
@@ -100,16 +102,17 @@ def mixing_iteration(n: int, seed: int) -> float:
 
 def certification(n: int, seed: int, guard: bool) -> dict[str, float]:
     """Seconds of each certificate the rule computes, on one round of n parties."""
-    strategy = IncaStrategy(sigma_star=S_STAR, sigma_delta=S_DELTA, iterations=T, ledger_path=None, seed=seed)
+    strategy = IncaStrategy(sigma_star=S_STAR, sigma_delta=S_DELTA, iterations=T, ledger_path=None, seed=seed,
+                            threat_draws=3)
     config = IncaConfig(iterations=T, neighbors=K, sigma_star=S_STAR, sigma_delta=S_DELTA,
                         dropout=PermanentDropout(0.05))
     trace = sample_trace(n, config, seed=seed)
-    seeds = strategy._certify_seeds(1)
+    seeds = certification_seeds(strategy.inca.seed, 1)  # round 1's adversaries, as IncaRounds.prefix draws them
     online = trace.steps[-1].online.tolist()
     lost = [i for i in online if i != online[len(online) // 2]]  # one final (of an honest party, likely) lost
     out, mu = {}, {}
     start = time.perf_counter()
-    prefix = strategy._round_prefix(trace, seeds)  # what _certify_before_finals keeps
+    prefix = strategy.inca.prefix(trace, 1)  # what the round keeps for its charges
     mu["pre-final"] = prefix.with_finals(None).mu
     out["pre-final"] = time.perf_counter() - start
     for name, finals in (("one final lost", lost), ("stopped", [])):
@@ -128,14 +131,14 @@ def certification(n: int, seed: int, guard: bool) -> dict[str, float]:
         for t in range(1, T + 1):  # as IncaStrategy._guard: the trace known so far, padded
             start = time.perf_counter()
             known = padded_trace(n, trace.steps[:t], T, trace.schedule, trace.sigma_star, trace.sigma_delta)
-            cert = strategy._round_prefix(known, seeds).through(t)
+            cert = strategy.inca.prefix(known, 1).through(t)
             checks.append(time.perf_counter() - start)
             if abs(cert.mu - prefix.through(t).mu) > 1e-9 * max(cert.mu, 1e-300):
                 raise RuntimeError(f"guard check at t = {t} disagrees with the round's prefix")
         out["guard check (mean)"], out["guard check (t = T)"] = statistics.mean(checks), checks[-1]
         mu["guard check (mean)"] = mu["guard check (t = T)"] = prefix.through(T).mu
     start = time.perf_counter()
-    mu["no_finals_bound"] = strategy.no_finals_mu(n)
+    mu["no_finals_bound"] = float(strategy.inca.ceilings(n)[-1])
     out["no_finals_bound"] = time.perf_counter() - start
     start = time.perf_counter()
     mu["prefix_ceilings"] = float(prefix_ceilings(trace.schedule, S_STAR, S_DELTA, priv.sensitivity)[-1])
@@ -152,16 +155,16 @@ def ceiling() -> None:
     from flwr_inca.privacy import certify, random_collusion
 
     n = 100
-    strategy = IncaStrategy(epsilon=1.0, delta=1e-5, iterations=T, neighbors=K, collusion=0.1,
+    strategy = IncaStrategy(round_epsilon=1.0, delta=1e-5, iterations=T, neighbors=K, collusion=0.1,
                             ledger_path=None, seed=0, calibration_runs=10, budget_check_runs=10)
-    s_star, s_delta = strategy._sigmas(n)
+    s_star, s_delta = strategy.inca.sigmas(n)
     config = IncaConfig(iterations=T, neighbors=K, sigma_star=s_star, sigma_delta=s_delta)
     without = [certify(trace, random_collusion(trace, 0.1, seed, finals=()), value_sensitivity=2.0).max_mu
                for seed, trace in ((s, sample_trace(n, config, seed=100 + s)) for s in range(10))]
     print(f"n = {n}, (1, 1e-5)-DP per round, 10% colluders, T = {T}: sigma* = {s_star:.4g}, "
           f"sigma_Delta = {s_delta:.4g}")
-    print(f"predicted round cost with its finals (mu): {strategy.predicted_mu(n):.4g}")
-    print(f"no_finals_bound (mu): {strategy.no_finals_mu(n):.4g}")
+    print(f"predicted round cost with its finals (mu): {strategy.inca.predicted_mu(n):.4g}")
+    print(f"no_finals_bound (mu): {float(strategy.inca.ceilings(n)[-1]):.4g}")
     print(f"rounds without their finals (mu): median {statistics.median(without):.4g}, "
           f"max {max(without):.4g}")
 

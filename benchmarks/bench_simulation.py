@@ -31,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "mnist_logreg"
 MAIN = dict(
-    epsilon=1.0,
+    max_epsilon=1.0,
     delta=1e-5,
     iterations=10,
     neighbors=1,
@@ -323,7 +323,7 @@ def flower_child(args):
     cfg = {
         "num-server-rounds": 40,
         "privacy-unit": "record",
-        "epsilon": MAIN["epsilon"],
+        "epsilon": MAIN["max_epsilon"],
         "delta": MAIN["delta"],
         "iterations": MAIN["iterations"],
         "neighbors": MAIN["neighbors"],
@@ -356,9 +356,9 @@ def flower_child(args):
             fraction_evaluate=0.0,
             iterations=MAIN["iterations"],
             neighbors=MAIN["neighbors"],
-            epsilon=plan["epsilon_round"],
+            round_epsilon=plan["epsilon_round"],
             delta=MAIN["delta"],
-            max_epsilon=MAIN["epsilon"],
+            max_epsilon=MAIN["max_epsilon"],
             clip_norm=plan["party_clip"],
             value_sensitivity=plan["value_sensitivity"],
             sample_rate=plan["sample_rate"],
@@ -443,7 +443,7 @@ def part_p2pfl(args):
         # record-level DP at epsilon = 1 over 40 planned rounds (one DP step per round), for its cost
         local = dict(privacy_unit="party", local_epochs=1, lr=0.1, batch_size=64, clip_norm=1e6)
         for mode, opts in (
-            ("fedavg", dict(mode="fedavg", epsilon=None, **local)),
+            ("fedavg", dict(mode="fedavg", max_epsilon=None, **local)),
             ("inca", dict(budget_rounds=40, **MAIN)),
         ):
             hist = _simulate(data, nodes, SimulationConfig(rounds=args.rounds, backend="ray", **opts))
@@ -557,7 +557,7 @@ def scaling_child(args):
         # 1000 participants, sigma_star scaled by sqrt(1000 / n)), charged the local bound; RDP, since
         # PRV is slow for such weak rounds
         scale = math.sqrt(1000 / (args.clients * args.fraction))
-        extra = dict(epsilon=None, sigma_star=args.sigma_star * scale, sigma_delta=args.sigma_delta,
+        extra = dict(max_epsilon=None, sigma_star=args.sigma_star * scale, sigma_delta=args.sigma_delta,
                      certification="local-bound", accountant="opacus-rdp")
     config = SimulationConfig(rounds=args.rounds, backend="ray", fraction=args.fraction,
                               **{**MAIN, "calibration_runs": 3, **extra})

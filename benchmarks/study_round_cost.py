@@ -1,5 +1,6 @@
 """How IncA's certified per-round mu spreads around its calibrated target at the study's setting, and how
-many of the planned rounds then fit the budget (docs/results.md, "n = 100" and "30% dropouts").
+many of the planned rounds then fit the budget (docs/results.md, "n = 100: the steep per-round budget" and
+"IncA at n = 1000").
 
     python benchmarks/study_round_cost.py --clients 100 --runs 3 --success 1.0
     python benchmarks/study_round_cost.py --clients 100 --runs 60 --success 0.9
@@ -48,7 +49,7 @@ from flwr_inca.privacy.rounds import certification_seeds, certify_round
 from flwr_inca.protocol.config import IncaConfig
 from flwr_inca.protocol.dropout import PermanentDropout
 from flwr_inca.protocol.engine import sample_trace
-from flwr_inca.simulation.runner import charge_resolution
+from flwr_inca.privacy.session import charge_resolution
 
 DELTA = 1e-5
 RESOLUTION = 0.005  # SimulationConfig.mu_resolution: the ledger charges mu rounded up to this grid
