@@ -101,6 +101,10 @@ def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1
     return low or None
 
 
+# spend_budget never lowers a round's target below this share of the planned one: rounds noisier than that
+# would train little, and what is left is better reported as spent
+SPEND_FLOOR = 0.5
+
 ITERATION_CANDIDATES = (10, 20, 40, 80)  # what iterations="auto" chooses from
 
 Calibrators = Callable[[int], NoiseCalibrator]  # the calibrator of a training's noise at T iterations
@@ -297,18 +301,35 @@ class IncaRounds:
             raise ValueError("retarget: the sigmas are given, not calibrated for a target")
         self.mu_target = check_real("mu_target", mu_target, 0.0, low_open=True)
 
-    def spend_what_is_left(self, ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1.0) -> float | None:
+    def spend_what_is_left(self, ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1.0,
+                           n: int | None = None) -> float | None:
         """Retarget for the share of what ``ledger`` has left over ``rounds_left`` rounds, when the noise is
         calibrated for the budget's share and ``spend_budget`` is on (:func:`budget_share`; the share is
         charged rounded up, so the target is it less the resolution); returns the new target, or None when
-        nothing changed."""
+        nothing changed.
+
+        ``n``: the round's parties. The round is admitted on its predicted (worst sampled) cost, which lies
+        above the calibration target; the target is then also capped so that this prediction fits all that
+        is left, else the last rounds, whose share is nearly all that is left, would be refused and
+        training would stop early with budget unspent. A target below ``SPEND_FLOOR`` times the planned one
+        (a budget nearly spent, e.g. by an earlier training on the same ledger) is not taken."""
         priv = self.privacy
         if not (self.mixing.calibrated and priv.round_epsilon is None and priv.spend_budget):
             return None
         share = budget_share(ledger, max(int(rounds_left), 1), sample_rate)
         if share is None:
             return None
-        self.retarget(share / (1.0 + priv.mu_resolution))
+        target = share / (1.0 + priv.mu_resolution)
+        if n is not None:
+            whole = budget_share(ledger, 1, sample_rate)
+            predicted = self.predicted_mu(n)  # at the current target; scales with the target
+            if whole is not None and predicted > 0:
+                target = min(target, self.mu_target * whole / predicted / (1.0 + priv.mu_resolution))
+        if target < SPEND_FLOOR * self.planned_target:
+            # what is left is too little for a useful round: not spread thin over noise-drowned rounds; the
+            # planned target stays, and the budget's admission refuses the round if it does not fit
+            target = self.planned_target
+        self.retarget(target)
         return self.mu_target
 
     def _scale_free(self) -> bool:

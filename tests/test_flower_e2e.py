@@ -139,8 +139,8 @@ def faulty_run(tmp_path_factory):
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         recording = RecordingGrid(grid, drop=lambda rnd, commit, party: (party, rnd, commit) in DROPS)
-        strategy = TamperingStrategy(iterations=T, sigma_star=0.2, sigma_delta=3.0, clip_norm=1.0,
-                                     precision="float64", exchange_timeout=120,
+        strategy = TamperingStrategy(iterations=T, schedule="incremental", sigma_star=0.2, sigma_delta=3.0,
+                                     clip_norm=1.0, precision="float64", exchange_timeout=120,
                                      ledger_path=tmp / "ledger.json",
                                      max_noise_inflation=float("inf"),  # keep rounds with lost finals
                                      trace_dir=tmp / "traces", forward_client_metrics=True, seed=3,

@@ -4,7 +4,6 @@ bookkeeping, the exchange loop's deadline, and the client's mods."""
 import math
 import os
 import time
-import warnings
 
 import numpy as np
 import pytest

@@ -185,8 +185,10 @@ class IncaStrategy(FedAvg):
         """How this training's rounds are calibrated, predicted and certified (:class:`IncaRounds`)."""
         if self._inca is None:
             if self.mixing.automatic:
-                raise ValueError("iterations='auto' is chosen when the first round starts (for its number of "
-                                 "nodes)")
+                if self.mixing.calibrated and self.mixing.dropout is not None:
+                    raise ValueError("iterations='auto' is chosen when the first round starts (for its number "
+                                     "of nodes)")
+                self._choose_iterations(0)  # given noise or no dropouts expected: the choice needs no n
             self._inca = IncaRounds(self.privacy, self.mixing, seed=self.seed,
                                     value_sensitivity=self.privacy.sensitivity, mu_target=self._round_target(),
                                     calibrator=self._calibrator, log=lambda line: log(INFO, "IncA: %s", line))
@@ -213,8 +215,9 @@ class IncaStrategy(FedAvg):
         super().summary()
         mix, priv = self.mixing, self.privacy
         log(INFO, "\t└──> IncA:")
-        log(INFO, "\t\t├── iterations T = %d, neighbours k = %d, schedule %s", mix.iterations, mix.neighbors,
-            mix.schedule)
+        iterations = (f"auto (chosen at the first round, at most {mix.max_iterations})"
+                      if mix.iterations == "auto" else f"T = {mix.iterations}")
+        log(INFO, "\t\t├── iterations %s, neighbours k = %d, schedule %s", iterations, mix.neighbors, mix.schedule)
         if not mix.calibrated:
             log(INFO, "\t\t├── sigma_star = %.4g, sigma_delta = %.4g", mix.sigma_star, mix.sigma_delta)
         elif priv.round_epsilon is not None:
@@ -303,7 +306,8 @@ class IncaStrategy(FedAvg):
         if self.privacy.max_epsilon is not None:  # calibrated for what is left of the budget (spend_budget)
             planned = self.privacy.budget_rounds or self.num_rounds or server_round
             self.ledger.refresh()
-            self.inca.spend_what_is_left(self.ledger, planned - server_round + 1, self.privacy.sample_rate)
+            self.inca.spend_what_is_left(self.ledger, planned - server_round + 1, self.privacy.sample_rate,
+                                        n=n)
         if not self.rounds and not self._warned:  # before round 1: would the noise drown the updates?
             self._warned = True
             self._warn_if_useless(n, flatten_arrays(arrays)[0].size)

@@ -49,6 +49,7 @@ from ..privacy.conversions import mu_for_epsilon
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import PermanentDropout
 from ..protocol.schedules import InjectionSchedule
+from .._plots import new_figure, paper_style, save_figure
 from .common import Check, FigureResult, ProgressBar
 
 __all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "markdown", "pairwise_cost", "plot", "run",
@@ -324,6 +325,7 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
                      if r["protocol"] == protocol and math.isfinite(r["predicted_mse"]))
         if pts:
             label = protocol + (f" (L={TAIL[int(protocol.split()[1][2:])]})" if protocol.endswith("tail") else "")
+            label = label.replace("gamma_2", r"$\gamma_2$").replace("L=", "$L$ = ").replace("k=", "$k$ = ")
             ax.plot(*zip(*pts), style, color=color, label=label, ms=4)
     for protocol, style in (("central DP", "k-"), ("central DP (stayers)", "k:")):
         got = _select(cell, protocol=protocol)
@@ -335,18 +337,16 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
     ticks = [t for t in (2, 5, 10, 20, 50, 100, 200, 500, 1000) if low <= t <= high]
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_title(f"n = {n}, eps = {eps:g}, gamma = {gamma:g}", fontsize=8)
+    ax.set_title(rf"$n = {n}$, $\varepsilon = {eps:g}$, $\gamma = {gamma:g}$", fontsize=8)
     ax.grid(alpha=0.3, which="both")
 
 
 def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]):
-    import matplotlib.pyplot as plt
-
     columns = max(2, min(5, 2 * len(gammas)))
     legend_rows = math.ceil((len(SERIES) + 2) / columns)
     legend_inches = 0.22 * legend_rows + 0.15
     height = 2.9 * len(keys) + legend_inches
-    fig, axes = plt.subplots(len(keys), len(gammas), figsize=(3.2 * len(gammas), height), squeeze=False)
+    fig, axes = new_figure(len(keys), len(gammas), figsize=(3.2 * len(gammas), height), squeeze=False, layout=None)
     for i, (n, eps) in enumerate(keys):
         for j, gamma in enumerate(gammas):
             _panel(axes[i, j], rows, n, eps, gamma)
@@ -356,7 +356,7 @@ def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]
     handles, labels = axes[0, -1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
-    return fig, plt
+    return fig
 
 
 def _keys(rows: list[dict]) -> tuple[list[tuple[int, float]], list[float]]:
@@ -364,17 +364,15 @@ def _keys(rows: list[dict]) -> tuple[list[tuple[int, float]], list[float]]:
     return keys, sorted({r["gamma"] for r in rows})
 
 
-def plot(result: FigureResult, path: Path) -> None:
-    """``frontier.png`` (all panels) and one PNG + SVG per (n, epsilon)."""
+def plot(result: FigureResult, path: Path) -> list[Path]:
+    """``frontier.png`` (all panels) and one PNG + SVG per (n, epsilon); returns the paths written."""
     keys, gammas = _keys(result.rows)
-    fig, plt = _figure(result.rows, keys, gammas)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    for key in keys:
-        fig, plt = _figure(result.rows, [key], gammas)
-        for ext in ("png", "svg"):
-            fig.savefig(path.with_name(f"frontier-n{key[0]}-eps{key[1]:g}.{ext}"), dpi=110)
-        plt.close(fig)
+    with paper_style():
+        written = save_figure(_figure(result.rows, keys, gammas), path, dpi=90, vector=False)
+        for key in keys:
+            written += save_figure(_figure(result.rows, [key], gammas),
+                                   path.with_name(f"frontier-n{key[0]}-eps{key[1]:g}.png"), dpi=110)
+    return written
 
 
 def markdown(rows: list[dict]) -> str:

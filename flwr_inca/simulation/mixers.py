@@ -168,9 +168,9 @@ class Mixer(ABC):
             return opened.settle(cost)
         return opened.refuse()
 
-    def spend_what_is_left(self, ledger, rounds_left: int, sample_rate: float) -> None:
-        """Before a round: calibrate for what is left of the budget over the rounds left (mechanisms whose
-        noise follows a per-round target; default: nothing changes)."""
+    def spend_what_is_left(self, ledger, rounds_left: int, sample_rate: float, participants: int) -> None:
+        """Before a round of ``participants``: calibrate for what is left of the budget over the rounds left
+        (mechanisms whose noise follows a per-round target; default: nothing changes)."""
 
     def predicted_cost(self, participants: int, runs: int) -> float | None:
         """What a deployment predicts, before a round of ``participants`` starts, that the round will cost
@@ -378,9 +378,9 @@ class IncaMixer(Mixer):
     def inca_config(self, participants: int) -> IncaConfig:
         return self.rounds.config(participants)
 
-    def spend_what_is_left(self, ledger, rounds_left: int, sample_rate: float) -> None:
+    def spend_what_is_left(self, ledger, rounds_left: int, sample_rate: float, participants: int) -> None:
         """IncA's rounds calibrated for what is left of the budget (:meth:`IncaRounds.spend_what_is_left`)."""
-        self.rounds.spend_what_is_left(ledger, rounds_left, sample_rate)
+        self.rounds.spend_what_is_left(ledger, rounds_left, sample_rate, n=participants)
 
     # ------------------------------------------------------------------------ round
     def certificate(self, trace: ExecutionTrace, round: int, finals: list[int] | None = None) -> RoundCertificate:

@@ -268,7 +268,7 @@ class _Run:
             return self.record(record, start)
         if self.ledger is not None and self.config.privacy.max_epsilon is not None:
             planned = self.config.privacy.budget_rounds or self.config.rounds
-            self.mixer.spend_what_is_left(self.ledger, planned - rnd + 1, self.plan.sample_rate)
+            self.mixer.spend_what_is_left(self.ledger, planned - rnd + 1, self.plan.sample_rate, participants.size)
         t_train = time.perf_counter()
         collect = self.backend.submit(self.params, participants, self.planner.plan(rnd, participants))
         round_plan = self.plan_round(rnd, participants.size, record)
