@@ -33,7 +33,6 @@ EXAMPLE = ROOT / "examples" / "mnist_logreg"
 MAIN = dict(
     max_epsilon=1.0,
     delta=1e-5,
-    iterations=10,
     neighbors=1,
     collusion=0.1,
     privacy_unit="record",
@@ -103,7 +102,9 @@ def _breakdown(hist, skip_first=False):
 
 # -------------------------------------------------------------------------------------------- main
 def part_main(args):
-    """1000 clients, record-level eps = 1, IncA T = 10, k = 1, 40 rounds; then each floor alone."""
+    """1000 clients, record-level eps = 1, IncA at the defaults (iterations chosen for ``--dropout``,
+    the recommended schedule), k = 1, 40 rounds; then each floor alone."""
+    from flwr_inca.cli import parse_dropout
     from flwr_inca.privacy import certify, random_collusion
     from flwr_inca.protocol import replay
     from flwr_inca.simulation import SimulationConfig, iid
@@ -113,9 +114,9 @@ def part_main(args):
     start = time.perf_counter()
     data = _data(args)
     out_dir = tempfile.mkdtemp(prefix="bench-sim-")
-    config = SimulationConfig(
-        rounds=args.rounds, backend="ray", num_actors=args.actors, output_dir=out_dir, **MAIN
-    )
+    dropout = parse_dropout(args.dropout) if args.dropout else None
+    config = SimulationConfig(rounds=args.rounds, backend="ray", num_actors=args.actors, output_dir=out_dir,
+                              dropout=dropout, iterations=args.iterations, **MAIN)
     plans = {}
     hist = _simulate(
         data, args.clients, config, progress=True, on_round=lambda c: plans.__setitem__(c.round, c.plan)
@@ -325,7 +326,6 @@ def flower_child(args):
         "privacy-unit": "record",
         "epsilon": MAIN["max_epsilon"],
         "delta": MAIN["delta"],
-        "iterations": MAIN["iterations"],
         "neighbors": MAIN["neighbors"],
         "collusion": MAIN["collusion"],
         "lr": MAIN["lr"],
@@ -340,6 +340,7 @@ def flower_child(args):
     from mnist_logreg import task
     from mnist_logreg.client_app import app as client_app
 
+    from flwr_inca.cli import parse_dropout
     from flwr_inca.flower import IncaStrategy
 
     out: dict = {}
@@ -354,7 +355,8 @@ def flower_child(args):
             min_train_nodes=args.clients,
             min_available_nodes=args.clients,
             fraction_evaluate=0.0,
-            iterations=MAIN["iterations"],
+            iterations=args.iterations,  # chosen for the expected dropouts, as the simulator does
+            dropout=parse_dropout(args.dropout) if args.dropout else None,
             neighbors=MAIN["neighbors"],
             round_epsilon=plan["epsilon_round"],
             delta=MAIN["delta"],
@@ -736,6 +738,10 @@ def main(argv=None):
     p.add_argument("--p2pfl-ray", action="store_true", help="p2pfl trains in its Ray actor pool")
     p.add_argument("--converge-wait", type=float, default=60, help="p2pfl: seconds for its mesh to form")
     p.add_argument("--fraction", type=float, default=1.0)
+    p.add_argument("--dropout", default="permanent:0.1",
+                   help="main: the expected within-round dropouts ('' for none), as flwr-inca simulate --dropout")
+    p.add_argument("--iterations", default="auto", type=lambda v: v if v == "auto" else int(v),
+                   help="main: IncA's T (default auto, as the simulator)")
     p.add_argument("--local-bound", action="store_true")
     p.add_argument(
         "--bound-above", type=int, default=5000, help="scaling: charge the local bound from this size"
