@@ -325,7 +325,8 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
                      if r["protocol"] == protocol and math.isfinite(r["predicted_mse"]))
         if pts:
             label = protocol + (f" (L={TAIL[int(protocol.split()[1][2:])]})" if protocol.endswith("tail") else "")
-            label = label.replace("gamma_2", r"$\gamma_2$").replace("L=", "$L$ = ").replace("k=", "$k$ = ")
+            label = (label.replace("gamma_2=gamma/4", r"$\gamma_2 = \gamma/4$").replace("gamma_2=1/n", r"$\gamma_2 = 1/n$")
+                     .replace("L=", "$L$ = ").replace("k=", "$k$ = "))
             ax.plot(*zip(*pts), style, color=color, label=label, ms=4)
     for protocol, style in (("central DP", "k-"), ("central DP (stayers)", "k:")):
         got = _select(cell, protocol=protocol)
@@ -342,11 +343,9 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
 
 
 def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]):
-    columns = max(2, min(5, 2 * len(gammas)))
-    legend_rows = math.ceil((len(SERIES) + 2) / columns)
-    legend_inches = 0.22 * legend_rows + 0.15
-    height = 2.9 * len(keys) + legend_inches
-    fig, axes = new_figure(len(keys), len(gammas), figsize=(3.2 * len(gammas), height), squeeze=False, layout=None)
+    columns = max(2, min(4, 2 * len(gammas)))
+    fig, axes = new_figure(len(keys), len(gammas), figsize=(3.2 * len(gammas), 2.9 * len(keys) + 0.6),
+                           squeeze=False)
     for i, (n, eps) in enumerate(keys):
         for j, gamma in enumerate(gammas):
             _panel(axes[i, j], rows, n, eps, gamma)
@@ -354,8 +353,7 @@ def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]
     for ax in axes[-1]:
         ax.set_xlabel("messages per party per round")
     handles, labels = axes[0, -1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, legend_inches / height, 1, 1))
+    fig.legend(handles, labels, loc="outside lower center", ncol=columns, fontsize=7, frameon=False)
     return fig
 
 
