@@ -1,7 +1,6 @@
 """p2pfl 0.4.4 on MNIST logistic regression, for the side-by-side in ``bench_simulation.py p2pfl``.
 
-Runs in p2pfl's own virtual environment (its pins conflict with ours), set up as in
-``/work/shared/peers/README.md``::
+Runs in p2pfl's own virtual environment (its pins conflict with ours), set up as::
 
     python3 -m venv /work/venvs/p2pfl && . /work/venvs/p2pfl/bin/activate
     pip install "torch==2.13.0" p2pfl==0.4.4 lightning==2.6.6 torchmetrics==1.9.0 opendp==0.16.0 \\

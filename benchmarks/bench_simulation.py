@@ -9,8 +9,8 @@
     python benchmarks/bench_simulation.py shard     # IncA engine sharded by coordinates across actors?
     python benchmarks/bench_simulation.py certify --parties 1000 2000 4000  # exact certificate cost
 
-MNIST comes from ``--data-dir`` or ``$FLWR_INCA_MNIST_DIR``. The machine is shared: run each part
-under ``flock /tmp/flwr-inca-heavy.lock`` and keep ``uptime`` beside the figures.
+MNIST comes from ``--data-dir`` or ``$FLWR_INCA_MNIST_DIR``. Timings depend on the machine's load: each
+part prints ``uptime`` beside its figures, and ratios are measured side by side in one run.
 """
 
 from __future__ import annotations
@@ -104,7 +104,6 @@ def _breakdown(hist, skip_first=False):
 def part_main(args):
     """1000 clients, record-level eps = 1, IncA at the defaults (iterations chosen for ``--dropout``,
     the recommended schedule), k = 1, 40 rounds; then each floor alone."""
-    from flwr_inca.cli import parse_dropout
     from flwr_inca.privacy import certify, random_collusion
     from flwr_inca.protocol import replay
     from flwr_inca.simulation import SimulationConfig, iid
@@ -114,9 +113,8 @@ def part_main(args):
     start = time.perf_counter()
     data = _data(args)
     out_dir = tempfile.mkdtemp(prefix="bench-sim-")
-    dropout = parse_dropout(args.dropout) if args.dropout else None
     config = SimulationConfig(rounds=args.rounds, backend="ray", num_actors=args.actors, output_dir=out_dir,
-                              dropout=dropout, iterations=args.iterations, **MAIN)
+                              dropout=_dropout(args), iterations=args.iterations, **MAIN)
     plans = {}
     hist = _simulate(
         data, args.clients, config, progress=True, on_round=lambda c: plans.__setitem__(c.round, c.plan)
@@ -206,6 +204,13 @@ def part_main(args):
 
 
 # -------------------------------------------------------------------------------------------- flower
+def _dropout(args):
+    """The expected within-round dropouts of ``--dropout`` (None for '')."""
+    from flwr_inca.cli import parse_dropout
+
+    return parse_dropout(args.dropout) if args.dropout else None
+
+
 def _simulator_rounds(args, clients, rounds):
     """The simulator's side of ``flower``: ``args.seeds`` runs of ``rounds`` rounds at ``clients``."""
     from flwr_inca.simulation import SimulationConfig
@@ -213,7 +218,8 @@ def _simulator_rounds(args, clients, rounds):
     data = _data(args)
     sims = []
     for seed in range(args.seeds):
-        config = SimulationConfig(rounds=rounds, budget_rounds=40, backend="ray", seed=seed, **MAIN)
+        config = SimulationConfig(rounds=rounds, budget_rounds=40, backend="ray", seed=seed,
+                                  iterations=args.iterations, dropout=_dropout(args), **MAIN)
         hist = _simulate(data, clients, config)
         sims.append(
             {
@@ -262,6 +268,10 @@ def part_flower(args):
             str(rounds),
             "--data-dir",
             args.data_dir,
+            "--iterations",
+            str(args.iterations),
+            "--dropout",
+            args.dropout,
         ]
         t = time.perf_counter()
         proc = subprocess.run(child, capture_output=True, text=True)
@@ -340,7 +350,6 @@ def flower_child(args):
     from mnist_logreg import task
     from mnist_logreg.client_app import app as client_app
 
-    from flwr_inca.cli import parse_dropout
     from flwr_inca.flower import IncaStrategy
 
     out: dict = {}
@@ -356,7 +365,7 @@ def flower_child(args):
             min_available_nodes=args.clients,
             fraction_evaluate=0.0,
             iterations=args.iterations,  # chosen for the expected dropouts, as the simulator does
-            dropout=parse_dropout(args.dropout) if args.dropout else None,
+            dropout=_dropout(args),
             neighbors=MAIN["neighbors"],
             round_epsilon=plan["epsilon_round"],
             delta=MAIN["delta"],

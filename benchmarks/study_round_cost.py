@@ -24,7 +24,8 @@ round), and, for consecutive sequences of 25 fresh rounds charged as the simulat
 (rounded up to its 0.005 resolution, composed by Opacus's PRV accountant; training stops at the first round
 that does not fit, which the budget guard charges only in part), how many rounds fit and the epsilon spent:
 each round charged its own certificate, and certified every ``--certify-every`` rounds with the largest
-certified mu so far charged in between (the study's rule at n = 1000 before issue 14's fix). The exact
+certified mu so far charged in between (a rule the study no longer uses: it let one high round's
+cost be charged to the rounds after it). The exact
 calibration is scale-free (a certificate is proportional to S / sigma when both sigmas scale together), so
 the relative certificates of one run serve every epsilon of ``--epsilons``: only the per-round target
 and so the steepness of the composition change.
