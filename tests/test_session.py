@@ -217,3 +217,27 @@ def test_the_budget_share_of_subsampled_rounds_never_exceeds_what_is_left():
     share = budget_share(ledger, 10, sample_rate=0.05)
     assert ledger.epsilon_after(share, 0.05, rounds=10) <= 2.0
     assert ledger.epsilon_after(share * 1.01, 0.05, rounds=10) > 2.0 * 0.999  # and spends (nearly) all of it
+
+
+@pytest.mark.timeout(120)
+def test_the_searched_budget_share_is_the_largest_grid_point_that_fits():
+    """Checked on the accountant itself: the share found on the grid (1 + resolution)^k is a grid point
+    that fits and the next grid point does not, whatever the starting guess."""
+    pytest.importorskip("opacus")
+    from flwr_inca.rounds import budget_share
+
+    ledger = PrivacyLedger(None, delta=DELTA, max_epsilon=1.5, accountant="opacus-prv")
+    ledger.spend(0.4, sample_rate=0.1)
+    q, left, resolution = 0.1, 6, 0.005
+
+    def fits(mu):
+        return ledger.epsilon_after(mu, q, rounds=left) <= 1.5
+
+    shares = set()
+    for guess in (None, 30.0):  # from below and from far above
+        share = budget_share(ledger, left, q, guess=guess, resolution=resolution)
+        k = math.log(share) / math.log1p(resolution)
+        assert abs(k - round(k)) < 1e-6, guess  # a grid point
+        assert fits(share) and not fits(share * (1 + resolution)), guess
+        shares.add(round(k))
+    assert len(shares) == 1
