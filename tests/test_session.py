@@ -54,7 +54,9 @@ def test_a_round_whose_ceiling_does_not_fit_is_guarded_step_by_step(tmp_path):
     session = RoundSession(ledger)
     rnd = session.open(1, ceilings=[0.2, 0.4, 0.6], certify_through=exact)
     assert rnd.guarded and ledger.rounds == 0  # nothing reserved yet: nothing left the process
-    assert rnd.may_deliver(1) and ledger.entries[0].mu == 0.2 and calls == []  # the ceiling fit
+    # the ceilings fit up to step 2: reserved ahead for both steps in one write
+    assert rnd.may_deliver(1) and ledger.entries[0].mu == 0.4 and calls == []
+    assert rnd.revealed.mu == 0.2  # what step 1 reveals is its own ceiling
     assert rnd.may_deliver(2) and ledger.entries[0].mu == 0.4
     assert not rnd.may_deliver(3)  # ceiling 0.6 and exact 0.5 both above 0.45
     assert calls == [3, 2]  # the blocked step certified, then what was delivered, exactly
@@ -62,6 +64,24 @@ def test_a_round_whose_ceiling_does_not_fit_is_guarded_step_by_step(tmp_path):
     charge = rnd.refuse()
     assert charge.outcome == "refused" and charge.delivered == 2 and charge.mu == 0.3  # exact, below ceiling
     assert ledger.entries[0].mu == 0.3 and not ledger.entries[0].reserved and not charge.stop
+
+
+def test_guarded_steps_reserve_their_certificate_with_headroom_so_later_steps_need_no_write(tmp_path):
+    from flwr_inca.privacy.session import EXACT_HEADROOM
+
+    ledger = PrivacyLedger(tmp_path / "l.json", delta=DELTA, max_epsilon=_budget(0.3))
+    costs = [0.1, 0.11, 0.12, 0.2, 0.29]
+    session = RoundSession(ledger)
+    rnd = session.open(1, ceilings=[1.0] * 5, certify_through=lambda step: _cert(costs[step - 1]))
+    assert rnd.guarded
+    writes = []
+    for step in range(1, 6):
+        assert rnd.may_deliver(step) and rnd.revealed.mu == costs[step - 1]
+        writes.append(ledger.entries[0].mu)
+        assert ledger.entries[0].mu >= costs[step - 1]  # never less than what was delivered
+    head = 0.1 * EXACT_HEADROOM
+    # steps 2 and 3 fit under step 1's headroom; step 4 takes its own; step 5's headroom does not fit
+    assert writes == pytest.approx([head, head, head, 0.2 * EXACT_HEADROOM, 0.29])
 
 
 def test_a_release_that_does_not_fit_is_withheld_and_the_round_charged_without_it(tmp_path):
