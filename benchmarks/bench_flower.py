@@ -139,7 +139,8 @@ class TimedIncaStrategy(IncaStrategy):
         return out
 
 
-def make_server(nodes: int, repeats: int, results: dict, ablation: bool = False) -> ServerApp:
+def make_server(nodes: int, repeats: int, results: dict, ablation: bool = False,
+                round_ts: tuple[int, ...] = ROUND_TS) -> ServerApp:
     app = ServerApp()
 
     @app.main()
@@ -200,10 +201,10 @@ def make_server(nodes: int, repeats: int, results: dict, ablation: bool = False)
                 setattr(inca, key, value)
             results.update(variants=by_variant)
             return
-        pairs, rounds = [], {T: [] for T in ROUND_TS}
+        pairs, rounds = [], {T: [] for T in round_ts}
         for rep in range(repeats):
             pairs += paired_round(rep)
-            for T in ROUND_TS:
+            for T in round_ts:
                 rounds[T].append(inca_round(T, 1000 + rep, paired=False).round_s)
             print(f"  {nodes} nodes: repeat {rep + 1}/{repeats} done", file=sys.stderr, flush=True)
         results.update(pairs=pairs, rounds=rounds)
@@ -247,7 +248,7 @@ def summarize(nodes: int, results: dict) -> str:
 
     return (f"{nodes:>5} {flw.mean():>7.3f} {fast.mean():>7.3f} {ex.mean():>7.3f} {r(ex, flw)} {r(ex, fast)} "
             f"{it.mean():>7.3f} {r(it, flw)} {r(it, fast)} "
-            + " ".join(f"{med[T]:>6.2f}" for T in ROUND_TS)
+            + " ".join(f"{med[T]:>6.2f}" for T in sorted(med))
             + f" {slope:>6.3f} {slope / flw.mean():>5.2f} {intercept:>5.2f} {residual:>5.1%}")
 
 
@@ -309,9 +310,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ablation", action="store_true", help="compare node-side variants (paired rounds only)")
     p.add_argument("--call-times", action="store_true", help="also print where a call's time goes")
+    p.add_argument("--round-iterations", type=int, nargs="+", default=list(ROUND_TS),
+                   help="T of the rounds timed whole (default 2 5 10; 40 is what iterations='auto' picks under "
+                        "10%% expected dropouts)")
     args = p.parse_args()
     if args.repeats < 1 or min(args.nodes) < 2:
         p.error("--repeats must be >= 1 and every --nodes value >= 2")
+    if len(set(args.round_iterations)) < 2 or min(args.round_iterations) < 1:
+        p.error("--round-iterations must give at least two different T >= 1")
     if args.ablation:
         print(f"d = {D}, k = 1, float32 messages. Paired rounds of T = {PAIRED_T}, {args.repeats} per "
               "variant, "
@@ -324,20 +330,20 @@ def main() -> None:
         print(f"d = {D}, k = 1, float32 messages. Paired: {args.repeats} IncA round(s) of T = {PAIRED_T}, "
               f"iterations 2..{PAIRED_T} each against the FedAvg exchanges made just before them (means, "
               "seconds; ratio of "
-              f"means [95% bootstrap interval]). Rounds of T = {ROUND_TS} timed whole ({args.repeats} each, "
+              f"means [95% bootstrap interval]). Rounds of T = {tuple(args.round_iterations)} timed whole ({args.repeats} each, "
               "median), fit round(T) = a + b T.\n")
         print(f"{'':5} {'FedAvg exchange':^15} {'':7} {'IncA mixing exchange / FedAvg':^39} {'':7} "
               f"{'IncA mixing iteration / FedAvg':^39} {'round time by T':^20} {'fit a + b T':^25}")
         header = (f"{'nodes':>5} {'Flower':>7} {'10ms':>7} {'IncA':>7} {'Flower':^19} {'10ms':^19} "
                   f"{'IncA':>7} {'Flower':^19} {'10ms':^19} "
-                  + " ".join(f"{'T=' + str(T):>6}" for T in ROUND_TS)
+                  + " ".join(f"{'T=' + str(T):>6}" for T in sorted(args.round_iterations))
                   + f" {'b':>6} {'b/FA':>5} {'a':>5} {'resid':>5}")
         print(header)
         print("-" * len(header))
     for nodes in args.nodes:
         results: dict = {}
         with tempfile.TemporaryDirectory() as where, time_calls(where if args.call_times else None):
-            server = make_server(nodes, args.repeats, results, args.ablation)
+            server = make_server(nodes, args.repeats, results, args.ablation, tuple(sorted(set(args.round_iterations))))
             run_simulation(server_app=server, client_app=client, num_supernodes=nodes,
                            backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
             print((summarize_ablation if args.ablation else summarize)(nodes, results), flush=True)
