@@ -55,6 +55,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from flwr_inca.flower import IncaClient, IncaStrategy  # noqa: E402
+from flwr_inca.flower.transport import send_and_receive  # noqa: E402
 
 D = 7850  # MNIST logistic regression: 784 * 10 weights + 10 biases
 PAIRED_T = 10
@@ -120,23 +121,31 @@ class TimedIncaStrategy(IncaStrategy):
         self.iteration_s: list[float] = []  # from exchange u to exchange u + 1, u = 1..T
         self._mark: float | None = None
 
-    def _mix_exchange(self, grid, params, roster, requests, counters, has_roster):
-        if self._mark is not None:
-            self.iteration_s.append(time.perf_counter() - self._mark)
-        start = time.perf_counter()
-        if self.floor is not None:
-            self.floor()
-        random_phase(self.rng)
-        self._mark = time.perf_counter()
-        self.set_aside += self._mark - start
-        return super()._mix_exchange(grid, params, roster, requests, counters, has_roster)
+    def start(self, *args, **kwargs):
+        """``IncaStrategy.start`` with every mixing exchange of its rounds timed (the relay's
+        ``MixingExchange`` calls, wrapped for the duration)."""
+        from flwr_inca.flower import transport
 
-    def _send_and_receive(self, grid, messages, timeout):
-        start = time.perf_counter()
-        out = super()._send_and_receive(grid, messages, timeout)
-        if messages and messages[0].metadata.message_type.endswith(".inca_mix"):
-            self.exchange_s.append(time.perf_counter() - start)
-        return out
+        original = transport.MixingExchange.__call__
+
+        def timed(exchange, commit, requests):
+            if self._mark is not None:
+                self.iteration_s.append(time.perf_counter() - self._mark)
+            start = time.perf_counter()
+            if self.floor is not None:
+                self.floor()
+            random_phase(self.rng)
+            self._mark = time.perf_counter()
+            self.set_aside += self._mark - start
+            replies = original(exchange, commit, requests)
+            self.exchange_s.append(time.perf_counter() - self._mark)
+            return replies
+
+        transport.MixingExchange.__call__ = timed
+        try:
+            return super().start(*args, **kwargs)
+        finally:
+            transport.MixingExchange.__call__ = original
 
 
 def make_server(nodes: int, repeats: int, results: dict, ablation: bool = False,
@@ -159,7 +168,7 @@ def make_server(nodes: int, repeats: int, results: dict, ablation: bool = False,
             msgs = [Message(content, dst_node_id=int(i), message_type=MessageType.TRAIN) for i in ids]
             random_phase(rng)
             start = time.perf_counter()
-            replies = (poller._send_and_receive(grid, msgs, 600) if fast
+            replies = (send_and_receive(grid, msgs, 600, poller.relay.poll_interval) if fast
                        else list(grid.send_and_receive(msgs, timeout=600)))
             assert len(replies) == nodes and not any(r.has_error() for r in replies)
             return time.perf_counter() - start
