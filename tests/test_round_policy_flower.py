@@ -201,7 +201,8 @@ def test_one_outlier_round_is_skipped_and_training_goes_on(runs):
     assert [e.note for e in entries] == ["round 1", "round 2: stopped before its final release", "round 3",
                                          "round 4"]
     without = _exact(strategy, skipped.trace, 2, finals=())
-    assert without <= entries[1].certified_mu <= without * (1 + 2e-9)
+    certified = entries[1].certified_mu or entries[1].mu  # None: the charge needed no rounding up
+    assert without <= certified <= without * (1 + 2e-9)
     assert all(e.epsilon <= ROOMY for e in entries)
     expected = flatten_arrays(ArrayRecord(INITIAL))[0] + sum(strategy.rounds[r].update for r in (1, 3, 4))
     assert np.allclose(flatten_arrays(result.arrays)[0], expected.astype(np.float32), atol=1e-5)

@@ -172,7 +172,7 @@ def test_simulate_joins_the_cluster_that_RAY_ADDRESS_names(ray_cluster, tmp_path
     _write_idx(data, np.random.default_rng(0))
     env = dict(os.environ, RAY_ADDRESS=address)
     command = ["simulate", "--clients", "4", "--rounds", "1", "--data-dir", str(data), "--sigma-star", "0.5",
-               "--sigma-delta", "2", "--epsilon", "none", "--iterations", "3", "--num-actors", "2",
+               "--sigma-delta", "2", "--max-epsilon", "none", "--iterations", "3", "--num-actors", "2",
                "--out", str(out), "--json"]
     run = subprocess.run([str(Path(sys.executable).parent / "flwr-inca"), *command], env=env,
                          capture_output=True, text=True, timeout=280, check=False)

@@ -152,7 +152,8 @@ def test_the_readme_app_runs_with_flwr_run_in_a_fresh_shell(user):
     assert "Starting local SuperLink" in out  # a fresh shell: flwr run started it, with the variable
     assert re.search(r"Federation .* \(4 simulated SuperNodes\)", out), out[-4000:]
     # it trained: two rounds mixed by IncA among the 4 nodes, each certified and charged
-    assert len(re.findall(r"IncA: epsilon = [\d.]+ \(round mu = [\d.]+\), 4/4 finals", out)) == 2, out[-4000:]
+    assert len(re.findall(r"IncA round \d: 4/4 finals, round mu = [\d.]+, epsilon = [\d.]+ of 8; model updated",
+                          out)) == 2, out[-4000:]
     assert "IncA model: [" in out and "num_releases=2" in out
     status, row = _status_check(run_id, app, env)
     assert row["status"] == "finished:completed" and status == 0, row
