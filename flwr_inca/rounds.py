@@ -99,8 +99,11 @@ def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1
         eps = ledger.epsilon_after(math.exp(k * step), sample_rate, rounds=rounds_left)
         return math.log(max(eps, 1e-300)) - math.log(budget)
 
-    x = round(math.log(guess) / step) if guess is not None and guess > 0 else 0
-    fx, stride = excess(x), 8
+    # from a guess (the last round's share: the next one is usually within a grid step or two of it) the
+    # bracket grows 1, 2, 4, ... steps, so a share that moved little costs two or three compositions
+    near = guess is not None and guess > 0
+    x = round(math.log(guess) / step) if near else 0
+    fx, stride = excess(x), 1 if near else 8
     direction = 1 if fx <= 0 else -1
     y = x + direction * stride
     fy = excess(y)

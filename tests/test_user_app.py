@@ -164,6 +164,7 @@ def _listening(port: str) -> bool:
         return s.connect_ex(("127.0.0.1", int(port))) == 0
 
 
+@pytest.mark.slow  # Flower's own behaviour, which the README's route avoids (15 s)
 def test_a_failed_dependency_installation_exits_0_and_the_variable_needs_a_new_superlink(user):
     """What the section says of Flower's own dependency installation, as a user meets it: the command
     without the variable (installation on) fails here whether or not an index is reachable (uv offline, no
