@@ -40,7 +40,7 @@ from threadpoolctl import threadpool_limits
 from flwr_inca import IncaConfig, PermanentDropout, TemporaryDropout
 from flwr_inca.privacy import certify, random_collusion, random_eavesdrop
 from flwr_inca.privacy import prefix as prefix_module
-from flwr_inca.privacy.linear_system import dense_system
+from flwr_inca.privacy.linear_system import _b_rows, dense_system
 from flwr_inca.privacy.prefix import PrefixProfile
 from flwr_inca.privacy.rounds import certification_seeds, certification_views
 from flwr_inca.protocol import sample_trace
@@ -51,17 +51,6 @@ S_STAR, S_DELTA, SENSITIVITY, COLLUSION = 0.05, 1.0, 0.12, 0.1
 
 # ---------------------------------------------------------------------------------------------------------
 # the previous implementation, verbatim but for names (for this comparison only)
-def _previous_b_rows(trace, honest, per_t, c_o):
-    n = trace.parties
-    cols = np.arange(honest.size)
-    B = np.zeros((n, honest.size))
-    B[honest, cols] = c_o[0, honest]
-    out = [B[per_t[0]]]
-    for t in range(1, trace.iterations + 1):
-        B = trace.steps[t - 1].matrix(n) @ B
-        B[honest, cols] += c_o[t, honest]
-        out.append(B[per_t[t]])
-    return np.concatenate(out, axis=0)
 
 
 def _previous_gram(M):
@@ -146,7 +135,7 @@ def previous_profile(trace, view, value_sensitivity=1.0):
     rows = rows.astype(np.int64)
     if trace.schedule.is_incremental_pattern:
         c_o, _ = adapted_rows(trace.schedule, trace.online_mask())
-        H = _previous_b_rows(trace, view.honest, per_t, c_o)
+        H = _b_rows(trace, view.honest, per_t, c_o)  # unchanged between the two
         G_B, G_A = _previous_gram(H), _previous_gram_a(trace, view, per_t)
     else:
         H, A_V, _ = dense_system(trace, view)

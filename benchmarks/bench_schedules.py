@@ -36,6 +36,7 @@ Sections (each prints its figures):
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -248,36 +249,37 @@ def _ratios(make, n: int, T: int, k: int, gamma: float, eps: float, runs: int, s
     return [o["mse"] / baseline[s] for o, s in zip(outs, seeds)], outs
 
 
+def _cells(args: argparse.Namespace, last) -> itertools.product:
+    """Every (n, T, k, gamma, x) of the command line's grid, x from ``last`` (the epsilons or the tails)."""
+    return itertools.product(args.parties, args.iterations, args.neighbors, args.gammas, last)
+
+
 def _fmt(ratios: list[float]) -> str:
     return f"x{statistics.fmean(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"
 
 
 def section_families(args: argparse.Namespace) -> None:
     seeds = [args.seed + r for r in range(args.replicates)]
-    for n in args.parties:
-        for T in args.iterations:
-            for k in args.neighbors:
-                for gamma in args.gammas:
-                    for eps in args.epsilons:
-                        start = time.perf_counter()
-                        base = {s: predicted("incremental", n, T, k, gamma, eps, args.runs, s) for s in seeds}
-                        mse0 = {s: base[s]["mse"] for s in seeds}
-                        print(f"## n = {n}, T = {T}, k = {k}, gamma = {gamma}, eps = {eps}, {args.runs} runs x "
-                              f"{len(seeds)} seeds: D_Inc MSE {statistics.fmean(mse0.values()):.5f}, sigma_delta "
-                              f"{statistics.fmean(b['sigma_delta'] for b in base.values()):.3f}")
-                        print("  MSE / D_Inc's on the same runs: mean [min, max] over seeds")
-                        candidates = [(f"tail L={L}", lambda L=L: InjectionSchedule.incremental(T, tail=L))
-                                      for L in args.tails if L > 0]
-                        ar1_tail = f" + tail L={args.ar1_tail}" if args.ar1_tail else ""
-                        candidates += [(f"AR(1) phi={p}{ar1_tail}", lambda p=p: ar1_schedule(T, p, args.ar1_tail))
-                                       for p in args.phis]
-                        candidates += [(f"last term x{b}", lambda b=b: scaled_schedule(T, np.r_[np.ones(T - 1), b]))
-                                       for b in args.last_scales]
-                        for label, make in candidates:
-                            ratios, outs = _ratios(make, n, T, k, gamma, eps, args.runs, seeds, mse0)
-                            sd = statistics.fmean(o["sigma_delta"] for o in outs)
-                            print(f"  {label:26s} {_fmt(ratios)}  (sigma_delta {sd:.3f})", flush=True)
-                        print(f"  ({time.perf_counter() - start:.0f} s)")
+    for n, T, k, gamma, eps in _cells(args, args.epsilons):
+        start = time.perf_counter()
+        base = {s: predicted("incremental", n, T, k, gamma, eps, args.runs, s) for s in seeds}
+        mse0 = {s: base[s]["mse"] for s in seeds}
+        print(f"## n = {n}, T = {T}, k = {k}, gamma = {gamma}, eps = {eps}, {args.runs} runs x "
+              f"{len(seeds)} seeds: D_Inc MSE {statistics.fmean(mse0.values()):.5f}, sigma_delta "
+              f"{statistics.fmean(b['sigma_delta'] for b in base.values()):.3f}")
+        print("  MSE / D_Inc's on the same runs: mean [min, max] over seeds")
+        candidates = [(f"tail L={L}", lambda L=L: InjectionSchedule.incremental(T, tail=L))
+                      for L in args.tails if L > 0]
+        ar1_tail = f" + tail L={args.ar1_tail}" if args.ar1_tail else ""
+        candidates += [(f"AR(1) phi={p}{ar1_tail}", lambda p=p: ar1_schedule(T, p, args.ar1_tail))
+                       for p in args.phis]
+        candidates += [(f"last term x{b}", lambda b=b: scaled_schedule(T, np.r_[np.ones(T - 1), b]))
+                       for b in args.last_scales]
+        for label, make in candidates:
+            ratios, outs = _ratios(make, n, T, k, gamma, eps, args.runs, seeds, mse0)
+            sd = statistics.fmean(o["sigma_delta"] for o in outs)
+            print(f"  {label:26s} {_fmt(ratios)}  (sigma_delta {sd:.3f})", flush=True)
+        print(f"  ({time.perf_counter() - start:.0f} s)")
 
 
 # ---------------------------------------------------------------------------------------------- tails
@@ -287,21 +289,17 @@ def section_tails(args: argparse.Namespace) -> None:
     print(f"## Value-free tail L vs D_Inc: MSE ratio on the same runs, mean [min, max] over {len(seeds)} seeds of "
           f"{args.runs} runs")
     print(header)
-    for n in args.parties:
-        for T in args.iterations:
-            for k in args.neighbors:
-                for gamma in args.gammas:
-                    for eps in args.epsilons:
-                        mse0 = {s: predicted("incremental", n, T, k, gamma, eps, args.runs, s)["mse"] for s in seeds}
-                        cells = []
-                        for L in args.tails:
-                            if L == 0 or L > T:
-                                continue
-                            ratios, _ = _ratios(lambda L=L: InjectionSchedule.incremental(T, tail=L), n, T, k, gamma,
-                                                eps, args.runs, seeds, mse0)
-                            cells.append(f"{_fmt(ratios):>20s}")
-                        print(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f} {eps:5.2f}  {statistics.fmean(mse0.values()):10.5f}  "
-                              + "  ".join(cells), flush=True)
+    for n, T, k, gamma, eps in _cells(args, args.epsilons):
+        mse0 = {s: predicted("incremental", n, T, k, gamma, eps, args.runs, s)["mse"] for s in seeds}
+        cells = []
+        for L in args.tails:
+            if L == 0 or L > T:
+                continue
+            ratios, _ = _ratios(lambda L=L: InjectionSchedule.incremental(T, tail=L), n, T, k, gamma,
+                                eps, args.runs, seeds, mse0)
+            cells.append(f"{_fmt(ratios):>20s}")
+        print(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f} {eps:5.2f}  {statistics.fmean(mse0.values()):10.5f}  "
+              + "  ".join(cells), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- stability
@@ -310,31 +308,27 @@ def section_stability(args: argparse.Namespace) -> None:
     print(f"## Worst case over R runs: sigma_delta (running max of each run's need at alpha = 1, 1.1 without "
           f"dropouts), relative to R = {args.runs}; eps = {args.epsilons[0]}")
     print("   n   T  k  gamma  schedule              " + "  ".join(f"R={r:<5d}" for r in checkpoints) + "   seconds")
-    for n in args.parties:
-        for T in args.iterations:
-            for k in args.neighbors:
-                for gamma in args.gammas:
-                    for tail in args.tails:
-                        start = time.perf_counter()
-                        schedule = InjectionSchedule.incremental(T, tail=tail)
-                        config = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k,
-                                            schedule=schedule, dropout=PermanentDropout(gamma) if gamma else None)
-                        mu = mu_for_epsilon(args.epsilons[0], DELTA)
-                        profiles, finalists = [], []
-                        for ts, vs in simulation_seeds(args.seed, args.runs):
-                            trace = sample_trace(n, config, int(ts))
-                            view = random_collusion(trace, RHO, int(vs))
-                            profiles.append(profile(trace, view))
-                            finalists.append(np.isin(view.honest, trace.finalists()).sum())
-                        # alpha = 1 is below the floor without dropouts (no sigma_delta suffices there)
-                        alpha = 1.0 if gamma > 0 else 1.1
-                        s_star = math.sqrt(alpha / (np.mean(finalists) * mu**2))
-                        need = np.maximum.accumulate([p.min_sigma_delta(s_star, mu) for p in profiles])
-                        cells = [need[r - 1] / need[-1] for r in checkpoints]
-                        print(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f}  {schedule.name:20s}  "
-                              + "  ".join(f"{c:7.3f}" for c in cells)
-                              + f"   (sigma_delta {need[-1]:.3f} at R = {args.runs}; {time.perf_counter() - start:.0f})",
-                              flush=True)
+    for n, T, k, gamma, tail in _cells(args, args.tails):
+        start = time.perf_counter()
+        schedule = InjectionSchedule.incremental(T, tail=tail)
+        config = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k,
+                            schedule=schedule, dropout=PermanentDropout(gamma) if gamma else None)
+        mu = mu_for_epsilon(args.epsilons[0], DELTA)
+        profiles, finalists = [], []
+        for ts, vs in simulation_seeds(args.seed, args.runs):
+            trace = sample_trace(n, config, int(ts))
+            view = random_collusion(trace, RHO, int(vs))
+            profiles.append(profile(trace, view))
+            finalists.append(np.isin(view.honest, trace.finalists()).sum())
+        # alpha = 1 is below the floor without dropouts (no sigma_delta suffices there)
+        alpha = 1.0 if gamma > 0 else 1.1
+        s_star = math.sqrt(alpha / (np.mean(finalists) * mu**2))
+        need = np.maximum.accumulate([p.min_sigma_delta(s_star, mu) for p in profiles])
+        cells = [need[r - 1] / need[-1] for r in checkpoints]
+        print(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f}  {schedule.name:20s}  "
+              + "  ".join(f"{c:7.3f}" for c in cells)
+              + f"   (sigma_delta {need[-1]:.3f} at R = {args.runs}; {time.perf_counter() - start:.0f})",
+              flush=True)
 
 
 def main() -> None:

@@ -348,8 +348,9 @@ class IncaRounds:
         priv = self.privacy
         if not (self.mixing.calibrated and priv.round_epsilon is None and priv.spend_budget):
             return None
+        grid = priv.mu_resolution or 1e-3  # the charges' grid: search points that recur between rounds
         share = budget_share(ledger, max(int(rounds_left), 1), sample_rate, guess=self._share_guess,
-                             resolution=priv.mu_resolution or 1e-3)
+                             resolution=grid)
         if share is None:
             return None
         self._share_guess = share
@@ -357,7 +358,7 @@ class IncaRounds:
         if n is not None:
             predicted = self.predicted_mu(n) * target / self.mu_target  # scales with the target
             if ledger.epsilon_after(predicted * (1.0 + priv.mu_resolution), sample_rate) > ledger.max_epsilon:
-                whole = budget_share(ledger, 1, sample_rate, guess=predicted, resolution=priv.mu_resolution or 1e-3)
+                whole = budget_share(ledger, 1, sample_rate, guess=predicted, resolution=grid)
                 if whole is not None:
                     target = min(target, target * whole / predicted / (1.0 + priv.mu_resolution))
         if target < SPEND_FLOOR * self.planned_target:
