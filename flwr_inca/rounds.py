@@ -357,7 +357,7 @@ class IncaRounds:
         target = share / (1.0 + priv.mu_resolution)
         if n is not None:
             predicted = self.predicted_mu(n) * target / self.mu_target  # scales with the target
-            if ledger.epsilon_after(predicted * (1.0 + priv.mu_resolution), sample_rate) > ledger.max_epsilon:
+            if not ledger.can_afford(predicted * (1.0 + priv.mu_resolution), sample_rate):
                 whole = budget_share(ledger, 1, sample_rate, guess=predicted, resolution=grid)
                 if whole is not None:
                     target = min(target, target * whole / predicted / (1.0 + priv.mu_resolution))

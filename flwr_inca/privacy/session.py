@@ -282,9 +282,9 @@ class OpenRound:
         ledger, charged = self.session.ledger, self.session.charged(mu)
         if ledger.max_epsilon is None or charged <= self.reserved:
             return True
-        eps = (ledger.epsilon_after(charged, self.session.sample_rate) if self.entry is None
-               else ledger.epsilon_if(self.entry, charged))
-        return eps <= ledger.max_epsilon
+        if self.entry is None:
+            return ledger.can_afford(charged, self.session.sample_rate)
+        return ledger.epsilon_if(self.entry, charged) <= ledger.max_epsilon
 
     def _furthest_ceiling(self, step: int) -> float | None:
         """The ceiling of the furthest step from ``step`` on whose ceiling fits (None if that of ``step``
