@@ -419,6 +419,11 @@ def test_iterations_committed_earlier_never_change(attack):
 
 
 # ---------------------------------------------------------------------------------------------- node, wire
+def _flip_last_bit(payload: bytes) -> bytes:
+    """The payload with its last bit flipped: always a change (overwriting a byte is none 1 time in 256)."""
+    return payload[:-1] + bytes([payload[-1] ^ 1])
+
+
 def test_a_receiver_refuses_what_an_honest_sender_cannot_send_naming_it_and_why():
     from flwr_inca.flower.node import state_limit
 
@@ -426,7 +431,7 @@ def test_a_receiver_refuses_what_an_honest_sender_cannot_send_naming_it_and_why(
     honest = PartyState(np.ones(5), 0.5, 0, 1)
     cases = {
         "fine": (net.seal(0, 2, 1, honest.to_bytes()), None),
-        "tampered": (net.seal(0, 2, 1, honest.to_bytes())[:-1] + b"\x00", Rejection.AUTHENTICATION),
+        "tampered": (_flip_last_bit(net.seal(0, 2, 1, honest.to_bytes())), Rejection.AUTHENTICATION),
         "for another receiver": (net.seal(0, 1, 1, honest.to_bytes()), Rejection.AUTHENTICATION),
         "of another iteration": (net.seal(0, 2, 2, honest.to_bytes()), Rejection.AUTHENTICATION),
         "other dimension": (net.seal(0, 2, 1, PartyState(np.ones(4), 0.5, 0, 1).to_bytes()),
