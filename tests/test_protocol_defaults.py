@@ -17,6 +17,7 @@ from flwr_inca.protocol import sample_trace
 from flwr_inca.protocol.schedules import recommended_tail
 from flwr_inca.rounds import (
     ITERATION_CANDIDATES,
+    SCREEN_MARGIN,
     IncaRounds,
     choose_iterations,
     dropout_noise_share,
@@ -63,10 +64,17 @@ def test_auto_takes_the_fewest_candidate_within_its_aim_else_the_largest_allowed
     mixing = MixingConfig(dropout=DROPOUT, max_iterations=40)
     choice = choose_iterations(PRIVACY, mixing, n, mu_target=MU, value_sensitivity=1.0, seed=4)
     assert list(choice.shares) == [t for t in ITERATION_CANDIDATES if t <= 40][: len(choice.shares)]
-    # each share is that of the rounds a training at that T runs (its own calibration, its own executions)
+    # each share is that of the rounds a training at that T runs (its own calibration, its own executions),
+    # or for a screened T that of a calibration over its first runs, which already misses the aim
     for T, share in choice.shares.items():
         rounds = IncaRounds(PRIVACY, replace(mixing, iterations=T), seed=4, value_sensitivity=1.0, mu_target=MU)
-        assert dropout_noise_share(sampled_executions(rounds.config(n), n, 4)) == pytest.approx(share, rel=1e-12)
+        full = dropout_noise_share(sampled_executions(rounds.config(n), n, 4))
+        if T in choice.screened:
+            assert share > SCREEN_MARGIN * mixing.dropout_noise_share and full > mixing.dropout_noise_share
+        else:
+            assert full == pytest.approx(share, rel=1e-12)
+    unscreened = choose_iterations(PRIVACY, mixing, n, mu_target=MU, value_sensitivity=1.0, seed=4, screen=False)
+    assert unscreened.iterations == choice.iterations and not unscreened.screened
     within = [T for T, share in choice.shares.items() if share <= mixing.dropout_noise_share]
     assert choice.iterations == (within[0] if within else 40) and (not within or within[0] == max(choice.shares))
     # the chosen T's calibrator holds the calibration made for the choice (a training reuses it)
@@ -80,6 +88,22 @@ def test_auto_takes_the_fewest_candidate_within_its_aim_else_the_largest_allowed
     assert strict.iterations == 20 and list(strict.shares) == [10, 20]
     assert "aim is not reached within max_iterations = 20" in strict.describe(1)
     assert "T = 20 (21 messages per party per round)" in strict.describe(1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gamma", [0.1, 0.3])
+def test_screening_chooses_what_full_calibrations_of_every_candidate_choose(gamma):
+    privacy = replace(PRIVACY, calibration_runs=10)
+    mixing = MixingConfig(dropout=PermanentDropout(gamma), max_iterations=40)
+    screened = choose_iterations(privacy, mixing, 60, mu_target=MU, value_sensitivity=1.0, seed=7)
+    full = choose_iterations(privacy, mixing, 60, mu_target=MU, value_sensitivity=1.0, seed=7, screen=False)
+    assert screened.screened, "this setting is meant to pass a candidate over on its screen"
+    assert screened.iterations == full.iterations
+    assert all(T not in screened.shares or screened.shares[T] == full.shares[T]
+               for T in set(full.shares) - set(screened.screened))
+    assert "screened over 2 of the calibration runs" in screened.describe(1)
+    # the chosen T's calibrator is the full one (every run), whatever was screened
+    assert screened.calibrator.settings["runs"] == 10
 
 
 def test_auto_without_dropouts_or_with_given_noise_is_ten_iterations_without_calibrating(monkeypatch):

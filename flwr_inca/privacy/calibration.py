@@ -712,6 +712,20 @@ class NoiseCalibrator:
         cal = self.calibration(n, mu_target, delta, value_sensitivity)
         return cal.sigma_star, cal.sigma_delta
 
+    def has_calibration(self, n: int, mu_target: float, delta: float) -> bool:
+        """Whether :meth:`calibration` for ``n`` parties at ``mu_target`` and ``delta`` is already made (no
+        simulated run needed)."""
+        ref = self.REFERENCE_MU if self.settings["procedure"] == "exact" else mu_target
+        return self._nearest(int(n), ref, delta)[0] is not None
+
+    def screening(self, runs: int) -> NoiseCalibrator:
+        """A calibrator like this one over only the first ``runs`` of its simulated runs (the same executions
+        and adversaries): a cheap look at the noise this one will need. Its worst case is over a subset of
+        this one's runs, so it asks for no more noise in practice (the chosen alpha is an argmin, so this is
+        not a theorem: use it to rule out, not to certify)."""
+        s = {key: value for key, value in self.settings.items() if key != "runs"}
+        return NoiseCalibrator(**s, runs=min(int(runs), self.settings["runs"]), seed=self.seed)
+
     def _nearest(self, n: int, ref: float, delta: float) -> tuple[Calibration | None, int]:
         near = [(abs(m - n), m) for (m, r, d) in self.calibrations
                 if r == ref and d == delta and abs(m - n) <= REUSE_WITHIN * m]
