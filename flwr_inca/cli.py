@@ -152,7 +152,13 @@ _iterations = _int_in(1, MAX_ITERATIONS)
 
 def _iterations_or_auto(text: str) -> int | str:
     """``--iterations`` of a training: 'auto' or an integer in [1, MAX_ITERATIONS]."""
-    return "auto" if text.strip().lower() == "auto" else _iterations(text)
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _iterations(text)
+    except argparse.ArgumentTypeError as exc:
+        got = str(exc).rpartition(", got ")[2]
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer in [1, {MAX_ITERATIONS}], got {got}") from None
 
 
 def _schedule(text: str) -> str:

@@ -188,7 +188,9 @@ def test_run_help_explains_every_key():
 
 def test_config_keys_are_validated_with_their_range():
     for cfg, message in [({"num-server-rounds": 0}, "num-server-rounds must be an integer >= 1, got 0"),
-                         ({"iterations": 2.5}, "iterations must be an integer >= 1, got 2.5"),
+                         ({"iterations": 2.5}, "iterations must be 'auto' or an integer >= 1, got 2.5"),
+                         ({"iterations": "many"}, "iterations must be 'auto' or an integer >= 1, got 'many'"),
+                         ({"expected-dropout": 0.8}, "expected-dropout must be in [0, 0.8), got 0.8"),
                          ({"delta": 1.0}, "delta must be in (0, 1), got 1.0"),
                          ({"party-lr": -1}, "party-lr must be a number > 0"),
                          ({"lr": True}, "lr must be a number > 0, got True"),
@@ -197,6 +199,13 @@ def test_config_keys_are_validated_with_their_range():
             task.load_config(cfg)
         assert str(info.value).startswith(message)
     assert task.load_config({"num-server-rounds": 5.0})["num-server-rounds"] == 5  # TOML may give floats
+    from mnist_logreg import run
+
+    assert task.load_config({"iterations": 20.0})["iterations"] == 20 and task.load_config()["iterations"] == "auto"
+    assert run.build_parser().parse_args(["--iterations", "20"]).iterations == 20
+    assert run.build_parser().parse_args([]).iterations == "auto"
+    assert task.expected_dropout(task.load_config()) is None
+    assert task.expected_dropout(task.load_config({"expected-dropout": 0.1})).gamma == 0.1
 
 
 def test_the_log_states_the_users_settings_and_explains_the_derived_ones():

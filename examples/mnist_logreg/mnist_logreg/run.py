@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 
-from .task import DEFAULTS, ENV_CONFIG, HELP, ConfigError, load_config, load_data, privacy_plan
+from .task import (DEFAULTS, ENV_CONFIG, HELP, ConfigError, iterations_option, load_config, load_data,
+                   privacy_plan)
 
 EXAMPLES = """examples:
   python -m mnist_logreg.run --num-supernodes 20 --data-dir /path/to/mnist
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         if key == "num-partitions":
             continue
         choices = ["record", "party"] if key == "privacy-unit" else None
-        parser.add_argument(f"--{key}", type=type(value), default=value, choices=choices, help=HELP[key])
+        kind = iterations_option if key == "iterations" else type(value)
+        parser.add_argument(f"--{key}", type=kind, default=value, choices=choices, help=HELP[key])
     return parser
 
 

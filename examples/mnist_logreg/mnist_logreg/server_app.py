@@ -16,7 +16,8 @@ from flwr_inca._plots import have_matplotlib, new_figure, paper_style, save_figu
 from flwr_inca._progress import ProgressBar
 from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
 
-from .task import accuracy, describe_plan, load_config, load_data, make_model, privacy_plan
+from .task import (accuracy, describe_plan, expected_dropout, load_config, load_data, make_model,
+                   privacy_plan)
 
 app = ServerApp()
 BUDGET_STOPS: list[str] = []  # why training stopped early, one line each (python -m mnist_logreg.run exits 1)
@@ -57,7 +58,7 @@ def main(grid: Grid, context: Context) -> None:
     log(INFO, "mnist_logreg: %s", describe_plan(cfg, plan, nodes))
     strategy = IncaStrategy(
         fraction_train=1.0, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
-        iterations=cfg["iterations"], neighbors=cfg["neighbors"],
+        iterations=cfg["iterations"], dropout=expected_dropout(cfg), neighbors=cfg["neighbors"],
         max_epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),  # the rounds share it: calibrated per round
         clip_norm=plan["party_clip"], value_sensitivity=plan["value_sensitivity"],
         sample_rate=plan["sample_rate"],  # the accountant follows: Opacus's PRV if < 1, else exact GDP

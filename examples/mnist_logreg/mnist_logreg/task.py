@@ -34,7 +34,8 @@ DEFAULTS: dict[str, Any] = {
     "privacy-unit": "record",  # "record" (DP-SGD-like, per example) or "party" (a node's whole update)
     "epsilon": 1.0,  # total budget over all rounds
     "delta": 1e-5,
-    "iterations": 10,  # IncA mixing iterations per round
+    "iterations": "auto",  # IncA mixing iterations per round: chosen for expected-dropout, or a number
+    "expected-dropout": 0.0,  # fraction of the nodes expected to drop out during a round
     "neighbors": 1,
     "collusion": 0.1,  # fraction of colluding nodes the guarantee holds against
     "lr": 6.0,  # record level: the one DP step per round
@@ -53,7 +54,10 @@ HELP: dict[str, str] = {  # one line per key: `run.py --help` and the README's t
                     "step per round); party: a node's whole update",
     "epsilon": "total privacy budget over all rounds, > 0 (the per-round target is derived from it)",
     "delta": "delta of the budget, in (0, 1)",
-    "iterations": "IncA mixing iterations per round, >= 1",
+    "iterations": "IncA mixing iterations per round: 'auto' (the fewest of 10, 20, 40 leaving at most a quarter "
+                  "of the central noise uncancelled by the expected dropouts; 10 without) or an integer >= 1",
+    "expected-dropout": "fraction of the nodes expected to drop out during a round, in [0, 0.8): the noise is "
+                        "calibrated, and T chosen, for it (every round is still certified on what happened)",
     "neighbors": "peers each node sends to per mixing iteration, >= 1",
     "collusion": "fraction of colluding nodes the guarantee is certified against, in [0, 1)",
     "lr": "record level: learning rate of the round's step -lr * sum(clip(g)) / batch-size, > 0",
@@ -98,7 +102,9 @@ _RULES: dict[str, tuple[Any, str]] = {
     "privacy-unit": (lambda v: v in ("record", "party"), "'record' or 'party'"),
     "epsilon": _number(0),
     "delta": _number(0, 1),
-    "iterations": _number(1, low_open=False, integer=True),
+    "iterations": (lambda v: v == "auto" or _number(1, low_open=False, integer=True)[0](v),
+                   "'auto' or an integer >= 1"),
+    "expected-dropout": _number(0, 0.8, low_open=False),
     "neighbors": _number(1, low_open=False, integer=True),
     "collusion": _number(0, 1, low_open=False),
     "lr": _number(0),
@@ -113,7 +119,7 @@ _RULES: dict[str, tuple[Any, str]] = {
 }
 
 
-_INTEGER_KEYS = frozenset(k for k, v in DEFAULTS.items() if isinstance(v, int))
+_INTEGER_KEYS = frozenset(k for k, v in DEFAULTS.items() if isinstance(v, int)) | {"iterations"}
 
 
 def validate_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +131,7 @@ def validate_config(cfg: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
         raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
-    return {k: (int(v) if k in _INTEGER_KEYS else v) for k, v in cfg.items()}
+    return {k: (int(v) if k in _INTEGER_KEYS and v != "auto" else v) for k, v in cfg.items()}
 
 
 def load_config(run_config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -135,6 +141,23 @@ def load_config(run_config: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg.update(json.loads(os.environ.get(ENV_CONFIG, "{}")))
     cfg.update(dict(run_config or {}))
     return validate_config(cfg)
+
+
+def iterations_option(text: str) -> int | str:
+    """``--iterations`` of ``run.py``: 'auto' or an integer (range checked with the other keys)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        return text  # validate_config names the key and what it allows
+
+
+def expected_dropout(cfg: dict[str, Any]):
+    """The dropout model the strategy calibrates for (None: no dropouts expected)."""
+    from flwr_inca.protocol import PermanentDropout
+
+    return PermanentDropout(float(cfg["expected-dropout"])) if cfg["expected-dropout"] > 0 else None
 
 
 def partition(data: Dataset, partition_id: int, num_partitions: int) -> tuple[np.ndarray, np.ndarray]:
