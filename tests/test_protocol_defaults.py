@@ -21,6 +21,7 @@ from flwr_inca.rounds import (
     IncaRounds,
     choose_iterations,
     dropout_noise_share,
+    noise_calibrator,
     sampled_executions,
 )
 from flwr_inca.settings import MixingConfig, PrivacyTarget
@@ -92,7 +93,9 @@ def test_auto_takes_the_fewest_candidate_within_its_aim_else_the_largest_allowed
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("gamma", [0.1, 0.3])
-def test_screening_chooses_what_full_calibrations_of_every_candidate_choose(gamma):
+def test_screening_chooses_what_full_calibrations_of_every_candidate_choose(gamma, monkeypatch):
+    from flwr_inca.privacy import calibration
+
     privacy = replace(PRIVACY, calibration_runs=10)
     mixing = MixingConfig(dropout=PermanentDropout(gamma), max_iterations=40)
     screened = choose_iterations(privacy, mixing, 60, mu_target=MU, value_sensitivity=1.0, seed=7)
@@ -104,6 +107,19 @@ def test_screening_chooses_what_full_calibrations_of_every_candidate_choose(gamm
     assert "screened over 2 of the calibration runs" in screened.describe(1)
     # the chosen T's calibrator is the full one (every run), whatever was screened
     assert screened.calibrator.settings["runs"] == 10
+    # shared calibrators (a study's) keep their screens: a second choice calibrates nothing new
+    shared: dict[int, object] = {}
+
+    def calibrators(T):
+        return shared.setdefault(T, noise_calibrator(privacy, mixing, T, seed=7))
+
+    first = choose_iterations(privacy, mixing, 60, mu_target=MU, value_sensitivity=1.0, seed=7,
+                              calibrators=calibrators)
+    made = []
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: made.append(k) or pytest.fail("calibrated again"))
+    again = choose_iterations(privacy, mixing, 60, mu_target=MU, value_sensitivity=1.0, seed=7,
+                              calibrators=calibrators)
+    assert again == first and again.screened == screened.screened and not made
 
 
 def test_auto_without_dropouts_or_with_given_noise_is_ten_iterations_without_calibrating(monkeypatch):

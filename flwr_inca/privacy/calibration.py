@@ -689,6 +689,7 @@ class NoiseCalibrator:
         self.seed = check_int("seed", seed, 0)
         self.progress = progress
         self.calibrations: dict[tuple[int, float, float], Calibration] = {}  # (n, reference mu, delta), S = 1
+        self._screens: dict[int, NoiseCalibrator] = {}  # screening(runs), kept with the calibrator it screens
         self.seconds = 0.0
 
     def calibration(self, n: int, mu_target: float, delta: float, value_sensitivity: float) -> Calibration:
@@ -723,8 +724,11 @@ class NoiseCalibrator:
         and adversaries): a cheap look at the noise this one will need. Its worst case is over a subset of
         this one's runs, so it asks for no more noise in practice (the chosen alpha is an argmin, so this is
         not a theorem: use it to rule out, not to certify)."""
-        s = {key: value for key, value in self.settings.items() if key != "runs"}
-        return NoiseCalibrator(**s, runs=min(int(runs), self.settings["runs"]), seed=self.seed)
+        runs = min(check_int("runs", runs, 1), self.settings["runs"])
+        if runs not in self._screens:  # kept: a calibrator shared between trainings is screened once
+            s = {key: value for key, value in self.settings.items() if key != "runs"}
+            self._screens[runs] = NoiseCalibrator(**s, runs=runs, seed=self.seed)
+        return self._screens[runs]
 
     def _nearest(self, n: int, ref: float, delta: float) -> tuple[Calibration | None, int]:
         near = [(abs(m - n), m) for (m, r, d) in self.calibrations
