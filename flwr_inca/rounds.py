@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ._checks import check_int, check_real
-from .privacy.budget_check import predicted_round_mu, prediction_seeds
+from .privacy.budget_check import Predictions, predicted_round_mu, prediction_seeds
 from .privacy.calibration import NoiseCalibrator
 from .privacy.conversions import mu_for_epsilon
 from .privacy.plan import round_mu
@@ -294,7 +294,7 @@ class IncaRounds:
         self._share_guess: float | None = None  # the last budget share: where the next search starts
         self.planned_target = mu_target  # the target before any retargeting (the budget's share)
         self._ceilings: dict[tuple[int, float | None], np.ndarray] = {}
-        self._predicted: dict[tuple[int, int], tuple[float, float | None]] = {}  # (mu, the target it was made at)
+        self._predicted = Predictions()  # (mu, the target it was made at) by party count
 
     # ------------------------------------------------------------------------------ noise
     def sigmas(self, n: int) -> tuple[float, float]:
@@ -410,10 +410,10 @@ class IncaRounds:
         """A round of ``n`` parties' predicted cost: the worst certified mu over ``runs`` (default
         ``budget_check_runs``) simulated executions at its sigmas and dropout model, against the threat
         (:func:`~flwr_inca.privacy.budget_check.predicted_round_mu`); the local bound with
-        ``certification="local-bound"``. Cached per (n, runs)."""
+        ``certification="local-bound"``. Cached per (n, runs); a prediction serves party counts near its
+        own (:class:`~flwr_inca.privacy.budget_check.Predictions`)."""
         runs = self.privacy.budget_check_runs if runs is None else int(runs)
-        key = (int(n), runs)
-        cached = self._predicted.get(key)
+        cached = self._predicted.get(int(n), runs)
         if cached is not None and (cached[1] == self.mu_target or self._scale_free()):
             mu, made_at = cached  # the certificate of a view scales as S / sigma: exactly with the target
             return mu if made_at == self.mu_target else mu * self.mu_target / made_at
@@ -425,7 +425,7 @@ class IncaRounds:
                 n, self.config(n), prediction_seeds(self.seed, n), runs, threat_draws=priv.threat_draws,
                 collusion=priv.collusion, observed_fraction=priv.observed_fraction,
                 value_sensitivity=self.value_sensitivity)
-        self._predicted[key] = (mu, self.mu_target)
+        self._predicted.put(n, runs, (mu, self.mu_target))
         return mu
 
     # ------------------------------------------------------------------------------ certificates

@@ -401,6 +401,25 @@ def test_the_prediction_is_the_worst_certificate_over_the_sampled_executions_com
     assert calls == [N]
 
 
+def test_a_prediction_serves_nearby_party_counts_and_no_farther(monkeypatch, task_identity):
+    """Rounds whose participants vary a little (clients available or not) reuse one prediction: made at
+    100 parties, it serves 95..105 (PREDICTION_REUSE_WITHIN), and 106 gets its own."""
+    from flwr_inca import rounds as rounds_module
+    from flwr_inca.privacy.budget_check import PREDICTION_REUSE_WITHIN
+
+    made = []
+    real = rounds_module.predicted_round_mu
+    monkeypatch.setattr(rounds_module, "predicted_round_mu", lambda n, *a, **k: made.append(n) or real(n, *a, **k))
+    strategy = _strategy(dropout=PermanentDropout(0.2), budget_check_runs=2, max_epsilon=50.0)
+    first = strategy.inca.predicted_mu(100)
+    assert PREDICTION_REUSE_WITHIN == 0.05
+    assert [strategy.inca.predicted_mu(n) for n in (95, 103, 105)] == [first] * 3 and made == [100]
+    assert strategy.inca.predicted_mu(106) > 0 and made == [100, 106]
+    assert strategy.inca.predicted_mu(102) == first and made == [100, 106]  # the nearest: 100
+    strategy.inca.predicted_mu(100, runs=1)
+    assert made == [100, 106, 100]  # another number of runs is another prediction
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_ledger_never_exceeds_max_epsilon_whatever_the_prediction(monkeypatch, task_identity, seed):
     """Property: a random budget (log-uniform from below one iteration's cost to a few rounds), a prediction

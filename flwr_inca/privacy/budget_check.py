@@ -21,9 +21,30 @@ from ..protocol.engine import sample_trace
 from .prefix import RoundPrefix
 from .rounds import worst_mu
 
-__all__ = ["PREDICT_KEY", "predicted_round_mu", "prediction_seeds", "worst_over_executions"]
+__all__ = ["PREDICT_KEY", "PREDICTION_REUSE_WITHIN", "Predictions", "predicted_round_mu", "prediction_seeds",
+           "worst_over_executions"]
 
 PREDICT_KEY = 1  # first spawn_key entry of the prediction seeds (after rounds.CERTIFY_KEY = 0)
+# a prediction made for n parties serves every party count within this share of n: the worst of a few sampled
+# executions varies more between seeds than between such counts, and rounds whose participants vary (clients
+# available or not) would otherwise pay a new prediction, several certificates, at every round
+PREDICTION_REUSE_WITHIN = 0.05
+
+
+class Predictions:
+    """Predicted round costs by (party count, runs), each serving counts within
+    :data:`PREDICTION_REUSE_WITHIN` of the one it was made for (the nearest is used)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, int], object] = {}
+
+    def get(self, n: int, runs: int) -> object | None:
+        """The prediction made for the nearest party count to ``n`` within reach (at ``runs``), or None."""
+        near = [(abs(m - n), m) for (m, r) in self._made if r == runs and abs(m - n) <= PREDICTION_REUSE_WITHIN * m]
+        return self._made[(min(near)[1], runs)] if near else None
+
+    def put(self, n: int, runs: int, prediction: object) -> None:
+        self._made[(int(n), int(runs))] = prediction
 
 
 def prediction_seeds(seed: int | None, n: int) -> np.random.SeedSequence:

@@ -79,7 +79,7 @@ from ..baselines import (
 from ..baselines.base import check_positive_int
 from ..baselines.calibration import NoiseCalibration
 from ..baselines.pairwise import pairwise_estimate, pairwise_masked_values, uncancelled_estimate
-from ..privacy.budget_check import prediction_seeds, worst_over_executions
+from ..privacy.budget_check import Predictions, prediction_seeds, worst_over_executions
 from ..privacy.conversions import epsilon_for_delta
 from ..privacy.rounds import RoundCertificate, certification_seeds, worst_mu
 from ..privacy.session import RoundCharge, RoundSession
@@ -321,7 +321,7 @@ class GOPAMixer(Mixer):
         self.sigma_delta = None if sigma_delta is None else float(sigma_delta)
         self.calibration: NoiseCalibration | None = None
         self._calibrated_n = 0
-        self._predicted: dict[tuple[int, int], float] = {}  # predicted_cost by (participants, runs)
+        self._predicted = Predictions()  # predicted_cost by participants
 
     @classmethod
     def from_config(cls, config: Any) -> Mixer:
@@ -397,9 +397,9 @@ class GOPAMixer(Mixer):
     def predicted_cost(self, participants: int, runs: int) -> float:
         """The worst certified mu over ``runs`` executions of ``participants`` parties sampled with this
         mixer's settings (:func:`flwr_inca.privacy.budget_check.worst_over_executions`, as IncA's rounds
-        are predicted). Cached per (participants, runs)."""
-        key = (int(participants), int(runs))
-        if key not in self._predicted:
+        are predicted). Cached per (participants, runs), serving nearby counts as IncA's predictions do."""
+        cached = self._predicted.get(int(participants), int(runs))
+        if cached is None:
             n = check_int("participants (GOPA needs two parties)", participants, 2)
             s_star, s_delta = self.sigmas(n)
             gopa = self._baseline(n, s_star, s_delta)
@@ -407,8 +407,9 @@ class GOPAMixer(Mixer):
             def cost(execution: int, threat: np.random.SeedSequence) -> float:
                 return self.certify(gopa.sample_execution(n, execution), 0, s_star, s_delta, threat)
 
-            self._predicted[key] = worst_over_executions(prediction_seeds(self._threat_seed(), n), runs, cost)
-        return self._predicted[key]
+            cached = worst_over_executions(prediction_seeds(self._threat_seed(), n), runs, cost)
+            self._predicted.put(n, runs, cached)
+        return cached
 
     def plan(self, round: int, participants: int) -> RoundPlan:
         n = check_int("participants (GOPA needs two parties)", participants, 2)
