@@ -736,7 +736,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
         settings = {"parties": args.parties, "epsilons": args.epsilons, "gammas": args.gammas,
                     "iterations": args.iterations, "neighbors": args.neighbors}
         reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress,
-                  settings=settings)
+                  settings=settings, merge=args.merge)
     except OSError as exc:  # e.g. the disk filled up while writing a figure
         print(f"error: --out {args.out}: cannot write the results: {exc}", file=sys.stderr)
         return 2
@@ -772,6 +772,10 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                           help="IncA's T values")
     frontier.add_argument("--neighbors", type=_neighbors, nargs="+", default=None, metavar="K",
                           help="IncA's k values")
+    frontier.add_argument("--merge", nargs="+", default=None, metavar="CSV",
+                          help="run nothing: join the frontier.csv files of earlier runs (pieces of the grid; a "
+                               "point in several files is taken from the last) and write the frontier's CSV, "
+                               "plots and tables for all their points to --out")
     r.set_defaults(func=cmd_reproduce)
 
 

@@ -135,3 +135,35 @@ def test_settings_narrow_the_grid_and_bad_ones_are_refused(tiny, tmp_path, capsy
     assert "--gammas must be in [0, 0.8), got 0.9" in capsys.readouterr().err
     assert cli.main(["reproduce", "fig1", "--parties", "100", "--out", str(tmp_path)]) == 2
     assert "not fig1" in capsys.readouterr().err
+
+
+def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys):
+    """Pieces of the grid run apart (two gammas, then one gamma again with more runs) and merged: every point
+    once, a point in several files taken from the last, the checks and tables over all of them, nothing run."""
+    settings = {"iterations": [4], "neighbors": [1], "epsilons": [1.0]}
+    pieces = []
+    for name, gammas, runs in (("a", [0.0], 1), ("b", [0.2], 1), ("c", [0.2], 2)):
+        reproduce(["frontier"], runs=runs, out=tmp_path / name, seed=0, progress=False, stream=io.StringIO(),
+                  plots=False, settings={**settings, "gammas": gammas})
+        pieces.append(_csv(tmp_path / name / "frontier.csv"))
+    paths = [str(tmp_path / name / "frontier.csv") for name in "abc"]
+    (result,) = reproduce(["frontier"], out=tmp_path / "all", progress=False, stream=io.StringIO(), plots=False,
+                          merge=paths)
+    written = _csv(tmp_path / "all" / "frontier.csv")
+    assert len(written) == len(result.rows) == len(pieces[0]) + len(pieces[2])  # b's points replaced by c's
+    gamma_02 = [r for r in written if r["gamma"] == "0.2" and r["runs"]]
+    assert gamma_02 and {r["runs"] for r in gamma_02} == {"2"}
+    assert {r["predicted_mse"] for r in gamma_02} == {r["predicted_mse"] for r in pieces[2] if r["runs"]}
+    assert {r["gamma"] for r in result.rows} == {0.0, 0.2} and all(isinstance(r["n"], int) for r in result.rows)
+    md = (tmp_path / "all" / "frontier.md").read_text()
+    assert "γ = 0 | γ = 0.2" in md and "merged" in (tmp_path / "all" / "frontier.txt").read_text()
+    assert any("IncA lower in" in c.measured and "of 1 " in c.measured for c in result.checks)  # the merged cell
+    # bad files and combinations: one line naming what was wrong
+    (tmp_path / "bad.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,x,0,IncA k=1,1\n")
+    for argv, needle in ((["--merge", str(tmp_path / "none.csv")], "none.csv: cannot read it"),
+                         (["--merge", str(tmp_path / "a" / "frontier.txt")], "not a frontier CSV"),
+                         (["--merge", str(tmp_path / "bad.csv")], "line 2: epsilon must be a number, got 'x'"),
+                         (["--merge", paths[0], "--runs", "3"], "without --runs or grid settings")):
+        assert cli.main(["reproduce", "frontier", *argv, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err

@@ -75,12 +75,15 @@ def reproduce(
     stream: TextIO | None = None,
     plots: bool = True,
     settings: Mapping[str, Sequence] | None = None,
+    merge: Sequence[str | Path] | None = None,
 ) -> list[FigureResult]:
     """Reproduce ``figures`` (names of :data:`FIGURES`, or ``["all"]``: the paper's figures, not the
     frontier); see the module docstring.
 
     ``settings`` narrow the frontier's grid (:class:`flwr_inca.reproduce.frontier.Grid`: ``parties``,
-    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``); the paper's figures take none.
+    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``); the paper's figures take none. ``merge``: the
+    frontier only, runs nothing: joins the ``frontier.csv`` files of earlier runs (pieces of its grid) and
+    writes the frontier's outputs for all their points (:func:`flwr_inca.reproduce.frontier.merged`).
 
     Raises ``ValueError`` naming the bad argument (unknown figure, runs outside [1, MAX_RUNS], seed < 0, an
     ``out`` that is not a directory, settings for a figure that takes none or out of range).
@@ -97,6 +100,8 @@ def reproduce(
     if not isinstance(out, (str, Path)):
         raise ValueError(f"out (--out) must be a path, got {out!r}")  # noqa: TRY004 - one error type for bad arguments
     settings = {k: v for k, v in (settings or {}).items() if v is not None}
+    if merge is not None and (names != ["frontier"] or settings or runs is not None):
+        raise ValueError("--merge joins frontier CSVs: only with the frontier, and without --runs or grid settings")
     if settings:
         fixed = [f for f in names if not FIGURES[f].settings]
         if fixed:
@@ -112,6 +117,10 @@ def reproduce(
         raise ValueError(f"out (--out): cannot create the directory {out}: {exc.strerror or exc}") from None
     stream = stream if stream is not None else sys.stdout
     plots = plots and _have_matplotlib(stream)
+    if merge is not None:
+        result = frontier.merged(merge)
+        _write(result, FIGURES["frontier"].display, out, plots, stream)
+        return [result]
     cache: dict = {}
     results = []
     with single_blas_thread():

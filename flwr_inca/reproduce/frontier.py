@@ -52,8 +52,8 @@ from ..protocol.schedules import InjectionSchedule
 from .._plots import new_figure, paper_style, save_figure
 from .common import Check, FigureResult, ProgressBar
 
-__all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "markdown", "pairwise_cost", "plot", "run",
-           "work"]
+__all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "markdown", "merged", "pairwise_cost", "plot",
+           "run", "work"]
 
 PARTIES = (200, 1000)
 EPSILONS = (0.2, 1.0)
@@ -246,6 +246,62 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
     result.checks = checks(rows)
     result.notes.append(f"value-free tail per k: {TAIL}; GOPA gamma_2 in {GOPA_SPLITS}; MSE = predicted (closed "
                         "form per simulated execution, averaged over them)")
+    return result
+
+
+_INTEGER_COLUMNS = frozenset({"n", "k", "T", "k_PR", "rounds", "runs"})
+_TEXT_COLUMNS = frozenset({"protocol", "schedule"})
+
+
+def _point(row: dict) -> tuple:
+    return (row["n"], row["epsilon"], row["gamma"], row["protocol"], row.get("T"), row.get("k_PR"))
+
+
+def merged(paths: Sequence[str | Path]) -> FigureResult:
+    """The frontier of the points in ``paths`` (``frontier.csv`` files of earlier runs, e.g. pieces of the grid
+    run apart): a point measured in several files is taken from the last one. Raises ``ValueError`` naming a
+    file that cannot be read or is not a frontier CSV (``--merge``)."""
+    import csv
+
+    points: dict[tuple, dict] = {}
+    for path in paths:
+        try:
+            with open(path, newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh)
+                missing = [c for c in ("n", "epsilon", "gamma", "protocol", "predicted_mse")
+                           if c not in (reader.fieldnames or [])]
+                if missing:
+                    raise ValueError(f"--merge {path}: not a frontier CSV (no column {', '.join(missing)})")
+                for line, raw in enumerate(reader, 2):
+                    row: dict = {}
+                    for column, text in raw.items():
+                        if column not in COLUMNS or text in ("", None):
+                            continue
+                        try:
+                            row[column] = (text if column in _TEXT_COLUMNS else
+                                           int(text) if column in _INTEGER_COLUMNS else float(text))
+                        except ValueError:
+                            raise ValueError(f"--merge {path}, line {line}: {column} must be a number, got "
+                                             f"{text[:40]!r}") from None
+                    points[_point(row)] = row
+        except OSError as exc:
+            raise ValueError(f"--merge {path}: cannot read it: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise ValueError(f"--merge {path}: not a frontier CSV ({exc})") from None
+    rows = sorted(points.values(), key=lambda r: (r["n"], r["epsilon"], r["gamma"], r["protocol"],
+                                                  r.get("T") or 0, r.get("k_PR") or 0))
+    if not rows:
+        raise ValueError("--merge: the files hold no frontier point")
+    runs = sorted({r["runs"] for r in rows if "runs" in r})
+    params = {"n": tuple(sorted({r["n"] for r in rows})), "epsilon": tuple(sorted({r["epsilon"] for r in rows})),
+              "gamma": tuple(sorted({r["gamma"] for r in rows})), "runs": tuple(runs),
+              "merged": ", ".join(str(p) for p in paths)}
+    result = FigureResult(
+        "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
+        "exactly (merged)", COLUMNS, rows, plot=plot, params=params, write_extra=write_extra,
+        checks_heading="What the frontier shows (measured; the paper states none of it):")
+    result.checks = checks(rows)
+    result.seconds = sum(r.get("seconds", 0.0) for r in rows)
     return result
 
 
