@@ -381,14 +381,22 @@ def test_the_prediction_is_the_worst_certificate_over_the_sampled_executions_com
     budget before its first round."""
     strategy = _strategy(dropout=PermanentDropout(0.2), budget_check_runs=4, max_epsilon=50.0)
     n, priv = 9, strategy.privacy
-    worst = 0.0
-    for run in prediction_seeds(strategy.seed, n).spawn(4):
-        execution, threat = run.spawn(2)
-        trace = sample_trace(n, strategy.inca.config(n), seed=int(execution.generate_state(1, np.uint64)[0]))
-        for view in certification_views(trace, threat, priv.threat_draws, collusion=priv.collusion):
-            worst = max(worst, certify(trace, view, value_sensitivity=priv.sensitivity).max_mu)
+    config = strategy.inca.config(n)
+    root = prediction_seeds(strategy.seed, n)
+    # 4 executions with the dropout model, and ceil(4 / 4) = 1 in which nobody drops out
+    stay = np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, 1))
+    worst, dropout_free = 0.0, 0.0
+    for seeds, runs, model in ((root, 4, config), (stay, 1, dataclasses.replace(config, dropout=None))):
+        for run in seeds.spawn(runs):
+            execution, threat = run.spawn(2)
+            trace = sample_trace(n, model, seed=int(execution.generate_state(1, np.uint64)[0]))
+            assert model is config or trace.steps[-1].online.size == n  # nobody dropped out
+            for view in certification_views(trace, threat, priv.threat_draws, collusion=priv.collusion):
+                mu = certify(trace, view, value_sensitivity=priv.sensitivity).max_mu
+                worst = max(worst, mu)
+                dropout_free = max(dropout_free, mu) if model is not config else dropout_free
     got = strategy.inca.predicted_mu(n)
-    assert worst <= got <= worst * (1 + 2e-9) and got > 0
+    assert worst <= got <= worst * (1 + 2e-9) and got > 0 and dropout_free > 0
     assert strategy.inca.predicted_mu(n, runs=2) <= got  # the first runs of the same executions
 
     calls = []
@@ -399,6 +407,39 @@ def test_the_prediction_is_the_worst_certificate_over_the_sampled_executions_com
     assert calls == []  # no budget: nothing to predict
     _round(_strategy(max_epsilon=50.0), _grid())
     assert calls == [N]
+
+
+@pytest.mark.timeout(120)
+def test_the_prediction_covers_rounds_in_which_nobody_drops_out():
+    """At n = 100 a round where every party stays costs more than the rounds the dropout model samples (the
+    noise of a party that leaves is never cancelled, which hides the others): the prediction covers it, so
+    a deployment whose nodes drop out less than expected does not overrun its last round's share."""
+    from flwr_inca import IncaConfig
+    from flwr_inca.privacy.budget_check import predicted_round_mu
+    from flwr_inca.privacy.prefix import RoundPrefix
+
+    n, runs = 100, 4
+    config = IncaConfig(sigma_star=0.05, sigma_delta=0.5, iterations=20, dropout=PermanentDropout(0.1))
+    root = prediction_seeds(7, n)
+
+    def worst(seeds, count, model):
+        out = 0.0
+        fresh = np.random.SeedSequence(seeds.entropy, spawn_key=seeds.spawn_key)  # spawning advances seeds
+        for run in fresh.spawn(count):
+            execution, threat = run.spawn(2)
+            trace = sample_trace(n, model, seed=int(execution.generate_state(1, np.uint64)[0]))
+            out = max(out, RoundPrefix(trace, threat, 1, collusion=0.1).with_finals().mu)
+        return out
+
+    with_model = worst(root, runs, config)
+    dropout_free = worst(np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, 1)), 1,
+                         dataclasses.replace(config, dropout=None))
+    assert dropout_free > with_model  # the case the prediction must cover
+    got = predicted_round_mu(n, config, root, runs, collusion=0.1)
+    assert got == pytest.approx(dropout_free, rel=1e-12)
+    # without a dropout model there is nothing more to cover
+    assert predicted_round_mu(n, dataclasses.replace(config, dropout=None), root, runs, collusion=0.1) == \
+        pytest.approx(worst(root, runs, dataclasses.replace(config, dropout=None)), rel=1e-12)
 
 
 def test_a_prediction_serves_nearby_party_counts_and_no_farther(monkeypatch, task_identity):
