@@ -624,3 +624,26 @@ def test_a_study_stopped_while_replacing_runs_csv_leaves_it_whole_and_no_tempora
     partial = list(csv.DictReader((tmp_path / "runs.csv.partial").open()))
     assert partial and {r["seed"] for r in partial} == {"5"}  # this study's runs, kept for --resume
     assert {p.name for p in tmp_path.iterdir()} == files | {"runs.csv.partial"}  # no temporary file
+
+
+def test_the_command_line_overrides_reach_the_grid(monkeypatch, tmp_path):
+    """Every override of ``flwr-inca study`` lands in the grid the study runs (here the full grid's tuning
+    narrowed to one setting, tuned at another dropout rate, with a larger T allowed)."""
+    import types
+
+    from flwr_inca.cli import main
+    from flwr_inca.simulation import data as data_module
+    from flwr_inca.study import FULL_GRID, command, mnist
+
+    got = {}
+    monkeypatch.setattr(data_module, "load_mnist", lambda d: types.SimpleNamespace(features=784, name="fake"))
+    monkeypatch.setattr(mnist, "run_study", lambda dataset, grid, out, resume: got.update(grid=grid) or {"table": []})
+    monkeypatch.setattr(command, "markdown_table", lambda table: "")
+    argv = ["study", "mnist", "--grid", "full", "--out", str(tmp_path / "out"), "--clients", "1000",
+            "--gammas", "0.3", "--methods", "inca", "--tune-lr", "8", "--tune-clip", "1", "--tune-rounds", "50",
+            "--tune-gamma", "0.3", "--max-iterations", "80"]
+    assert main(argv) == 0
+    grid = got["grid"]
+    assert (grid.tune_lr, grid.tune_clip, grid.tune_rounds, grid.tune_gamma) == ((8.0,), (1.0,), (50,), 0.3)
+    assert (grid.max_iterations, grid.clients, grid.gammas, grid.methods) == (80, (1000,), (0.3,), ("inca",))
+    assert grid.epsilons == FULL_GRID.epsilons and grid.product  # what was not overridden stays the full grid's

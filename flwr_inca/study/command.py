@@ -60,8 +60,13 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
                    help=f"subset of {','.join(METHODS)}")
     s.add_argument("--iterations", type=_iterations, help="IncA's T: auto (default: the fewest of 10, 20, 40 "
                    "leaving at most a quarter of the central noise uncancelled by the run's dropouts) or a number")
+    s.add_argument("--max-iterations", type=int, help="the largest T iterations='auto' may choose (default 40)")
     s.add_argument("--schedule", help="IncA's injection schedule: auto (default: the value-free tail) | "
                    "incremental | incremental:tail=<L> | early")
+    s.add_argument("--tune-lr", type=_floats, help="override the tuning grid's learning rates, e.g. 1,3,8")
+    s.add_argument("--tune-clip", type=_floats, help="override the tuning grid's clip norms, e.g. 0.5,1,2")
+    s.add_argument("--tune-rounds", type=_ints, help="override the tuning grid's round counts, e.g. 10,25,50")
+    s.add_argument("--tune-gamma", type=float, help="the dropout rate every method is tuned at (default 0.1)")
     s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
                    "without it, a folder holding runs is refused")
     s.add_argument("--replot", action="store_true",
@@ -77,7 +82,8 @@ def _cmd_study(args: Any) -> int:
         return _replot(args.out)
     grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
     changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods",
-                                             "iterations", "schedule") if getattr(args, k, None) is not None}
+                                             "iterations", "max_iterations", "schedule", "tune_lr", "tune_clip",
+                                             "tune_rounds", "tune_gamma") if getattr(args, k, None) is not None}
     try:
         grid = replace(grid, **changes)
     except ValueError as exc:
