@@ -29,7 +29,7 @@ __all__ = ["DROPOUT_FREE_SHARE", "PREDICT_KEY", "PREDICTION_REUSE_WITHIN", "Pred
 
 PREDICT_KEY = 1  # first spawn_key entry of the prediction seeds (after rounds.CERTIFY_KEY = 0)
 DROPOUT_FREE_KEY = 1  # last spawn_key entry of the seeds of the dropout-free executions of a prediction
-DROPOUT_FREE_SHARE = 0.25  # dropout-free executions per prediction, as a share of its runs (rounded up)
+DROPOUT_FREE_SHARE = 0.25  # of a prediction's runs, the share (rounded up) drawn with nobody dropping out
 # a prediction made for n parties serves every party count within this share of n: the worst of a few sampled
 # executions varies more between seeds than between such counts, and rounds whose participants vary (clients
 # available or not) would otherwise pay a new prediction, several certificates, at every round
@@ -88,12 +88,12 @@ def predicted_round_mu(
     topology and dropout model): the worst, over ``runs`` executions sampled from ``seeds``
     (:func:`prediction_seeds`), of the round's certificate with every final observed, against
     ``threat_draws`` random adversaries (:class:`~flwr_inca.privacy.prefix.RoundPrefix`, as a round is
-    certified). With a dropout model, also over ``ceil(runs * DROPOUT_FREE_SHARE)`` executions in which
-    nobody drops out: a round where every party stays is possible whatever the model (a deployment's nodes
-    may drop out less than expected), and it costs more at n >= 100 (the noise of a party that leaves is
-    never cancelled, which hides the others); a prediction without them let such rounds overrun the last
-    round's share of the budget. A prediction, not a bound: an actual execution may cost more (it is then
-    refused by the pre-final rule, see :mod:`flwr_inca.privacy.prefinal`)."""
+    certified). With a dropout model, ``ceil(runs * DROPOUT_FREE_SHARE)`` of the ``runs`` executions (when
+    ``runs >= 2``) are drawn with nobody dropping out: a round where every party stays is possible whatever
+    the model (a deployment's nodes may drop out less than expected), and it costs more at n >= 100 (the
+    noise of a party that leaves is never cancelled, which hides the others); a prediction without them let
+    such rounds overrun the last round's share of the budget. A prediction, not a bound: an actual
+    execution may cost more (it is then refused by the pre-final rule, see :mod:`flwr_inca.privacy.prefinal`)."""
 
     def cost_of(model: IncaConfig) -> Callable[[int, np.random.SeedSequence], float]:
         def cost(execution: int, threat: np.random.SeedSequence) -> float:
@@ -102,9 +102,11 @@ def predicted_round_mu(
                                value_sensitivity=value_sensitivity).with_finals().mu
         return cost
 
-    worst = worst_over_executions(seeds, runs, cost_of(config))
-    if config.dropout is not None and not isinstance(config.dropout, NoDropout):
+    runs = check_int("runs (budget_check_runs: simulated executions)", runs)
+    free = math.ceil(runs * DROPOUT_FREE_SHARE) if runs >= 2 and config.dropout is not None and not isinstance(
+        config.dropout, NoDropout) else 0
+    worst = worst_over_executions(seeds, runs - free, cost_of(config))
+    if free:
         stay = np.random.SeedSequence(seeds.entropy, spawn_key=(*seeds.spawn_key, DROPOUT_FREE_KEY))
-        worst = worst_mu([worst, worst_over_executions(stay, math.ceil(runs * DROPOUT_FREE_SHARE),
-                                                       cost_of(replace(config, dropout=None)))])
+        worst = worst_mu([worst, worst_over_executions(stay, free, cost_of(replace(config, dropout=None)))])
     return worst
