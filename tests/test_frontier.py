@@ -137,7 +137,7 @@ def test_settings_narrow_the_grid_and_bad_ones_are_refused(tiny, tmp_path, capsy
     assert "not fig1" in capsys.readouterr().err
 
 
-def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys):
+def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys, monkeypatch):
     """Pieces of the grid run apart (two gammas, then one gamma again with more runs) and merged: every point
     once, a point in several files taken from the last, the checks and tables over all of them, nothing run."""
     settings = {"iterations": [4], "neighbors": [1], "epsilons": [1.0]}
@@ -160,10 +160,16 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
     assert any("IncA lower in" in c.measured and "of 1 " in c.measured for c in result.checks)  # the merged cell
     # bad files and combinations: one line naming what was wrong
     (tmp_path / "bad.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,x,0,IncA k=1,1\n")
+    (tmp_path / "hole.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,1,0,IncA k=1,1\n,1,0,GOPA,2\n")
     for argv, needle in ((["--merge", str(tmp_path / "none.csv")], "none.csv: cannot read it"),
                          (["--merge", str(tmp_path / "a" / "frontier.txt")], "not a frontier CSV"),
                          (["--merge", str(tmp_path / "bad.csv")], "line 2: epsilon must be a number, got 'x'"),
+                         (["--merge", str(tmp_path / "hole.csv")], "hole.csv, line 3: no n"),
+                         (["--merge", str(tmp_path)], "cannot read it"),
                          (["--merge", paths[0], "--runs", "3"], "without --runs or grid settings")):
         assert cli.main(["reproduce", "frontier", *argv, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setattr(frontier, "MERGE_MAX_ROWS", 3)  # a huge file is refused, not read into memory
+    with pytest.raises(ValueError, match="more than 3 rows"):
+        frontier.merged([paths[0]])

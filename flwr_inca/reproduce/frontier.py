@@ -249,6 +249,7 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
     return result
 
 
+MERGE_MAX_ROWS = 1_000_000  # --merge reads no further (a whole grid is a few hundred rows)
 _INTEGER_COLUMNS = frozenset({"n", "k", "T", "k_PR", "rounds", "runs"})
 _TEXT_COLUMNS = frozenset({"protocol", "schedule"})
 
@@ -283,6 +284,12 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
                         except ValueError:
                             raise ValueError(f"--merge {path}, line {line}: {column} must be a number, got "
                                              f"{text[:40]!r}") from None
+                    empty = [c for c in ("n", "epsilon", "gamma", "protocol", "predicted_mse") if c not in row]
+                    if empty:
+                        raise ValueError(f"--merge {path}, line {line}: no {', '.join(empty)}")
+                    if line > MERGE_MAX_ROWS:
+                        raise ValueError(f"--merge {path}: more than {MERGE_MAX_ROWS} rows; a frontier has a few "
+                                         "hundred")
                     points[_point(row)] = row
         except OSError as exc:
             raise ValueError(f"--merge {path}: cannot read it: {exc.strerror or exc}") from None
