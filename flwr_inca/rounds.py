@@ -116,8 +116,10 @@ def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1
     (low, f_low), (high, f_high) = sorted(((x, fx), (y, fy)))
     side = 0
     while high - low > 1:
-        mid = round(high - f_high * (high - low) / (f_high - f_low))
-        mid = min(max(mid, low + 1), high - 1)
+        if math.isfinite(f_high) and math.isfinite(f_low):
+            mid = min(max(round(high - f_high * (high - low) / (f_high - f_low)), low + 1), high - 1)
+        else:  # an end where the composition is infinite (a bracket grown past any finite epsilon): bisect
+            mid = (low + high) // 2
         f_mid = excess(mid)
         if f_mid <= 0:
             low, f_low = mid, f_mid

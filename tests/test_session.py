@@ -254,7 +254,9 @@ def test_the_searched_budget_share_is_the_largest_grid_point_that_fits():
         return ledger.epsilon_after(mu, q, rounds=left) <= 1.5
 
     shares = set()
-    for guess in (None, 0.2):  # no guess, and one a few grid steps away (as the last round's share is)
+    # no guess, one a few grid steps away (as the last round's share is), one far below (the bracket then
+    # grows past every finite epsilon: regula falsi must not divide infinities) and one far above
+    for guess in (None, 0.2, 0.001, 3.0):
         share = budget_share(ledger, left, q, guess=guess, resolution=resolution)
         k = math.log(share) / math.log1p(resolution)
         assert abs(k - round(k)) < 1e-6, guess  # a grid point
