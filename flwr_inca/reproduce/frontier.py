@@ -252,6 +252,7 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
 MERGE_MAX_ROWS = 1_000_000  # --merge reads no further (a whole grid is a few hundred rows)
 _INTEGER_COLUMNS = frozenset({"n", "k", "T", "k_PR", "rounds", "runs"})
 _TEXT_COLUMNS = frozenset({"protocol", "schedule"})
+_NEEDED_COLUMNS = ("n", "epsilon", "gamma", "protocol", "predicted_mse")  # what a merged point must hold
 
 
 def _point(row: dict) -> tuple:
@@ -269,8 +270,7 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
         try:
             with open(path, newline="", encoding="utf-8") as fh:
                 reader = csv.DictReader(fh)
-                missing = [c for c in ("n", "epsilon", "gamma", "protocol", "predicted_mse")
-                           if c not in (reader.fieldnames or [])]
+                missing = [c for c in _NEEDED_COLUMNS if c not in (reader.fieldnames or [])]
                 if missing:
                     raise ValueError(f"--merge {path}: not a frontier CSV (no column {', '.join(missing)})")
                 for line, raw in enumerate(reader, 2):
@@ -284,7 +284,7 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
                         except ValueError:
                             raise ValueError(f"--merge {path}, line {line}: {column} must be a number, got "
                                              f"{text[:40]!r}") from None
-                    empty = [c for c in ("n", "epsilon", "gamma", "protocol", "predicted_mse") if c not in row]
+                    empty = [c for c in _NEEDED_COLUMNS if c not in row]
                     if empty:
                         raise ValueError(f"--merge {path}, line {line}: no {', '.join(empty)}")
                     if line > MERGE_MAX_ROWS:
