@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._argtypes import int_in, iterations_or_auto, real_in
 from ._checks import (
     MAX_BATCH_SIZE,
     MAX_EPSILON,
@@ -113,52 +114,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def _int_in(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``[minimum, maximum]`` (checked by ``_checks.check_int``)."""
-    def convert(text: str) -> int:
-        try:
-            value: Any = int(text)
-        except ValueError:  # not an integer (e.g. 1e9, x, a number of 5000 digits): the same message
-            value = text
-        try:
-            return check_int("value", value, minimum, maximum)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
-
-    return convert
-
-
-def _real_in(low: float | None, high: float | None = None, *, low_open: bool = False,
-             high_open: bool = False) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number in the interval (checked by ``_checks.check_real``)."""
-    def convert(text: str) -> float:
-        try:
-            value: Any = float(text)
-        except ValueError:
-            value = text
-        try:
-            return check_real("value", value, low, high, low_open=low_open, high_open=high_open)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
-
-    return convert
-
-
-_positive_int = _int_in(1)
-_seed = _int_in(0)
-_parties = _int_in(2, MAX_PARTIES)
-_iterations = _int_in(1, MAX_ITERATIONS)
-
-
-def _iterations_or_auto(text: str) -> int | str:
-    """``--iterations`` of a training: 'auto' or an integer in [1, MAX_ITERATIONS]."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _iterations(text)
-    except argparse.ArgumentTypeError as exc:
-        got = str(exc).rpartition(", got ")[2]
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer in [1, {MAX_ITERATIONS}], got {got}") from None
+_positive_int = int_in(1)
+_seed = int_in(0)
+_parties = int_in(2, MAX_PARTIES)
+_iterations = int_in(1, MAX_ITERATIONS)
 
 
 def _schedule(text: str) -> str:
@@ -170,16 +129,16 @@ def _schedule(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("schedule: ")) from None
     return text
-_neighbors = _int_in(1, MAX_PARTIES - 1)
-_runs = _int_in(1, MAX_RUNS)
-_rounds = _int_in(1, MAX_ROUNDS)
-_workers = _int_in(1, MAX_WORKERS)
-_epsilon = _real_in(MIN_EPSILON, MAX_EPSILON)
-_delta = _real_in(0.0, 1.0, low_open=True, high_open=True)
-_fraction = _real_in(0.0, 1.0)  # a share of messages, in [0, 1]
-_collusion = _real_in(0.0, 1.0, high_open=True)  # a share of parties that are corrupted, in [0, 1)
-_scale = _real_in(0.0, MAX_SCALE, low_open=True)  # a norm, sensitivity or learning rate, in (0, 1e100]
-_sigma = _real_in(0.0, MAX_SCALE)  # a noise std, in [0, 1e100]
+_neighbors = int_in(1, MAX_PARTIES - 1)
+_runs = int_in(1, MAX_RUNS)
+_rounds = int_in(1, MAX_ROUNDS)
+_workers = int_in(1, MAX_WORKERS)
+_epsilon = real_in(MIN_EPSILON, MAX_EPSILON)
+_delta = real_in(0.0, 1.0, low_open=True, high_open=True)
+_fraction = real_in(0.0, 1.0)  # a share of messages, in [0, 1]
+_collusion = real_in(0.0, 1.0, high_open=True)  # a share of parties that are corrupted, in [0, 1)
+_scale = real_in(0.0, MAX_SCALE, low_open=True)  # a norm, sensitivity or learning rate, in (0, 1e100]
+_sigma = real_in(0.0, MAX_SCALE)  # a noise std, in [0, 1e100]
 
 
 def _table(rows: list[list[Any]], header: list[str]) -> str:
@@ -766,7 +725,7 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     frontier.add_argument("--parties", type=_parties, nargs="+", default=None, metavar="N", help="n values")
     frontier.add_argument("--epsilons", type=_epsilon, nargs="+", default=None, metavar="EPS",
                           help="epsilon values")
-    frontier.add_argument("--gammas", type=_real_in(0.0, 1.0, high_open=True), nargs="+", default=None,
+    frontier.add_argument("--gammas", type=real_in(0.0, 1.0, high_open=True), nargs="+", default=None,
                           metavar="GAMMA", help="dropout fractions, in [0, 1)")
     frontier.add_argument("--iterations", type=_iterations, nargs="+", default=None, metavar="T",
                           help="IncA's T values")
@@ -888,7 +847,7 @@ def _add_calibrate_parser(sub) -> None:
                    help="calibration procedure(s) to run")
     c.add_argument("--value-sensitivity", type=_scale, default=1.0,
                    help="size of a change of one value (1 for [0,1]; 2C for an L2 ball of radius C), > 0")
-    c.add_argument("--target-success", type=_real_in(0.0, 1.0, low_open=True), default=1.0,
+    c.add_argument("--target-success", type=real_in(0.0, 1.0, low_open=True), default=1.0,
                    help="share of simulated runs that must meet the target (exact procedure), in (0, 1]")
     c.set_defaults(func=cmd_calibrate)
 
@@ -950,7 +909,7 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--partition", type=_partition, default="iid", help="iid | dirichlet:<alpha>")
     s.add_argument("--data-dir", default="", help="MNIST IDX directory (else $FLWR_INCA_MNIST_DIR, Hugging Face, "
                                                    "or scikit-learn's digits offline)")
-    s.add_argument("--fraction", type=_real_in(0.0, 1.0, low_open=True), default=1.0,
+    s.add_argument("--fraction", type=real_in(0.0, 1.0, low_open=True), default=1.0,
                    help="share of available clients per round, in (0, 1]")
     s.add_argument("--min-clients", type=_parties, default=2, help="fewest clients sampled in a round")
     s.add_argument("--availability", default="none", help="none | markov:<p_off>,<p_on> (across rounds)")
@@ -962,11 +921,11 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--lr", type=_scale, default=None, help="learning rate (default: 6.0 at record level, 0.05 at party level)")
     s.add_argument("--clip-norm", type=_scale, default=1.0,
                    help="record level: per-example gradient clip; party level: clip of a client's update")
-    s.add_argument("--batch-size", type=_int_in(1, MAX_BATCH_SIZE), default=50,
+    s.add_argument("--batch-size", type=int_in(1, MAX_BATCH_SIZE), default=50,
                    help="record level: expected Poisson batch per client")
-    s.add_argument("--local-steps", type=_int_in(1, MAX_LOCAL_STEPS), default=None,
+    s.add_argument("--local-steps", type=int_in(1, MAX_LOCAL_STEPS), default=None,
                    help="party level: local SGD steps (default: --local-epochs)")
-    s.add_argument("--local-epochs", type=_int_in(1, MAX_LOCAL_STEPS), default=None,
+    s.add_argument("--local-epochs", type=int_in(1, MAX_LOCAL_STEPS), default=None,
                    help="party level: local epochs (default: 1, or --local-steps)")
     s.add_argument("--max-epsilon", type=_optional_epsilon, default=1.0,
                    help="total privacy budget over the rounds, or 'none'")
@@ -974,7 +933,7 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp"],
                    default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
                                       "party level)")
-    s.add_argument("--iterations", "-T", type=_iterations_or_auto, default="auto",
+    s.add_argument("--iterations", "-T", type=iterations_or_auto, default="auto",
                    help=f"IncA mixing iterations per round, in [1, {MAX_ITERATIONS}], or auto: the fewest of 10, "
                         "20, 40, 80 (at most --max-iterations) whose noise left uncancelled by the expected "
                         "--dropout is at most a quarter of the central noise (10 without --dropout)")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import replace
 from typing import Any
 
+from .._argtypes import comma_separated, int_in, iterations_or_auto, real_in
+from .._checks import MAX_ITERATIONS
 from .grid import DEFAULT_GRID, FULL_GRID, METHODS, TINY_GRID
 from .report import markdown_table
 from .runs import StudyOutputExists, check_output
@@ -14,21 +15,8 @@ from .runs import StudyOutputExists, check_output
 __all__ = ["add_study_parser"]
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(v) for v in text.split(",") if v.strip())
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v.strip())
-
-
-def _iterations(text: str) -> int | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer, got {text!r}") from None
+_floats = comma_separated(real_in(None))
+_ints = comma_separated(int_in(None))
 
 
 def add_study_parser(sub: Any, **parser_options: Any) -> None:
@@ -58,15 +46,17 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
     s.add_argument("--seeds", type=_ints, help="override the grid's seeds, e.g. 0,1,2")
     s.add_argument("--methods", type=lambda t: tuple(v for v in t.split(",") if v),
                    help=f"subset of {','.join(METHODS)}")
-    s.add_argument("--iterations", type=_iterations, help="IncA's T: auto (default: the fewest of 10, 20, 40 "
+    s.add_argument("--iterations", type=iterations_or_auto, help="IncA's T: auto (default: the fewest of 10, 20, 40 "
                    "leaving at most a quarter of the central noise uncancelled by the run's dropouts) or a number")
-    s.add_argument("--max-iterations", type=int, help="the largest T iterations='auto' may choose (default 40)")
+    s.add_argument("--max-iterations", type=int_in(1, MAX_ITERATIONS),
+                   help="the largest T iterations='auto' may choose (default 40)")
     s.add_argument("--schedule", help="IncA's injection schedule: auto (default: the value-free tail) | "
                    "incremental | incremental:tail=<L> | early")
     s.add_argument("--tune-lr", type=_floats, help="override the tuning grid's learning rates, e.g. 1,3,8")
     s.add_argument("--tune-clip", type=_floats, help="override the tuning grid's clip norms, e.g. 0.5,1,2")
     s.add_argument("--tune-rounds", type=_ints, help="override the tuning grid's round counts, e.g. 10,25,50")
-    s.add_argument("--tune-gamma", type=float, help="the dropout rate every method is tuned at (default 0.1)")
+    s.add_argument("--tune-gamma", type=real_in(0.0, 1.0, high_open=True),
+                   help="the dropout rate every method is tuned at (default 0.1)")
     s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
                    "without it, a folder holding runs is refused")
     s.add_argument("--replot", action="store_true",
