@@ -8,6 +8,7 @@ real ClientApp in this process: tests/inprocess_grid.py) or ``simulation`` (Flow
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "deploy_app"))
 
 N, T = 6, 3
 SETTINGS = dict(iterations=T, sigma_star=0.5, sigma_delta=3.0, precision="float64", seed=7, fraction_evaluate=0.0,
@@ -23,24 +25,11 @@ SETTINGS = dict(iterations=T, sigma_star=0.5, sigma_delta=3.0, precision="float6
 
 
 def released_logger(path: str):
-    """A grid hook that appends ``round commit`` of every mixing request about to leave, durably."""
-    from flwr_inca.flower.shared import INCA_KEY
-    from flwr_inca.flower.wire import FIELD, peek_request
+    """A grid hook that appends ``round commit`` of every mixing request about to leave, durably (the
+    deployment test app's log, so that both crash tests read one format)."""
+    from inca_deploy.server_app import log_release
 
-    def log(messages) -> None:
-        lines = []
-        for msg in messages:
-            record = msg.content.config_records.get(INCA_KEY) if msg.has_content() else None
-            if record is not None and FIELD in record:
-                rnd, commit, _ = peek_request(record[FIELD])
-                lines.append(f"{rnd} {commit}\n")
-        if lines:
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.writelines(sorted(set(lines)))
-                fh.flush()
-                os.fsync(fh.fileno())
-
-    return log
+    return functools.partial(log_release, path)
 
 
 class LoggingGrid:

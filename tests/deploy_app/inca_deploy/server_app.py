@@ -47,7 +47,7 @@ class DeadNodesAnswered(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         messages = list(messages)
         if self.release_log:  # the crash tests: what is about to leave, written durably first
-            _log_release(self.release_log, messages)
+            log_release(self.release_log, messages)
         ids = list(self.grid.push_messages(messages))
         self.sent.update(zip(ids, messages))
         return ids
@@ -78,8 +78,9 @@ class DeadNodesAnswered(Grid):
         return replies
 
 
-def _log_release(path: str, messages: list[Message]) -> None:
-    """Append ``round commit`` of every mixing request in ``messages`` to ``path``, fsynced."""
+def log_release(path: str, messages: list[Message]) -> None:
+    """Append ``round commit`` of every mixing request in ``messages`` to ``path``, fsynced (the crash tests'
+    release log, tests/crash_app.py, uses it too)."""
     from flwr_inca.flower.shared import INCA_KEY
     from flwr_inca.flower.wire import FIELD, peek_request
 
