@@ -25,12 +25,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 RAY_TEST_DEADLINE_S = 300
 
 
+# the suite runs on two pytest-xdist workers (pyproject.toml: -n 2 --dist loadgroup); the tests that start
+# Ray, Flower's engines or a deployment (several processes each) all go to one worker, one after another,
+# as in a serial run, and the other worker takes the rest: two engines never compete for the two cores,
+# and no test meets another's Ray cluster
+ENGINE_GROUP = "engines"
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
         starts_ray = item.get_closest_marker("flower") is not None or "local_ray" in fixtures
         if starts_ray and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(RAY_TEST_DEADLINE_S))
+        if starts_ray or "ray_cluster" in fixtures or item.get_closest_marker("deployment") is not None:
+            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
 
 
 @pytest.fixture(autouse=True, scope="session")

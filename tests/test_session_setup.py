@@ -60,6 +60,8 @@ def test_a_hang_fails_with_its_stack_and_the_fixtures_clean_up(tmp_path):
 
 @pytest.mark.flower
 def test_tests_that_start_ray_get_the_longer_deadline(request):
-    from conftest import RAY_TEST_DEADLINE_S
+    from conftest import ENGINE_GROUP, RAY_TEST_DEADLINE_S
 
     assert request.node.get_closest_marker("timeout").args[0] == RAY_TEST_DEADLINE_S
+    # and run on the engines' worker, one after another (never two Ray clusters competing for the cores)
+    assert request.node.get_closest_marker("xdist_group").args[0] == ENGINE_GROUP
