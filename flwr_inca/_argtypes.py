@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from ._checks import MAX_ITERATIONS, check_int, check_real
 
-__all__ = ["comma_separated", "int_in", "iterations_or_auto", "real_in"]
+__all__ = ["comma_separated", "int_in", "iterations", "iterations_or_auto", "real_in"]
 
 T = TypeVar("T")
 
@@ -46,7 +46,7 @@ def real_in(low: float | None, high: float | None = None, *, low_open: bool = Fa
     return convert
 
 
-_iterations = int_in(1, MAX_ITERATIONS)
+iterations = int_in(1, MAX_ITERATIONS)  # IncA's mixing iterations T (also a bound on them: --max-iterations)
 
 
 def iterations_or_auto(text: str) -> int | str:
@@ -54,7 +54,7 @@ def iterations_or_auto(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
     try:
-        return _iterations(text)
+        return iterations(text)
     except argparse.ArgumentTypeError as exc:
         got = str(exc).rpartition(", got ")[2]
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer in [1, {MAX_ITERATIONS}], got {got}") from None

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import __version__
 from ._argtypes import int_in, iterations_or_auto, real_in
+from ._argtypes import iterations as _iterations
 from ._checks import (
     MAX_BATCH_SIZE,
     MAX_EPSILON,
@@ -117,7 +118,6 @@ class _Parser(argparse.ArgumentParser):
 _positive_int = int_in(1)
 _seed = int_in(0)
 _parties = int_in(2, MAX_PARTIES)
-_iterations = int_in(1, MAX_ITERATIONS)
 
 
 def _schedule(text: str) -> str:

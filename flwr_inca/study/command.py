@@ -6,8 +6,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from .._argtypes import comma_separated, int_in, iterations_or_auto, real_in
-from .._checks import MAX_ITERATIONS
+from .._argtypes import comma_separated, int_in, iterations, iterations_or_auto, real_in
 from .grid import DEFAULT_GRID, FULL_GRID, METHODS, TINY_GRID
 from .report import markdown_table
 from .runs import StudyOutputExists, check_output
@@ -48,7 +47,7 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
                    help=f"subset of {','.join(METHODS)}")
     s.add_argument("--iterations", type=iterations_or_auto, help="IncA's T: auto (default: the fewest of 10, 20, 40 "
                    "leaving at most a quarter of the central noise uncancelled by the run's dropouts) or a number")
-    s.add_argument("--max-iterations", type=int_in(1, MAX_ITERATIONS),
+    s.add_argument("--max-iterations", type=iterations,
                    help="the largest T iterations='auto' may choose (default 40)")
     s.add_argument("--schedule", help="IncA's injection schedule: auto (default: the value-free tail) | "
                    "incremental | incremental:tail=<L> | early")
