@@ -208,6 +208,19 @@ BAD_COMMAND_LINES = [
     (["study", "mnist", "--seeds", "-1", "--out", "{dir}"], "seeds"),
     (["study", "mnist", "--partitions", "dirichlet:0", "--out", "{dir}"], "partition"),
     (["study", "cifar"], "dataset"),
+    # study: each option checked as it is parsed, before anything runs
+    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--iterations", "0"],
+     "error: argument --iterations: must be 'auto' or an integer in [1, 1000], got 0 (see"),
+    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--max-iterations", "-3"],
+     "error: argument --max-iterations: must be an integer in [1, 1000], got -3 (see"),
+    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--epsilons", "1,abc"],
+     "error: argument --epsilons: must be a finite number, got 'abc' (item 2 of '1,abc') (see"),
+    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--seeds", "1.5"],
+     "error: argument --seeds: must be an integer, got '1.5' (see"),
+    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--tune-gamma", "2"],
+     "error: argument --tune-gamma: must be in [0, 1), got 2.0 (see"),
+    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--tune-lr", ","],
+     "error: argument --tune-lr: expected a comma-separated list, got ',' (see"),
     # the command itself
     (["bogus"], "invalid choice"),
     ([], "required"),
@@ -220,6 +233,7 @@ def test_a_bad_command_line_gets_one_line_and_exit_status_2(argv, words, files, 
     assert code == 2, (code, out[-300:], err[-300:])
     assert len(err.strip().splitlines()) == 1, err
     assert words in err and "Traceback" not in err, err
+    assert not files["missing"].exists()  # nothing written where a refused command line named a new path
 
 
 def test_a_trace_of_30000_parties_and_no_message_is_audited_without_a_dense_matrix(files, capsys, memory_cap):

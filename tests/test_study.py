@@ -277,24 +277,6 @@ def test_study_grid_and_cli_errors_name_the_parameter(tmp_path, capsys):
     assert "methods" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--iterations", "0"], "argument --iterations: must be 'auto' or an integer in [1, 1000], got 0"),
-    (["--max-iterations", "-3"], "argument --max-iterations: must be an integer in [1, 1000], got -3"),
-    (["--epsilons", "1,abc"], "argument --epsilons: must be a finite number, got 'abc' (item 2 of '1,abc')"),
-    (["--seeds", "1.5"], "argument --seeds: must be an integer, got '1.5'"),
-    (["--tune-gamma", "2"], "argument --tune-gamma: must be in [0, 1), got 2.0"),
-    (["--tune-lr", ","], "argument --tune-lr: expected a comma-separated list, got ','"),
-])
-def test_bad_study_options_are_one_line_naming_the_option_before_anything_runs(args, message, tmp_path, capsys):
-    from flwr_inca.cli import main
-
-    with pytest.raises(SystemExit) as info:
-        main(["study", "mnist", "--grid", "tiny", "--out", str(tmp_path / "out"), *args])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert info.value.code == 2 and len(err) == 1 and f"error: {message} (see" in err[0]
-    assert not (tmp_path / "out").exists()
-
-
 def test_worst_node_is_the_lowest_accuracy():
     x, y = _blobs(3000, features=784, seed=5)
     rng = np.random.default_rng(6)
