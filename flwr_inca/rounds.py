@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ._checks import check_int, check_real
+from ._search import last_fitting
 from .privacy.budget_check import Predictions, predicted_round_mu, prediction_seeds
 from .privacy.calibration import NoiseCalibrator
 from .privacy.conversions import mu_for_epsilon
@@ -99,39 +100,11 @@ def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1
         eps = ledger.epsilon_after(math.exp(k * step), sample_rate, rounds=rounds_left)
         return math.log(max(eps, 1e-300)) - math.log(budget)
 
-    # from a guess (the last round's share: the next one is usually within a grid step or two of it) the
-    # bracket grows 1, 2, 4, ... steps, so a share that moved little costs two or three compositions
+    # from a guess (the last round's share: the next one is usually within a grid step or two of it)
     near = guess is not None and guess > 0
-    x = round(math.log(guess) / step) if near else 0
-    fx, stride = excess(x), 1 if near else 8
-    direction = 1 if fx <= 0 else -1
-    y = x + direction * stride
-    fy = excess(y)
-    while (fx <= 0) == (fy <= 0):  # grow the bracket geometrically towards the sign change
-        if abs(y) > limit:
-            return math.exp(y * step) if fy <= 0 else None
-        stride *= 2
-        x, fx, y = y, fy, y + direction * stride
-        fy = excess(y)
-    (low, f_low), (high, f_high) = sorted(((x, fx), (y, fy)))
-    side = 0
-    while high - low > 1:
-        if math.isfinite(f_high) and math.isfinite(f_low):
-            mid = min(max(round(high - f_high * (high - low) / (f_high - f_low)), low + 1), high - 1)
-        else:  # an end where the composition is infinite (a bracket grown past any finite epsilon): bisect
-            mid = (low + high) // 2
-        f_mid = excess(mid)
-        if f_mid <= 0:
-            low, f_low = mid, f_mid
-            if side == -1:
-                f_high /= 2  # Illinois: the stale end's weight halved, so both ends move
-            side = -1
-        else:
-            high, f_high = mid, f_mid
-            if side == 1:
-                f_low /= 2
-            side = 1
-    return math.exp(low * step)
+    start = round(math.log(guess) / step) if near else 0
+    k = last_fitting(excess, start, -limit, limit, stride=1 if near else 8)
+    return None if k is None else math.exp(k * step)
 
 
 # spend_budget never lowers a round's target below this share of the planned one: rounds noisier than that

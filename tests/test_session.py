@@ -263,3 +263,83 @@ def test_the_searched_budget_share_is_the_largest_grid_point_that_fits():
         assert fits(share) and not fits(share * (1 + resolution)), guess
         shares.add(round(k))
     assert len(shares) == 1
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_last_fitting_finds_the_brute_force_answer(seed):
+    """From any start, over an increasing excess (finite, or infinite where no finite epsilon covers a
+    cost): the largest index that fits, or None when none does; no index probed twice."""
+    from flwr_inca._search import last_fitting
+
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(1, 60))
+    excess = np.sort(rng.normal(0.0, 1.0, size) * rng.choice([1e-3, 1.0, 1e3]))
+    excess -= excess[int(rng.integers(0, size))] * rng.choice([0.0, 1.0])
+    if seed % 4 == 0:
+        excess[size - int(rng.integers(0, size + 1)):] = math.inf
+    if seed % 5 == 0:
+        excess[: int(rng.integers(0, size + 1))] = -math.inf
+    lower = int(rng.integers(-5, 5))  # the indices need not start at 0
+    fitting = np.flatnonzero(excess <= 0)
+    expected = None if len(fitting) == 0 else lower + int(fitting[-1])
+    probes = []
+
+    def probe(i):
+        probes.append(i)
+        return float(excess[i - lower])
+
+    start = lower + int(rng.integers(-3, size + 3))
+    found = last_fitting(probe, start, lower, lower + size - 1, stride=int(rng.integers(1, 9)))
+    assert found == expected
+    assert len(probes) == len(set(probes)) and all(lower <= i < lower + size for i in probes)
+
+
+def test_last_fitting_refuses_an_empty_range():
+    from flwr_inca._search import last_fitting
+
+    for lower, upper, stride in [(3, 2, 1), (0, 5, 0)]:
+        with pytest.raises(ValueError, match="last_fitting needs lower <= upper and stride >= 1"):
+            last_fitting(lambda i: 0.0, 0, lower, upper, stride=stride)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("spent", [0.2, 0.5, 0.8])
+def test_a_guarded_round_reserves_the_furthest_ceiling_that_fits_in_few_compositions(spent):
+    """On Opacus's PRV (the ledger of record-level training): the furthest step reserved at once is the
+    last whose ceiling fits (brute force over every ceiling); the next round, alike, finds it with two new
+    compositions (from where the last one reached; the whole round's reservation, which did not fit last
+    time, is not tried), where a bisection over 40 ceilings takes five or six."""
+    pytest.importorskip("opacus")
+    q, budget = 0.02, 2.0
+    ceilings = [0.3 * math.sqrt(s) for s in range(1, 41)]  # grows like a round's prefix ceilings
+    ledger = PrivacyLedger(None, delta=DELTA, max_epsilon=budget, accountant="opacus-prv")
+    for _ in range(3):
+        ledger.spend(spent, sample_rate=q)
+    session = RoundSession(ledger, sample_rate=q)
+    queries = set()  # distinct compositions asked for (a repeated one is remembered by the accountant)
+    epsilon = ledger.accountant.epsilon
+
+    def counted(rounds, delta):
+        queries.add((tuple(sorted((r.mu, r.sample_rate) for r in rounds)), delta))
+        return epsilon(rounds, delta)
+
+    asked = []
+    for round in (1, 2):
+        fit = [ledger.epsilon_after(c, q) <= budget for c in ceilings]
+        expected = max(i for i, f in enumerate(fit) if f)
+        assert 0 < expected < len(ceilings) - 1 and all(fit[: expected + 1]) and not any(fit[expected + 1:])
+        ledger.accountant.epsilon, queries = counted, set()
+        rnd = session.open(round, ceilings=ceilings)
+        assert rnd.guarded and ledger.entries[-1].status == "charged"  # nothing reserved yet
+        assert rnd.may_deliver(1)
+        ledger.accountant.epsilon = epsilon
+        assert ledger.entries[-1].mu == session.charged(ceilings[expected]) and ledger.entries[-1].reserved
+        asked.append(len(queries))
+        rnd.settle(_cert(0.01))  # a cheap round: the next one reaches as far
+    assert asked[0] <= math.ceil(math.log2(len(ceilings))) + 2 and asked[1] <= 2, asked
+    # a round whose whole ceiling fits again is reserved whole at its first step (then at its opening)
+    for round, expect_guarded in ((3, True), (4, False)):
+        rnd = session.open(round, ceilings=[c / 10 for c in ceilings])
+        assert rnd.guarded == expect_guarded and rnd.may_deliver(1)
+        assert ledger.entries[-1].mu == session.charged(ceilings[-1] / 10) and ledger.entries[-1].reserved
+        rnd.settle(_cert(0.01))

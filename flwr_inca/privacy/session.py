@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .._checks import check_int, check_real
+from .._search import last_fitting
 from .ledger import BudgetExceededError, PrivacyLedger
 from .rounds import RoundCertificate
 
@@ -145,6 +146,7 @@ class RoundSession:
         self.stopped_round: int | None = None  # training stopped after this round
         self.stop_reason = ""
         self._unsettled: list[tuple[int, float, float, str, str]] = []  # charges that could not be written
+        self.reach: int | None = None  # the furthest step the last guarded round reserved at its first, less 1
 
     # -------------------------------------------------------------------------- budget arithmetic
     def charged(self, mu: float) -> float:
@@ -205,8 +207,14 @@ class RoundSession:
         the round must not start."""
         self._retry_unsettled()
         opened = OpenRound(self, int(round), [float(c) for c in ceilings], certify_through, note or f"round {round}")
-        if opened.steps and not opened.reserve(opened.ceilings[-1], "ceiling"):
-            opened.guarded = True
+        if opened.steps:
+            if self.reach is not None and self.reach < opened.steps - 1:
+                # the last guarded round could not reserve its whole ceiling: this one, alike, is not tried
+                # (a composition that fails, the costliest of a round: its mu is the largest); its first
+                # step's search reserves as far as fits, the whole round if it does, before step 1 leaves
+                opened.guarded = True
+            elif not opened.reserve(opened.ceilings[-1], "ceiling"):
+                opened.guarded = True
         return opened
 
     # -------------------------------------------------------------------------- internals
@@ -277,29 +285,42 @@ class OpenRound:
         self.reserved = charged
         return True
 
-    def _fits(self, mu: float) -> bool:
-        """Whether a reservation of ``mu`` would fit the budget now (what-if, nothing written)."""
+    def _excess(self, mu: float) -> float:
+        """Whether a reservation of ``mu`` would fit the budget now (what-if, nothing written), as the sign
+        of ``log(epsilon) - log(max_epsilon)``: at most 0 exactly when ``epsilon <= max_epsilon``."""
         ledger, charged = self.session.ledger, self.session.charged(mu)
         if ledger.max_epsilon is None or charged <= self.reserved:
-            return True
+            return -math.inf
         if self.entry is None:
-            return ledger.can_afford(charged, self.session.sample_rate)
-        return ledger.epsilon_if(self.entry, charged) <= ledger.max_epsilon
+            eps = ledger.epsilon_after(charged, self.session.sample_rate)
+        else:
+            eps = ledger.epsilon_if(self.entry, charged)
+        excess = math.log(max(eps, 1e-300)) - math.log(ledger.max_epsilon)
+        return min(excess, 0.0) if eps <= ledger.max_epsilon else max(excess, 5e-324)
 
     def _furthest_ceiling(self, step: int) -> float | None:
         """The ceiling of the furthest step from ``step`` on whose ceiling fits (None if that of ``step``
         does not): a guarded round then writes one reservation for the steps up to it, not one per step
-        (each write composes the ledger, 0.1-0.5 s with Opacus's PRV). Reserving ahead only counts more."""
+        (each write composes the ledger, 0.1-0.5 s with Opacus's PRV). Reserving ahead only counts more.
+        Searched by :func:`~flwr_inca._search.last_fitting`, a round's first step from as far as the
+        session's last guarded round reached (rounds alike reach alike steps: two compositions then find
+        it), a later step from its own ceiling (one composition when, as usual, it no longer fits)."""
         ceiling = self.ceilings[step - 1]
         if self.session.charged(ceiling) <= self.reserved:
             return ceiling
-        if not self._fits(ceiling):
+        low, high, reach = step - 1, self.steps - 1, self.session.reach
+        if step > 1:  # a later step of a round that reserved ahead: its own ceiling usually no longer fits
+            start, stride = low, 1
+        elif reach is None:  # the session's first guarded round: from the middle, strides of a quarter
+            start, stride = (low + high) // 2, max((high - low) // 4, 1)
+        else:  # as far as the last guarded round reached
+            start, stride = low + reach, 1
+        found = last_fitting(lambda i: self._excess(self.ceilings[i]), start, low, high, stride=stride)
+        if found is None:
             return None
-        low, high = step - 1, self.steps - 1  # ceilings[low] fits; bisection over the later ones
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if self._fits(self.ceilings[mid]) else (low, mid - 1)
-        return self.ceilings[low]
+        if step == 1:
+            self.session.reach = found
+        return self.ceilings[found]
 
     def may_deliver(self, step: int) -> bool:
         """Whether step ``step`` (1-based) may be delivered; when it may, what it reveals is reserved first.
