@@ -107,6 +107,9 @@ def budget_share(ledger: PrivacyLedger, rounds_left: int, sample_rate: float = 1
     return None if k is None else math.exp(k * step)
 
 
+# a prediction made at sigmas whose ratio is within this (relative) of the ratio now is scaled, not redone
+PROPORTIONAL = 1e-5
+
 # spend_budget never lowers a round's target below this share of the planned one: rounds noisier than that
 # would train little, and what is left is better reported as spent
 SPEND_FLOOR = 0.5
@@ -269,7 +272,7 @@ class IncaRounds:
         self._share_guess: float | None = None  # the last budget share: where the next search starts
         self.planned_target = mu_target  # the target before any retargeting (the budget's share)
         self._ceilings: dict[tuple[int, float | None], np.ndarray] = {}
-        self._predicted = Predictions()  # (mu, the target it was made at) by party count
+        self._predicted = Predictions()  # (mu, the target, party count and sigmas it was made at) by party count
 
     # ------------------------------------------------------------------------------ noise
     def sigmas(self, n: int) -> tuple[float, float]:
@@ -389,9 +392,19 @@ class IncaRounds:
         own (:class:`~flwr_inca.privacy.budget_check.Predictions`)."""
         runs = self.privacy.budget_check_runs if runs is None else int(runs)
         cached = self._predicted.get(int(n), runs)
-        if cached is not None and (cached[1] == self.mu_target or self._scale_free()):
-            mu, made_at = cached  # the certificate of a view scales as S / sigma: exactly with the target
-            return mu if made_at == self.mu_target else mu * self.mu_target / made_at
+        if cached is not None:
+            mu, made_at, made_for, (star, delta) = cached
+            if made_at == self.mu_target:
+                return mu
+            # the certificate of a view scales as S / sigma when both sigmas scale together: exactly with
+            # the target for the exact (scale-free) calibration; for another (the paper's procedure, which
+            # keeps sigma_star / sigma_delta fixed to about 1e-6 as its target moves) when the sigmas now
+            # are proportional to those the prediction was made at, within PROPORTIONAL
+            if self._scale_free():
+                return mu * self.mu_target / made_at
+            now_star, now_delta = self.sigmas(made_for)  # at the party count it was made for, which it serves
+            if abs(now_star * delta / (now_delta * star) - 1.0) <= PROPORTIONAL:
+                return mu * star / now_star
         if self.mixing.certification == "local-bound":
             mu = self.local_bound(n)
         else:
@@ -400,7 +413,7 @@ class IncaRounds:
                 n, self.config(n), prediction_seeds(self.seed, n), runs, threat_draws=priv.threat_draws,
                 collusion=priv.collusion, observed_fraction=priv.observed_fraction,
                 value_sensitivity=self.value_sensitivity)
-        self._predicted.put(n, runs, (mu, self.mu_target))
+        self._predicted.put(n, runs, (mu, self.mu_target, int(n), self.sigmas(n)))
         return mu
 
     # ------------------------------------------------------------------------------ certificates

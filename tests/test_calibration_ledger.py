@@ -297,3 +297,65 @@ def test_required_sigma_delta_quantile_and_infeasible_runs():
     assert required_sigma_delta(runs, 1.0, 1.5, quantile=0.6) == (3.0, 0.6)
     with pytest.raises(ValueError, match="at least one"):
         required_sigma_delta([], 1.0, 1.5)
+
+
+def test_a_run_cache_gives_the_same_calibration_at_any_target_without_simulating_again():
+    """The runs a calibration certified exactly do not depend on the target: kept in ``run_cache``, a
+    later call at another epsilon (or procedure) selects on them, the same calibration as a fresh one,
+    without simulating a run; another protocol, seed or party count simulates its own."""
+    from dataclasses import asdict
+
+    kw = {"iterations": 12, "neighbors": 1, "collusion": 0.1, "dropout": PermanentDropout(0.1), "runs": 8,
+          "seed": 3}
+    cache, simulated = {}, []
+
+    def progress(r, runs):
+        simulated.append(r)
+
+    def same(a, b):
+        a, b = asdict(a), asdict(b)
+        return {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+
+    first = calibrate(0.5, DELTA, N, procedure="paper", run_cache=cache, progress=progress, **kw)
+    assert len(simulated) == 8 and len(cache) == 1
+    for eps, procedure in ((0.3, "paper"), (0.8, "paper"), (0.5, "exact")):
+        simulated.clear()
+        cached = calibrate(eps, DELTA, N, procedure=procedure, run_cache=cache, progress=progress, **kw)
+        assert simulated == []  # selected on the kept runs
+        assert same(cached, calibrate(eps, DELTA, N, procedure=procedure, **kw))
+    assert same(first, calibrate(0.5, DELTA, N, procedure="paper", **kw))
+    for other in ({"seed": 4}, {"iterations": 10}, {"dropout": PermanentDropout(0.2)}):
+        simulated.clear()
+        calibrate(0.5, DELTA, N, procedure="paper", run_cache=cache, progress=progress, **{**kw, **other})
+        assert len(simulated) == 8
+    assert len(cache) == 4
+
+
+def test_the_papers_calibrator_at_a_new_target_and_a_nearby_party_count_simulates_nothing(monkeypatch):
+    """The paper's procedure is calibrated per target: at a new one, a party count within reach of one
+    already calibrated is calibrated again there on the runs kept (nothing simulated), then scaled as any
+    nearby count is; a count out of reach simulates its own runs."""
+    import flwr_inca.privacy.calibration as module
+
+    def calibrator():
+        return module.NoiseCalibrator(iterations=12, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1),
+                                      runs=6, seed=3, procedure="paper")
+
+    simulated, simulate = [], module.simulate_runs
+
+    def counted(*args, **kwargs):
+        simulated.append(args[0])
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(module, "simulate_runs", counted)
+    moving = calibrator()
+    moving.calibration(N, 0.05, DELTA, 1.0)
+    assert simulated == [N]
+    nearby = moving.calibration(N - 4, 0.08, DELTA, 1.0)  # another target, 4 parties fewer
+    assert simulated == [N] and nearby.parties == N - 4 and nearby.mu_target == 0.08
+    alone = calibrator().calibration(N, 0.08, DELTA, 1.0)  # calibrating N at 0.08 from scratch
+    assert simulated == [N, N]
+    assert nearby.sigma_delta == alone.sigma_delta
+    assert nearby.sigma_star == pytest.approx(alone.sigma_star * math.sqrt(N / (N - 4)), rel=1e-12)
+    far = moving.calibration(2 * N, 0.08, DELTA, 1.0)  # out of reach: its own runs
+    assert simulated == [N, N, 2 * N] and far.parties == 2 * N

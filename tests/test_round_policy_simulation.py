@@ -401,3 +401,40 @@ def test_a_tiny_budget_that_no_noise_can_reach_names_max_epsilon(tmp_path):
     with pytest.raises(ValueError, match=r"^max_epsilon = 0.0001 is too small for 5 round\(s\) at delta = "
                                          r"1e-05: .*raise max_epsilon, or plan fewer rounds"):
         simulate(MODEL, PARTS, (XT, YT), config, progress=False)
+
+
+def test_a_prediction_at_the_papers_calibration_scales_when_the_target_moves(monkeypatch):
+    """The paper's procedure is calibrated per target but keeps sigma_star / sigma_delta fixed (to ~1e-6):
+    after a retarget, the prediction made at the old target, scaled by the sigmas (no execution simulated
+    again), is what a fresh prediction at the new target gives."""
+    import flwr_inca.rounds
+    from flwr_inca.privacy.calibration import NoiseCalibrator
+
+    predictions = []
+    predict = flwr_inca.rounds.predicted_round_mu
+
+    def counted(*args, **kwargs):
+        predictions.append(args[0])
+        return predict(*args, **kwargs)
+
+    monkeypatch.setattr(flwr_inca.rounds, "predicted_round_mu", counted)
+
+    calibrator = NoiseCalibrator(iterations=8, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1), runs=6,
+                                 seed=2, procedure="paper")
+    privacy = PrivacyTarget(collusion=0.1, budget_check_runs=4)
+    mixing = MixingConfig(iterations=8, dropout=PermanentDropout(0.1))
+
+    def rounds(target):
+        return IncaRounds(privacy, mixing, seed=3, value_sensitivity=1.0, mu_target=target, calibrator=calibrator)
+
+    moving = rounds(0.05)
+    first = moving.predicted_mu(40)
+    for target in (0.08, 0.03):
+        moving.retarget(target)
+        predictions.clear()
+        scaled = moving.predicted_mu(40)
+        assert predictions == []  # scaled, not simulated again
+        assert scaled == pytest.approx(rounds(target).predicted_mu(40), rel=1e-5) and predictions == [40]
+        assert scaled != pytest.approx(first, rel=1e-2)
+        predictions.clear()
+        assert moving.predicted_mu(38) == scaled and predictions == []  # it serves a nearby party count too

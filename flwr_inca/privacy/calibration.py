@@ -469,6 +469,7 @@ def calibrate(
     bound_settings: BoundSettings | None = None,
     bound_passes: int = 1,
     tight_runs: bool = False,
+    run_cache: dict | None = None,
 ) -> Calibration:
     """Find sigma_star and sigma_delta for (epsilon, delta)-DP of every honest party.
 
@@ -502,6 +503,12 @@ def calibrate(
             private there) is bounded again alone; the sigmas may differ slightly from those of tight runs
             (docs/privacy.md, "Charging across runs"); True: every run's bound is tightened on its own (its
             largest mu as tight as a lone ``certify``'s; slower). ``bound_passes=2`` bounds every run alone.
+        run_cache: a dict kept between calls (for example one per :class:`NoiseCalibrator`): simulated runs
+            whose every certificate is exact do not depend on the target, so they are kept in it, keyed by
+            the protocol, threat, parties, runs, seed and solver, and a later call with the same ones (at
+            another epsilon or delta) selects its noise on them instead of simulating them again: the same
+            calibration, without its cost (the paper's procedure, which is not scale-free, recalibrates for
+            every per-round target). Runs certified with a bound depend on the target and are not kept.
     """
     start = time.perf_counter()
     epsilon, delta, parties, runs, target_success, value_sensitivity, value_variance, min_alpha, alphas = (
@@ -524,9 +531,14 @@ def calibrate(
     # bound profiles are tightest near their nominal sigmas: start near the central-DP level
     guess_star = math.sqrt(1.0 / (max(parties * (1.0 - rho), 1.0) * mu_target**2))
     nominal = (guess_star, BOUND_NOMINAL_RATIO * guess_star)
-    sims = simulate_runs(parties, base, seeds, rho=rho, observed_fraction=observed_fraction, solver=solver,
-                         nominal=nominal, bound_settings=bound_settings, progress=progress,
-                         quantile=None if tight_runs or bound_passes == 2 else quantile)
+    key = (parties, repr(base), rho, observed_fraction, runs, seed, solver)
+    sims = run_cache.get(key) if run_cache is not None else None
+    if sims is None:
+        sims = simulate_runs(parties, base, seeds, rho=rho, observed_fraction=observed_fraction, solver=solver,
+                             nominal=nominal, bound_settings=bound_settings, progress=progress,
+                             quantile=None if tight_runs or bound_passes == 2 else quantile)
+        if run_cache is not None and all(isinstance(run.profile, SensitivityProfile) for run in sims):
+            run_cache[key] = sims
     paper_n_o = parties * (1.0 - _dropout_fraction(dropout, sims, parties, rho) - rho)  # the paper's n_O
     selection = AlphaSelection(procedure, mu_target, quantile, epsilon, delta, value_sensitivity, value_variance,
                                alphas, min_alpha, paper_n_o)
@@ -659,7 +671,9 @@ class NoiseCalibrator:
       every (mu, S) by scaling both sigmas by ``S * mu_ref / mu``. The paper's procedure (the classic
       bound, not scale-free) is calibrated per target;
     * for party counts within :data:`REUSE_WITHIN` of one already calibrated: sigma_star is scaled by
-      ``sqrt(n_cal / n)`` (it protects through the sum of n values), sigma_delta is kept.
+      ``sqrt(n_cal / n)`` (it protects through the sum of n values), sigma_delta is kept. The paper's
+      procedure, at a new target, is calibrated again at that party count, on the runs it simulated
+      there (kept: exact certificates do not depend on the target), so a new target simulates nothing.
 
     Calibration is a choice of noise, not a guarantee: every round is certified on the execution that
     happened and charged that certificate.
@@ -690,6 +704,7 @@ class NoiseCalibrator:
         self.progress = progress
         self.calibrations: dict[tuple[int, float, float], Calibration] = {}  # (n, reference mu, delta), S = 1
         self._screens: dict[int, NoiseCalibrator] = {}  # screening(runs), kept with the calibrator it screens
+        self._runs: dict = {}  # calibrate()'s run_cache: the paper's procedure recalibrates on the same runs
         self.seconds = 0.0
 
     def calibration(self, n: int, mu_target: float, delta: float, value_sensitivity: float) -> Calibration:
@@ -701,7 +716,11 @@ class NoiseCalibrator:
         ref = self.REFERENCE_MU if exact else mu_target
         base, n_cal = self._nearest(n, ref, delta)
         if base is None:
-            base, n_cal = self._calibrate(n, ref, delta), n
+            # a party count already calibrated within reach (at another target: the paper's procedure) has
+            # its simulated runs kept, so calibrating it again at this target simulates nothing
+            near = [(abs(m - n), m) for (m, _, _) in self.calibrations if abs(m - n) <= REUSE_WITHIN * m]
+            n_cal = min(near)[1] if near else n
+            base = self._calibrate(n_cal, ref, delta)
         scale = value_sensitivity * ref / mu_target
         star = base.sigma_star * scale * math.sqrt(n_cal / n)
         return replace(base, sigma_star=star, sigma_delta=base.sigma_delta * scale, mu_target=mu_target,
@@ -748,7 +767,7 @@ class NoiseCalibrator:
                         neighbors=min(s["neighbors"], n - 1), collusion=s["collusion"],
                         observed_fraction=s["observed_fraction"], dropout=s["dropout"], topology=s["topology"],
                         schedule=s["schedule"], runs=s["runs"], seed=seed, procedure=s["procedure"],
-                        target_success=s["target_success"], value_sensitivity=1.0)
+                        target_success=s["target_success"], value_sensitivity=1.0, run_cache=self._runs)
         self.seconds += time.perf_counter() - start
         self.calibrations[(n, ref, delta)] = cal
         return cal
