@@ -373,12 +373,22 @@ class IncaRounds:
                 whole = budget_share(ledger, 1, sample_rate, guess=predicted, resolution=grid)
                 if whole is not None:
                     target = min(target, target * whole / predicted / (1.0 + priv.mu_resolution))
+        target = min(target, self.largest_target())
         if target < SPEND_FLOOR * self.planned_target:
             # what is left is too little for a useful round: not spread thin over noise-drowned rounds; the
             # planned target stays, and the budget's admission refuses the round if it does not fit
             target = self.planned_target
         self.retarget(target)
         return self.mu_target
+
+    def largest_target(self) -> float:
+        """The largest per-round target the calibration can serve: the paper's procedure bounds a round's
+        epsilon with the classic Gaussian bound, valid only below 1 (a larger share of what is left is not
+        taken: that budget stays unspent); inf for the exact procedure."""
+        if not (self.mixing.calibrated and self.calibrator.settings["procedure"] == "paper"):
+            return math.inf
+        # sigmas() calibrates for the target lowered by calibration_margin, at an epsilon below 1
+        return mu_for_epsilon(1.0, self.privacy.delta) * (1.0 - 1e-6) / (1.0 - self.privacy.calibration_margin)
 
     def _scale_free(self) -> bool:
         return (self.mixing.calibrated and self.calibrator.settings["procedure"] == "exact"

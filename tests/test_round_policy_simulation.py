@@ -438,3 +438,27 @@ def test_a_prediction_at_the_papers_calibration_scales_when_the_target_moves(mon
         assert scaled != pytest.approx(first, rel=1e-2)
         predictions.clear()
         assert moving.predicted_mu(38) == scaled and predictions == []  # it serves a nearby party count too
+
+
+def test_the_papers_calibration_never_takes_a_share_its_classic_bound_cannot_serve():
+    """Spending what is left can ask a round for a per-round epsilon above 1 (the last rounds of a budget
+    left largely unspent); the paper's procedure (classic bound, epsilon < 1) is then retargeted to the
+    largest share it can serve, and the rest of the budget stays unspent, instead of failing the run."""
+    from flwr_inca.privacy.calibration import NoiseCalibrator
+    from flwr_inca.privacy.conversions import epsilon_for_delta
+
+    privacy = PrivacyTarget(collusion=0.1, budget_check_runs=2, max_epsilon=4.0)
+    mixing = MixingConfig(iterations=8, dropout=PermanentDropout(0.1))
+    paper = NoiseCalibrator(iterations=8, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1), runs=4, seed=2,
+                            procedure="paper")
+    rounds = IncaRounds(privacy, mixing, seed=3, value_sensitivity=1.0, mu_target=0.05, calibrator=paper)
+    ledger = PrivacyLedger(None, delta=privacy.delta, max_epsilon=4.0)
+    target = rounds.spend_what_is_left(ledger, rounds_left=1, n=30)  # all of epsilon = 4 in one round
+    assert target == rounds.largest_target() < math.inf
+    served = target * (1.0 - privacy.calibration_margin)
+    assert 0.999 < epsilon_for_delta(served, privacy.delta) < 1.0
+    assert all(s > 0 for s in rounds.sigmas(30))  # calibrated: the classic bound holds there
+    exact = IncaRounds(privacy, mixing, seed=3, value_sensitivity=1.0, mu_target=0.05,
+                       calibrator=NoiseCalibrator(iterations=8, neighbors=1, collusion=0.1,
+                                                  dropout=PermanentDropout(0.1), runs=4, seed=2))
+    assert exact.largest_target() == math.inf and exact.spend_what_is_left(ledger, rounds_left=1, n=30) > 2 * target
