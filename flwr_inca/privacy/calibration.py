@@ -503,12 +503,9 @@ def calibrate(
             private there) is bounded again alone; the sigmas may differ slightly from those of tight runs
             (docs/privacy.md, "Charging across runs"); True: every run's bound is tightened on its own (its
             largest mu as tight as a lone ``certify``'s; slower). ``bound_passes=2`` bounds every run alone.
-        run_cache: a dict kept between calls (for example one per :class:`NoiseCalibrator`): simulated runs
-            whose every certificate is exact do not depend on the target, so they are kept in it, keyed by
-            the protocol, threat, parties, runs, seed and solver, and a later call with the same ones (at
-            another epsilon or delta) selects its noise on them instead of simulating them again: the same
-            calibration, without its cost (the paper's procedure, which is not scale-free, recalibrates for
-            every per-round target). Runs certified with a bound depend on the target and are not kept.
+        run_cache: a dict kept between calls: runs certified exactly (they do not depend on the target)
+            are kept in it and reused by a call with the same protocol, threat, parties, runs, seed and
+            solver at another target (docs/privacy.md, "Calibrating again at another target").
     """
     start = time.perf_counter()
     epsilon, delta, parties, runs, target_success, value_sensitivity, value_variance, min_alpha, alphas = (
@@ -531,14 +528,10 @@ def calibrate(
     # bound profiles are tightest near their nominal sigmas: start near the central-DP level
     guess_star = math.sqrt(1.0 / (max(parties * (1.0 - rho), 1.0) * mu_target**2))
     nominal = (guess_star, BOUND_NOMINAL_RATIO * guess_star)
-    key = (parties, repr(base), rho, observed_fraction, runs, seed, solver)
-    sims = run_cache.get(key) if run_cache is not None else None
-    if sims is None:
-        sims = simulate_runs(parties, base, seeds, rho=rho, observed_fraction=observed_fraction, solver=solver,
-                             nominal=nominal, bound_settings=bound_settings, progress=progress,
-                             quantile=None if tight_runs or bound_passes == 2 else quantile)
-        if run_cache is not None and all(isinstance(run.profile, SensitivityProfile) for run in sims):
-            run_cache[key] = sims
+    sims = _kept(run_cache, (parties, repr(base), rho, observed_fraction, runs, seed, solver), lambda: (
+        simulate_runs(parties, base, seeds, rho=rho, observed_fraction=observed_fraction, solver=solver,
+                      nominal=nominal, bound_settings=bound_settings, progress=progress,
+                      quantile=None if tight_runs or bound_passes == 2 else quantile)))
     paper_n_o = parties * (1.0 - _dropout_fraction(dropout, sims, parties, rho) - rho)  # the paper's n_O
     selection = AlphaSelection(procedure, mu_target, quantile, epsilon, delta, value_sensitivity, value_variance,
                                alphas, min_alpha, paper_n_o)
@@ -548,11 +541,19 @@ def calibrate(
         sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"], alpha=best["alpha"],
         success_fraction=best["success_fraction"], predicted_mse=best["predicted_mse"], runs=runs,
         parties=int(parties), iterations=int(iterations), neighbors=int(neighbors), threat=threat,
-        value_sensitivity=float(value_sensitivity), seconds=time.perf_counter() - start,
-        alternatives=rows,
-        run_seeds=[(int(a), int(b)) for a, b in seeds],
-        notes=notes,
-    )
+        value_sensitivity=float(value_sensitivity), seconds=time.perf_counter() - start, alternatives=rows,
+        run_seeds=[(int(a), int(b)) for a, b in seeds], notes=notes)
+
+
+def _kept(run_cache: dict | None, key: tuple, simulate: Callable[[], list[_Run]]) -> list[_Run]:
+    """The runs kept in ``run_cache`` under ``key``, else ``simulate()``'s, kept there when every one was
+    certified exactly (a bound depends on the target it was tightened for)."""
+    sims = run_cache.get(key) if run_cache is not None else None
+    if sims is None:
+        sims = simulate()
+        if run_cache is not None and all(isinstance(run.profile, SensitivityProfile) for run in sims):
+            run_cache[key] = sims
+    return sims
 
 
 def _checked(procedure, epsilon, delta, parties, runs, target_success, value_sensitivity, value_variance,
