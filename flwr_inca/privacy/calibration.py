@@ -715,12 +715,14 @@ class NoiseCalibrator:
         mu_target = check_real("mu_target", mu_target, 0.0, low_open=True)
         exact = self.settings["procedure"] == "exact"
         ref = self.REFERENCE_MU if exact else mu_target
-        base, n_cal = self._nearest(n, ref, delta)
-        if base is None:
+        n_cal = self._nearest(n, ref, delta)
+        if n_cal is not None:
+            base = self.calibrations[(n_cal, ref, delta)]
+        else:
             # a party count already calibrated within reach (at another target: the paper's procedure) has
             # its simulated runs kept, so calibrating it again at this target simulates nothing
-            near = [(abs(m - n), m) for (m, _, _) in self.calibrations if abs(m - n) <= REUSE_WITHIN * m]
-            n_cal = min(near)[1] if near else n
+            n_cal = self._nearest(n)
+            n_cal = n if n_cal is None else n_cal
             base = self._calibrate(n_cal, ref, delta)
         scale = value_sensitivity * ref / mu_target
         star = base.sigma_star * scale * math.sqrt(n_cal / n)
@@ -737,7 +739,7 @@ class NoiseCalibrator:
         """Whether :meth:`calibration` for ``n`` parties at ``mu_target`` and ``delta`` is already made (no
         simulated run needed)."""
         ref = self.REFERENCE_MU if self.settings["procedure"] == "exact" else mu_target
-        return self._nearest(int(n), ref, delta)[0] is not None
+        return self._nearest(int(n), ref, delta) is not None
 
     def screening(self, runs: int) -> NoiseCalibrator:
         """A calibrator like this one over only the first ``runs`` of its simulated runs (the same executions
@@ -750,13 +752,12 @@ class NoiseCalibrator:
             self._screens[runs] = NoiseCalibrator(**s, runs=runs, seed=self.seed)
         return self._screens[runs]
 
-    def _nearest(self, n: int, ref: float, delta: float) -> tuple[Calibration | None, int]:
+    def _nearest(self, n: int, ref: float | None = None, delta: float | None = None) -> int | None:
+        """The calibrated party count nearest ``n`` within :data:`REUSE_WITHIN` of it (calibrated at ``ref``
+        and ``delta``; without them, at any), or None."""
         near = [(abs(m - n), m) for (m, r, d) in self.calibrations
-                if r == ref and d == delta and abs(m - n) <= REUSE_WITHIN * m]
-        if not near:
-            return None, n
-        m = min(near)[1]
-        return self.calibrations[(m, ref, delta)], m
+                if (ref is None or (r == ref and d == delta)) and abs(m - n) <= REUSE_WITHIN * m]
+        return min(near)[1] if near else None
 
     def _calibrate(self, n: int, ref: float, delta: float) -> Calibration:
         if self.progress is not None:
