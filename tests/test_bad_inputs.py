@@ -110,6 +110,8 @@ def _run(argv: list[str], files: dict[str, Path], capsys) -> tuple[int, str, str
 
 
 # (command line, words the one line must hold); {name}: a file of the ``files`` fixture
+TINY_STUDY = ["study", "mnist", "--grid", "tiny", "--out", "{missing}"]  # a study that would write to a new path
+
 BAD_COMMAND_LINES = [
     # the issue's
     (["calibrate", "--epsilon", "1e-300", "-n", "20", "--runs", "1"], "--epsilon: must be in [1e-06, 1e+06]"),
@@ -209,18 +211,15 @@ BAD_COMMAND_LINES = [
     (["study", "mnist", "--partitions", "dirichlet:0", "--out", "{dir}"], "partition"),
     (["study", "cifar"], "dataset"),
     # study: each option checked as it is parsed, before anything runs
-    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--iterations", "0"],
+    ([*TINY_STUDY, "--iterations", "0"],
      "error: argument --iterations: must be 'auto' or an integer in [1, 1000], got 0 (see"),
-    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--max-iterations", "-3"],
+    ([*TINY_STUDY, "--max-iterations", "-3"],
      "error: argument --max-iterations: must be an integer in [1, 1000], got -3 (see"),
-    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--epsilons", "1,abc"],
+    ([*TINY_STUDY, "--epsilons", "1,abc"],
      "error: argument --epsilons: must be a finite number, got 'abc' (item 2 of '1,abc') (see"),
-    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--seeds", "1.5"],
-     "error: argument --seeds: must be an integer, got '1.5' (see"),
-    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--tune-gamma", "2"],
-     "error: argument --tune-gamma: must be in [0, 1), got 2.0 (see"),
-    (["study", "mnist", "--grid", "tiny", "--out", "{missing}", "--tune-lr", ","],
-     "error: argument --tune-lr: expected a comma-separated list, got ',' (see"),
+    ([*TINY_STUDY, "--seeds", "1.5"], "error: argument --seeds: must be an integer, got '1.5' (see"),
+    ([*TINY_STUDY, "--tune-gamma", "2"], "error: argument --tune-gamma: must be in [0, 1), got 2.0 (see"),
+    ([*TINY_STUDY, "--tune-lr", ","], "error: argument --tune-lr: expected a comma-separated list, got ',' (see"),
     # the command itself
     (["bogus"], "invalid choice"),
     ([], "required"),
