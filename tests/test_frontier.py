@@ -161,11 +161,17 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
     # bad files and combinations: one line naming what was wrong
     (tmp_path / "bad.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,x,0,IncA k=1,1\n")
     (tmp_path / "hole.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,1,0,IncA k=1,1\n,1,0,GOPA,2\n")
+    header = "n,epsilon,gamma,protocol,predicted_mse\n"
+    for name, line in (("nan", "30,1,0,IncA k=1,nan"), ("neg", "-5,1,0,IncA k=1,1"), ("g1", "30,1,1,IncA k=1,1")):
+        (tmp_path / f"{name}.csv").write_text(header + line + "\n")
     for argv, needle in ((["--merge", str(tmp_path / "none.csv")], "none.csv: cannot read it"),
                          (["--merge", str(tmp_path / "a" / "frontier.txt")], "not a frontier CSV"),
                          (["--merge", str(tmp_path / "bad.csv")], "line 2: epsilon must be a number, got 'x'"),
                          (["--merge", str(tmp_path / "hole.csv")], "hole.csv, line 3: no n"),
                          (["--merge", str(tmp_path)], "cannot read it"),
+                         (["--merge", str(tmp_path / "nan.csv")], "line 2: predicted_mse must be >= 0 and finite, got nan"),
+                         (["--merge", str(tmp_path / "neg.csv")], "line 2: n must be >= 1 and finite, got -5"),
+                         (["--merge", str(tmp_path / "g1.csv")], "line 2: gamma must be in [0, 1) and finite, got 1.0"),
                          (["--merge", paths[0], "--runs", "3"], "without --runs or grid settings")):
         assert cli.main(["reproduce", "frontier", *argv, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err

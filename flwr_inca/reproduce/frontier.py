@@ -255,6 +255,18 @@ _TEXT_COLUMNS = frozenset({"protocol", "schedule"})
 _NEEDED_COLUMNS = ("n", "epsilon", "gamma", "protocol", "predicted_mse")  # what a merged point must hold
 
 
+# what a merged number may be besides finite and >= 0 (a point no run can produce is refused, not plotted)
+_RANGES = {"n": ">= 1", "epsilon": "> 0", "gamma": "in [0, 1)"}
+
+
+def _in_range(column: str, value) -> bool:
+    if column in _TEXT_COLUMNS:
+        return True
+    if not (math.isfinite(value) and value >= 0):
+        return False
+    return {"n": value >= 1, "epsilon": value > 0, "gamma": value < 1}.get(column, True)
+
+
 def _point(row: dict) -> tuple:
     return (row["n"], row["epsilon"], row["gamma"], row["protocol"], row.get("T"), row.get("k_PR"))
 
@@ -287,6 +299,10 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
                     empty = [c for c in _NEEDED_COLUMNS if c not in row]
                     if empty:
                         raise ValueError(f"--merge {path}, line {line}: no {', '.join(empty)}")
+                    bad = next((c for c, v in row.items() if not _in_range(c, v)), None)
+                    if bad is not None:
+                        raise ValueError(f"--merge {path}, line {line}: {bad} must be {_RANGES.get(bad, '>= 0')} "
+                                         f"and finite, got {row[bad]!r}")
                     if line > MERGE_MAX_ROWS:
                         raise ValueError(f"--merge {path}: more than {MERGE_MAX_ROWS} rows; a frontier has a few "
                                          "hundred")
