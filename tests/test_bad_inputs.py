@@ -219,6 +219,7 @@ BAD_COMMAND_LINES = [
      "error: argument --epsilons: must be a finite number, got 'abc' (item 2 of '1,abc') (see"),
     ([*TINY_STUDY, "--seeds", "1.5"], "error: argument --seeds: must be an integer, got '1.5' (see"),
     ([*TINY_STUDY, "--tune-gamma", "2"], "error: argument --tune-gamma: must be in [0, 1), got 2.0 (see"),
+    ([*TINY_STUDY, "--tune-epsilon", "0"], "error: argument --tune-epsilon: must be in [1e-06, 1e+06], got 0.0 (see"),
     ([*TINY_STUDY, "--tune-lr", ","], "error: argument --tune-lr: expected a comma-separated list, got ',' (see"),
     # the command itself
     (["bogus"], "invalid choice"),

@@ -641,9 +641,10 @@ def test_the_command_line_overrides_reach_the_grid(monkeypatch, tmp_path):
     monkeypatch.setattr(command, "markdown_table", lambda table: "")
     argv = ["study", "mnist", "--grid", "full", "--out", str(tmp_path / "out"), "--clients", "1000",
             "--gammas", "0.3", "--methods", "inca", "--tune-lr", "8", "--tune-clip", "1", "--tune-rounds", "50",
-            "--tune-gamma", "0.3", "--max-iterations", "80"]
+            "--tune-gamma", "0.3", "--tune-epsilon", "0.5", "--max-iterations", "80"]
     assert main(argv) == 0
     grid = got["grid"]
     assert (grid.tune_lr, grid.tune_clip, grid.tune_rounds, grid.tune_gamma) == ((8.0,), (1.0,), (50,), 0.3)
+    assert grid.tune_epsilon == 0.5
     assert (grid.max_iterations, grid.clients, grid.gammas, grid.methods) == (80, (1000,), (0.3,), ("inca",))
     assert grid.epsilons == FULL_GRID.epsilons and grid.product  # what was not overridden stays the full grid's

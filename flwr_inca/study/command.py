@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from .._argtypes import comma_separated, int_in, iterations, iterations_or_auto, real_in
+from .._checks import MAX_EPSILON, MIN_EPSILON
 from .grid import DEFAULT_GRID, FULL_GRID, METHODS, TINY_GRID
 from .report import markdown_table
 from .runs import StudyOutputExists, check_output
@@ -54,6 +55,8 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
     s.add_argument("--tune-lr", type=_floats, help="override the tuning grid's learning rates, e.g. 1,3,8")
     s.add_argument("--tune-clip", type=_floats, help="override the tuning grid's clip norms, e.g. 0.5,1,2")
     s.add_argument("--tune-rounds", type=_ints, help="override the tuning grid's round counts, e.g. 10,25,50")
+    s.add_argument("--tune-epsilon", type=real_in(MIN_EPSILON, MAX_EPSILON),
+                   help="the budget every method is tuned at (default 1)")
     s.add_argument("--tune-gamma", type=real_in(0.0, 1.0, high_open=True),
                    help="the dropout rate every method is tuned at (default 0.1)")
     s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
@@ -72,7 +75,7 @@ def _cmd_study(args: Any) -> int:
     grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
     changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods",
                                              "iterations", "max_iterations", "schedule", "tune_lr", "tune_clip",
-                                             "tune_rounds", "tune_gamma") if getattr(args, k, None) is not None}
+                                             "tune_rounds", "tune_epsilon", "tune_gamma") if getattr(args, k, None) is not None}
     try:
         grid = replace(grid, **changes)
     except ValueError as exc:
