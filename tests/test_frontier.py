@@ -90,6 +90,20 @@ def test_inca_points_are_the_products_calibration(tiny):
             assert row["predicted_mse"] == pytest.approx(cal.predicted_mse, rel=1e-12)
 
 
+def test_progress_units_are_the_planned_total_and_weigh_inca_by_its_cost(tiny):
+    """The bar advances exactly the units ``work`` planned (so its time left is an extrapolation of the whole),
+    and an IncA execution counts more the more iterations and neighbours it certifies."""
+    settings = {"iterations": [4, 6], "neighbors": [1, 2], "gammas": [0.2], "epsilons": [1.0]}
+    planned = frontier.work(2, **settings)
+    bar = ProgressBar(planned, "t", enabled=False)
+    with single_blas_thread():
+        frontier.run(2, 0, bar, **settings)
+    assert bar.done == bar.total == planned
+    units = [frontier.inca_units(T, k) for T, k in ((10, 1), (20, 1), (40, 1), (80, 1), (80, 2))]
+    assert units == sorted(units) and units[0] >= 2 and units[-1] > 20 * units[0]
+    assert frontier.inca_units(1, 1) == 1  # never 0: every execution moves the bar
+
+
 def test_pairwise_messages_are_counted_per_edge_plus_publish_and_rollback():
     n, seeds = 25, simulation_seeds(4, 3)
     gopa = GOPA(1.0, 1.0, neighbors=4, gamma=0.2, gamma_rollback=0.04)

@@ -52,8 +52,8 @@ from ..protocol.schedules import InjectionSchedule
 from .._plots import new_figure, paper_style, save_figure
 from .common import Check, FigureResult, ProgressBar
 
-__all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "markdown", "merged", "pairwise_cost", "plot",
-           "run", "work"]
+__all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "inca_units", "markdown", "merged",
+           "pairwise_cost", "plot", "run", "work"]
 
 PARTIES = (200, 1000)
 EPSILONS = (0.2, 1.0)
@@ -67,6 +67,17 @@ GOPA_NEIGHBORS = (5, 10, 20, 40)
 GOPA_SPLITS = ("1/n", "gamma/4")
 VALUE_VARIANCE = 1.0 / 12.0  # U[0, 1]
 FLOAT_BYTES = 8
+# progress units of one simulated execution: a pairwise baseline's is 1; IncA's certificate costs about 4 of
+# them at T k = 10 and grows as (T k)^1.25 (the frontier's own timings at n = 200 and 1000: exponents 1.05 to
+# 1.4), so the bar's time left is not off by the 6x that counting every execution alike gave at T = 80
+INCA_UNITS_AT_10, INCA_UNITS_EXPONENT = 4.0, 1.25
+
+
+def inca_units(T: int, k: int) -> int:
+    """Progress units of one IncA execution with T iterations and k neighbours (a GOPA execution: 1)."""
+    return max(1, round(INCA_UNITS_AT_10 * (T * k / 10) ** INCA_UNITS_EXPONENT))
+
+
 # calibration runs: at n = 200 (T in {10, 20, 40}, gamma = 0.1) the worst-case sigma_delta over the first 400 runs
 # is within 5% of that over 800 (benchmarks/bench_schedules.py "stability")
 DEFAULT_RUNS = 400
@@ -131,7 +142,8 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
     bar.set_status(f"IncA n={n} T={T} k={k} {schedule.name} gamma={gamma:g}")
     start = time.perf_counter()
     sims = simulate_runs(n, base, simulation_seeds(_seed(seed, n, T, k, gamma), runs), rho=RHO, observed_fraction=None,
-                         nominal=(guess, BOUND_NOMINAL_RATIO * guess), progress=bar.callback(len(epsilons)))
+                         nominal=(guess, BOUND_NOMINAL_RATIO * guess),
+                         progress=bar.callback(len(epsilons) * inca_units(T, k)))
     messages, size, rounds = inca_cost(T, k)
     rows = []
     for eps, mu in zip(epsilons, targets):
@@ -211,10 +223,11 @@ class Grid:
         return [(T, k, tail) for k in self.neighbors for tail in (0, TAIL[k]) for T in self.iterations if tail < T]
 
     def work(self, runs: int) -> int:
-        """Progress units: every simulated execution (IncA's and the pairwise baselines'), counted once per
-        epsilon it is calibrated for."""
-        configs = len(self.inca_settings()) + len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) + 1
-        return len(self.parties) * len(self.gammas) * runs * configs * len(self.epsilons)
+        """Progress units: every simulated execution (IncA's weighted by :func:`inca_units`, the pairwise
+        baselines' 1), counted once per epsilon it is calibrated for."""
+        pairwise = len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) + 1
+        units = sum(inca_units(T, k) for T, k, _ in self.inca_settings()) + pairwise
+        return len(self.parties) * len(self.gammas) * runs * units * len(self.epsilons)
 
 
 def work(runs: int, **settings: Sequence) -> int:
