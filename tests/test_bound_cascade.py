@@ -135,7 +135,7 @@ def test_cascade_maximum_is_as_tight_as_the_global_bound_with_fewer_global_solve
     mu_e = np.array([exact.mu[int(i)] for i in cascade.honest])
     mu_c = cascade.mu(0.25, 3.0)
     assert np.all(mu_c >= mu_e * (1 - 1e-9))
-    # the charged maximum: within 1% of exact (issue 12 asks 5%) and no looser than the global bound
+    # the charged maximum: within 1% of exact (5% is the goal) and no looser than the global bound
     assert mu_c.max() <= 1.01 * mu_e.max()
     assert mu_c.max() <= bound.mu(0.25, 3.0).max() * (1 + 1e-4)
     # only the parties near the maximum were solved globally; every other one is below the maximum
