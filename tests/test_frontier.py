@@ -71,6 +71,27 @@ def test_frontier_pipeline_writes_csv_plots_and_markdown(tiny, tmp_path):
     assert cdp[(1.0, 0.0)] == stay[(1.0, 0.0)] < stay[(1.0, 0.2)] and cdp[(1.0, 0.2)] == cdp[(1.0, 0.0)]
 
 
+def test_the_legend_names_every_series_of_any_panel():
+    """A configuration run at one gamma only (merged pieces) is drawn in that panel alone; the figure's legend
+    still names it, once, in the fixed series order."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    def row(gamma, protocol, messages, mse, **extra):
+        return {"n": 30, "epsilon": 1.0, "gamma": gamma, "protocol": protocol, "messages_per_party": messages,
+                "predicted_mse": mse, **extra}
+
+    rows = [row(0.0, "IncA k=1", 11.0, 1e-3, T=10), row(0.1, "IncA k=1", 11.0, 2e-3, T=10),
+            row(0.1, "IncA k=2", 21.0, 3e-3, T=10), row(0.0, "central DP", 1.0, 1e-4),
+            row(0.1, "central DP", 1.0, 1e-4)]
+    fig = frontier._figure(rows, [(30, 1.0)], [0.0, 0.1, 0.2])  # the last panel (0.2) is empty
+    try:
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    finally:
+        plt.close(fig)
+    assert labels == ["IncA $k$ = 1", "IncA $k$ = 2", "central DP"]
+
+
 def test_frontier_is_not_part_of_all():
     assert "frontier" in FIGURES and not FIGURES["frontier"].in_all
     assert all(f.in_all for name, f in FIGURES.items() if name != "frontier")

@@ -408,6 +408,12 @@ SERIES = (("IncA k=1", "tab:blue", "o-"), ("IncA k=1 tail", "tab:blue", "o--"),
           ("CorDP-DME", "tab:brown", "x"))
 
 
+def _label(protocol: str) -> str:
+    label = protocol + (f" (L={TAIL[int(protocol.split()[1][2:])]})" if protocol.endswith("tail") else "")
+    return (label.replace("gamma_2=gamma/4", r"$\gamma_2 = \gamma/4$").replace("gamma_2=1/n", r"$\gamma_2 = 1/n$")
+            .replace("L=", "$L$ = ").replace("k=", "$k$ = "))
+
+
 def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
     from matplotlib.ticker import NullFormatter
 
@@ -416,10 +422,7 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
         pts = sorted((r["messages_per_party"], r["predicted_mse"]) for r in cell
                      if r["protocol"] == protocol and math.isfinite(r["predicted_mse"]))
         if pts:
-            label = protocol + (f" (L={TAIL[int(protocol.split()[1][2:])]})" if protocol.endswith("tail") else "")
-            label = (label.replace("gamma_2=gamma/4", r"$\gamma_2 = \gamma/4$").replace("gamma_2=1/n", r"$\gamma_2 = 1/n$")
-                     .replace("L=", "$L$ = ").replace("k=", "$k$ = "))
-            ax.plot(*zip(*pts), style, color=color, label=label, ms=4)
+            ax.plot(*zip(*pts), style, color=color, label=_label(protocol), ms=4)
     for protocol, style in (("central DP", "k-"), ("central DP (stayers)", "k:")):
         got = _select(cell, protocol=protocol)
         if got:
@@ -444,8 +447,15 @@ def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]
         axes[i, 0].set_ylabel("MSE of the mean")
     for ax in axes[-1]:
         ax.set_xlabel("messages per party per round")
-    handles, labels = axes[0, -1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=columns, fontsize=7, frameon=False)
+    # every series of any panel (a configuration run at one gamma only is in that panel alone), in SERIES order
+    entries: dict[str, object] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    order = [_label(protocol) for protocol, _, _ in SERIES] + ["central DP", "central DP (stayers)"]
+    labels = sorted(entries, key=lambda label: order.index(label) if label in order else len(order))
+    fig.legend([entries[label] for label in labels], labels, loc="outside lower center", ncol=columns, fontsize=7,
+               frameon=False)
     return fig
 
 
