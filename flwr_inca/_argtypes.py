@@ -8,9 +8,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._checks import MAX_ITERATIONS, check_int, check_real
+from ._checks import MAX_EPSILON, MAX_ITERATIONS, MIN_EPSILON, check_int, check_real
 
-__all__ = ["comma_separated", "int_in", "iterations", "iterations_or_auto", "real_in"]
+__all__ = ["comma_separated", "epsilon", "int_in", "iterations", "iterations_or_auto", "real_in"]
 
 T = TypeVar("T")
 
@@ -47,6 +47,7 @@ def real_in(low: float | None, high: float | None = None, *, low_open: bool = Fa
 
 
 iterations = int_in(1, MAX_ITERATIONS)  # IncA's mixing iterations T (also a bound on them: --max-iterations)
+epsilon = real_in(MIN_EPSILON, MAX_EPSILON)  # a target or tuning epsilon
 
 
 def iterations_or_auto(text: str) -> int | str:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._argtypes import epsilon as _epsilon
 from ._argtypes import int_in, iterations_or_auto, real_in
 from ._argtypes import iterations as _iterations
 from ._checks import (
@@ -133,7 +134,6 @@ _neighbors = int_in(1, MAX_PARTIES - 1)
 _runs = int_in(1, MAX_RUNS)
 _rounds = int_in(1, MAX_ROUNDS)
 _workers = int_in(1, MAX_WORKERS)
-_epsilon = real_in(MIN_EPSILON, MAX_EPSILON)
 _delta = real_in(0.0, 1.0, low_open=True, high_open=True)
 _fraction = real_in(0.0, 1.0)  # a share of messages, in [0, 1]
 _collusion = real_in(0.0, 1.0, high_open=True)  # a share of parties that are corrupted, in [0, 1)

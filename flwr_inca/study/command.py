@@ -6,8 +6,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from .._argtypes import comma_separated, int_in, iterations, iterations_or_auto, real_in
-from .._checks import MAX_EPSILON, MIN_EPSILON
+from .._argtypes import comma_separated, epsilon, int_in, iterations, iterations_or_auto, real_in
 from .grid import DEFAULT_GRID, FULL_GRID, METHODS, TINY_GRID
 from .report import markdown_table
 from .runs import StudyOutputExists, check_output
@@ -55,7 +54,7 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
     s.add_argument("--tune-lr", type=_floats, help="override the tuning grid's learning rates, e.g. 1,3,8")
     s.add_argument("--tune-clip", type=_floats, help="override the tuning grid's clip norms, e.g. 0.5,1,2")
     s.add_argument("--tune-rounds", type=_ints, help="override the tuning grid's round counts, e.g. 10,25,50")
-    s.add_argument("--tune-epsilon", type=real_in(MIN_EPSILON, MAX_EPSILON),
+    s.add_argument("--tune-epsilon", type=epsilon,
                    help="the budget every method is tuned at (default 1)")
     s.add_argument("--tune-gamma", type=real_in(0.0, 1.0, high_open=True),
                    help="the dropout rate every method is tuned at (default 0.1)")
@@ -73,9 +72,9 @@ def _cmd_study(args: Any) -> int:
     if args.replot:
         return _replot(args.out)
     grid = {"default": DEFAULT_GRID, "full": FULL_GRID, "tiny": TINY_GRID}[args.grid]
-    changes = {k: getattr(args, k) for k in ("clients", "partitions", "epsilons", "gammas", "seeds", "methods",
-                                             "iterations", "max_iterations", "schedule", "tune_lr", "tune_clip",
-                                             "tune_rounds", "tune_epsilon", "tune_gamma") if getattr(args, k, None) is not None}
+    overridable = ("clients", "partitions", "epsilons", "gammas", "seeds", "methods", "iterations", "max_iterations",
+                   "schedule", "tune_lr", "tune_clip", "tune_rounds", "tune_epsilon", "tune_gamma")
+    changes = {k: getattr(args, k) for k in overridable if getattr(args, k, None) is not None}
     try:
         grid = replace(grid, **changes)
     except ValueError as exc:
