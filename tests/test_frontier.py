@@ -204,9 +204,10 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
                          (["--merge", str(tmp_path / "bad.csv")], "line 2: epsilon must be a number, got 'x'"),
                          (["--merge", str(tmp_path / "hole.csv")], "hole.csv, line 3: no n"),
                          (["--merge", str(tmp_path)], "cannot read it"),
-                         (["--merge", str(tmp_path / "nan.csv")], "line 2: predicted_mse must be >= 0 and finite, got nan"),
-                         (["--merge", str(tmp_path / "neg.csv")], "line 2: n must be >= 1 and finite, got -5"),
-                         (["--merge", str(tmp_path / "g1.csv")], "line 2: gamma must be in [0, 1) and finite, got 1.0"),
+                         (["--merge", str(tmp_path / "nan.csv")],
+                          "line 2: predicted_mse must be a finite number >= 0, got nan"),
+                         (["--merge", str(tmp_path / "neg.csv")], "line 2: n must be an integer >= 1, got -5"),
+                         (["--merge", str(tmp_path / "g1.csv")], "line 2: gamma must be in [0, 1), got 1.0"),
                          (["--merge", paths[0], "--runs", "3"], "without --runs or grid settings")):
         assert cli.main(["reproduce", "frontier", *argv, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err

@@ -268,16 +268,18 @@ _TEXT_COLUMNS = frozenset({"protocol", "schedule"})
 _NEEDED_COLUMNS = ("n", "epsilon", "gamma", "protocol", "predicted_mse")  # what a merged point must hold
 
 
-# what a merged number may be besides finite and >= 0 (a point no run can produce is refused, not plotted)
-_RANGES = {"n": ">= 1", "epsilon": "> 0", "gamma": "in [0, 1)"}
+# what a merged number may be besides >= 0 (a point no run can produce is refused, not plotted)
+_LIMITS = {"n": {"low": 1}, "epsilon": {"low": 0.0, "low_open": True},
+           "gamma": {"low": 0.0, "high": 1.0, "high_open": True}}
 
 
-def _in_range(column: str, value) -> bool:
+def _check_value(column: str, value):
+    """``value`` of a merged ``column``, checked by the package's own checks (``ValueError`` naming it)."""
     if column in _TEXT_COLUMNS:
-        return True
-    if not (math.isfinite(value) and value >= 0):
-        return False
-    return {"n": value >= 1, "epsilon": value > 0, "gamma": value < 1}.get(column, True)
+        return value
+    if column in _INTEGER_COLUMNS:
+        return check_int(column, value, _LIMITS.get(column, {"low": 0})["low"])
+    return check_real(column, value, **_LIMITS.get(column, {"low": 0.0}))
 
 
 def _point(row: dict) -> tuple:
@@ -312,10 +314,11 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
                     empty = [c for c in _NEEDED_COLUMNS if c not in row]
                     if empty:
                         raise ValueError(f"--merge {path}, line {line}: no {', '.join(empty)}")
-                    bad = next((c for c, v in row.items() if not _in_range(c, v)), None)
-                    if bad is not None:
-                        raise ValueError(f"--merge {path}, line {line}: {bad} must be {_RANGES.get(bad, '>= 0')} "
-                                         f"and finite, got {row[bad]!r}")
+                    try:
+                        for column, value in row.items():
+                            _check_value(column, value)
+                    except ValueError as exc:
+                        raise ValueError(f"--merge {path}, line {line}: {exc}") from None
                     if line > MERGE_MAX_ROWS:
                         raise ValueError(f"--merge {path}: more than {MERGE_MAX_ROWS} rows; a frontier has a few "
                                          "hundred")
