@@ -22,7 +22,9 @@ Sections (each prints its figures):
   D_Inc for every L.
 * ``stability``: how the worst case over R calibration runs grows with R: each run's smallest sufficient
   sigma_delta at the central-DP level (alpha = 1), and the running maximum over the first R runs (the
-  runs of ``calibrate(seed, runs=R)`` are the first R of any larger R: nested).
+  runs of ``calibrate(seed, runs=R)`` are the first R of any larger R: nested). With ``--gopa K ...``
+  GOPA with k_PR = K instead (gamma_2 = 1/n, the frontier's best GOPA): its exact calibration (alpha
+  chosen, as in the frontier) on the first R runs, sigma_delta and predicted MSE against R = max.
 
     python benchmarks/bench_schedules.py decompose
     python benchmarks/bench_schedules.py anatomy --parties 100 --iterations 10 --runs 200
@@ -31,6 +33,7 @@ Sections (each prints its figures):
     python benchmarks/bench_schedules.py tails --parties 200 --iterations 10 20 40 --neighbors 1 2 \\
         --gammas 0.05 0.1 0.2 0.3 --runs 100 --replicates 3
     python benchmarks/bench_schedules.py stability --parties 200 --iterations 10 40 --tails 0 3 --runs 800
+    python benchmarks/bench_schedules.py stability --parties 1000 --gammas 0.1 0.3 --gopa 40 20 --runs 400
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ import scipy.linalg as la
 from scipy.optimize import linprog
 
 from flwr_inca import IncaConfig, InjectionSchedule, PermanentDropout, ScheduledDropout
+from flwr_inca.baselines.base import Threat
+from flwr_inca.baselines.calibration import calibrate_samples, sample_views
+from flwr_inca.baselines.pairwise import GOPA
 from flwr_inca.privacy import calibrate, profile, random_collusion
 from flwr_inca.privacy.calibration import simulation_seeds
 from flwr_inca.privacy.conversions import mu_for_epsilon
@@ -303,8 +309,38 @@ def section_tails(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- stability
+def _checkpoints(runs: int) -> list[int]:
+    return [r for r in (25, 50, 100, 200, 400, 800, 1600, 3200) if r < runs] + [runs]
+
+
+def gopa_stability(args: argparse.Namespace) -> None:
+    """GOPA (gamma_2 = 1/n) on R nested runs: the frontier's exact calibration (alpha chosen) on the first R
+    runs, its sigma_delta and predicted MSE against those on all of them."""
+    checkpoints = _checkpoints(args.runs)
+    eps = args.epsilons[0]
+    print(f"## GOPA, gamma_2 = 1/n: worst case over R runs relative to R = {args.runs}; eps = {eps}")
+    print("   n  k_PR  gamma  quantity              " + "  ".join(f"R={r:<5d}" for r in checkpoints) + "   seconds")
+    for n, k_pr, gamma in itertools.product(args.parties, args.gopa, args.gammas):
+        start = time.perf_counter()
+        gopa = GOPA(1.0, 1.0, neighbors=min(k_pr, n - 1), gamma=gamma, gamma_rollback=min(gamma, 1.0 / n))
+        samples = sample_views(gopa, n, Threat.collusion(RHO), args.runs, args.seed)
+        # not IncA's need at alpha = 1: GOPA's roll-back leaves no sigma_delta sufficient there
+        cals = [calibrate_samples(samples[:r], eps, DELTA, procedure="exact", value_variance=1.0 / 12.0)
+                for r in checkpoints]
+        rows = {"calibrated sigma_d": [c.sigma_delta / cals[-1].sigma_delta for c in cals],
+                "calibrated MSE": [c.predicted_mse / cals[-1].predicted_mse for c in cals]}
+        for name, cells in rows.items():
+            print(f"{n:4d}  {k_pr:4d}  {gamma:5.2f}  {name:20s}  " + "  ".join(f"{c:7.3f}" for c in cells)
+                  + (f"   (sigma_delta {cals[-1].sigma_delta:.3f}, alpha {cals[-1].alpha:.2f}, MSE "
+                     f"{cals[-1].predicted_mse:.3e} at R = {args.runs}; {time.perf_counter() - start:.0f})"
+                     if name == "calibrated MSE" else ""), flush=True)
+
+
 def section_stability(args: argparse.Namespace) -> None:
-    checkpoints = [r for r in (25, 50, 100, 200, 400, 800, 1600, 3200) if r <= args.runs]
+    if args.gopa:
+        gopa_stability(args)
+        return
+    checkpoints = _checkpoints(args.runs)
     print(f"## Worst case over R runs: sigma_delta (running max of each run's need at alpha = 1, 1.1 without "
           f"dropouts), relative to R = {args.runs}; eps = {args.epsilons[0]}")
     print("   n   T  k  gamma  schedule              " + "  ".join(f"R={r:<5d}" for r in checkpoints) + "   seconds")
@@ -347,6 +383,8 @@ def main() -> None:
     parser.add_argument("--train-runs", type=int, default=40, help="perterm: runs the LP is trained on")
     parser.add_argument("--replicates", type=int, default=3, help="independent seeds per setting")
     parser.add_argument("--top", type=int, default=20, help="anatomy: parties listed")
+    parser.add_argument("--gopa", type=int, nargs="*", default=[],
+                        help="stability: GOPA with these k_PR (gamma_2 = 1/n) instead of IncA")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     start = time.perf_counter()
