@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from ._checks import MAX_EPSILON, MAX_ITERATIONS, MIN_EPSILON, check_int, check_real
 
-__all__ = ["comma_separated", "epsilon", "int_in", "iterations", "iterations_or_auto", "real_in"]
+__all__ = ["comma_separated", "dropout_rate", "epsilon", "int_in", "iterations", "iterations_or_auto", "real_in"]
 
 T = TypeVar("T")
 
@@ -48,6 +48,7 @@ def real_in(low: float | None, high: float | None = None, *, low_open: bool = Fa
 
 iterations = int_in(1, MAX_ITERATIONS)  # IncA's mixing iterations T (also a bound on them: --max-iterations)
 epsilon = real_in(MIN_EPSILON, MAX_EPSILON)  # a target or tuning epsilon
+dropout_rate = real_in(0.0, 1.0, high_open=True)  # gamma, a share of parties dropping out, in [0, 1)
 
 
 def iterations_or_auto(text: str) -> int | str:

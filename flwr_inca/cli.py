@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from ._argtypes import dropout_rate as _dropout_rate
 from ._argtypes import epsilon as _epsilon
 from ._argtypes import int_in, iterations_or_auto, real_in
 from ._argtypes import iterations as _iterations
@@ -725,7 +726,7 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     frontier.add_argument("--parties", type=_parties, nargs="+", default=None, metavar="N", help="n values")
     frontier.add_argument("--epsilons", type=_epsilon, nargs="+", default=None, metavar="EPS",
                           help="epsilon values")
-    frontier.add_argument("--gammas", type=real_in(0.0, 1.0, high_open=True), nargs="+", default=None,
+    frontier.add_argument("--gammas", type=_dropout_rate, nargs="+", default=None,
                           metavar="GAMMA", help="dropout fractions, in [0, 1)")
     frontier.add_argument("--iterations", type=_iterations, nargs="+", default=None, metavar="T",
                           help="IncA's T values")

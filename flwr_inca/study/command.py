@@ -6,7 +6,15 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from .._argtypes import comma_separated, epsilon, int_in, iterations, iterations_or_auto, real_in
+from .._argtypes import (
+    comma_separated,
+    dropout_rate,
+    epsilon,
+    int_in,
+    iterations,
+    iterations_or_auto,
+    real_in,
+)
 from .grid import DEFAULT_GRID, FULL_GRID, METHODS, TINY_GRID
 from .report import markdown_table
 from .runs import StudyOutputExists, check_output
@@ -56,7 +64,7 @@ def add_study_parser(sub: Any, **parser_options: Any) -> None:
     s.add_argument("--tune-rounds", type=_ints, help="override the tuning grid's round counts, e.g. 10,25,50")
     s.add_argument("--tune-epsilon", type=epsilon,
                    help="the budget every method is tuned at (default 1)")
-    s.add_argument("--tune-gamma", type=real_in(0.0, 1.0, high_open=True),
+    s.add_argument("--tune-gamma", type=dropout_rate,
                    help="the dropout rate every method is tuned at (default 0.1)")
     s.add_argument("--resume", action="store_true", help="reuse the runs already in OUT (runs.csv, and runs.csv.partial of an interrupted study); "
                    "without it, a folder holding runs is refused")
