@@ -271,9 +271,11 @@ def test_cli_json_and_plots(trace_file, capsys):
     assert prefix.with_suffix(".svg").read_text().startswith("<?xml")
 
 
+# The audit is a statistical test at 99% confidence: with fresh noise each time, an exact certificate is
+# "beaten" by chance about once in a hundred runs. Tests that expect it to hold pin --attack-seed.
 def test_cli_table_defaults_to_weakest_and_median(trace_file, capsys):
     assert main(["attack", str(trace_file), "--corrupted", "0,1,2,3", "--runs", "1000", "--no-plot",
-                 "--no-progress"]) == 0
+                 "--no-progress", "--attack-seed", "1"]) == 0
     out = capsys.readouterr().out
     trace = _trace()
     cert = certify(trace, collusion_view(trace, [0, 1, 2, 3]))
@@ -293,7 +295,8 @@ def test_cli_reports_a_beaten_certificate_loudly(trace_file, capsys, monkeypatch
         return dataclasses.replace(cert, mu={i: 0.8 * m for i, m in cert.mu.items()})
 
     monkeypatch.setattr(privacy, "certify", claims_too_much)
-    rc = main(["attack", str(trace_file), "--corrupted", "0,1,2,3", "--runs", "2000", "--no-plot", "--json"])
+    rc = main(["attack", str(trace_file), "--corrupted", "0,1,2,3", "--runs", "2000", "--no-plot", "--json",
+               "--attack-seed", "1"])
     captured = capsys.readouterr()
     assert rc == 1 and json.loads(captured.out)["beaten"] is True
     assert "CERTIFICATE BEATEN for party" in captured.err
@@ -305,14 +308,14 @@ def test_cli_uses_the_traces_privacy_record(tmp_path, small, capsys):
         "threat_draws": 3, "certification_seed": 5, "round": 3, "sample_rate": 1.0, "accountant": "exact"}})
     path = tmp_path / "t.json"
     trace.save(path)
-    assert main(["attack", str(path), "--runs", "500", "--no-plot", "--json"]) == 0
+    assert main(["attack", str(path), "--runs", "500", "--no-plot", "--json", "--attack-seed", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     views = list(certification_views(trace, certification_seeds(5, 3), 3, collusion=0.1))
     worst = max(views, key=lambda v: certify(trace, v, value_sensitivity=2.0).max_mu)
     assert out["value_sensitivity"] == 2.0 and out["delta"] == 1e-6
     assert out["adversary"] == worst.describe() and "certification draw" in out["adversary_source"]
     assert main(["attack", str(path), "--runs", "500", "--no-plot", "--json", "--delta", "1e-4",
-                 "--collusion", "0.2"]) == 0
+                 "--collusion", "0.2", "--attack-seed", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["delta"] == 1e-4 and out["adversary_source"] == "random"
 
@@ -332,7 +335,7 @@ def test_cli_bad_input_exits_2_with_one_line(trace_file, capsys, flags, needle):
 
 def test_cli_eavesdropper(trace_file, capsys):
     assert main(["attack", str(trace_file), "--observed-fraction", "0.5", "--runs", "500", "--no-plot",
-                 "--json"]) == 0
+                 "--json", "--attack-seed", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["adversary"].startswith("eavesdropping") and out["adversary_source"] == "random"
 
