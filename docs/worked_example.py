@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flwr_inca import IncaConfig, PermanentDropout, run_inca
+from flwr_inca import PermanentDropout, run_inca
 from flwr_inca.privacy import adversarial_collusion, analyze_structure, calibrate, certify, random_collusion
 
 n, d, C = 200, 50, 1.0  # 200 parties, 50-dim updates clipped to L2 norm C
