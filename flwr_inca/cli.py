@@ -155,9 +155,34 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
 
 def _check_protocol(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` if --parties, --iterations, --neighbors and --dropout cannot run together (e.g.
-    --neighbors >= --parties, a trace too large for memory): before any note or progress is printed."""
-    IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=args.iterations, neighbors=args.neighbors,
+    --neighbors >= --parties, a trace too large for memory): before any note or progress is printed. With
+    --iterations auto, the most it may choose is checked."""
+    iterations = args.max_iterations if args.iterations == "auto" else args.iterations
+    IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=iterations, neighbors=args.neighbors,
                dropout=args.dropout, schedule=args.schedule).check(args.parties)
+
+
+def _resolve_iterations(args: argparse.Namespace, value_sensitivity: float, *, noise_given: bool = False) -> None:
+    """``--iterations auto``: choose T by the rule every driver uses (:func:`flwr_inca.rounds.choose_iterations`,
+    at the per-execution target --epsilon), note the choice on stderr and set ``args.iterations``."""
+    if args.iterations != "auto":
+        return
+    from .privacy import mu_for_epsilon
+    from .rounds import choose_iterations
+    from .settings import MixingConfig, PrivacyTarget
+
+    privacy = PrivacyTarget(round_epsilon=args.epsilon, delta=args.delta, collusion=args.collusion,
+                            observed_fraction=getattr(args, "observed_fraction", None),
+                            calibration_runs=args.runs)
+    # given sigmas: more iterations would not lower the noise, and the rule takes the fewest
+    sigmas = {"sigma_star": 1.0, "sigma_delta": 1.0} if noise_given else {}
+    mixing = MixingConfig(iterations="auto", neighbors=args.neighbors, schedule=args.schedule,
+                          dropout=args.dropout, max_iterations=args.max_iterations, **sigmas)
+    choice = choose_iterations(privacy, mixing, args.parties, mu_target=mu_for_epsilon(args.epsilon, args.delta),
+                               value_sensitivity=value_sensitivity, seed=args.seed,
+                               log=None if args.json else _status("choosing T"))
+    print(f"note: {choice.describe(args.neighbors)}", file=sys.stderr)
+    args.iterations = choice.iterations
 
 
 # ---------------------------------------------------------------------------------------- mean
@@ -173,6 +198,7 @@ def cmd_mean(args: argparse.Namespace) -> int:
     x = rng.standard_normal((n, d))
     x *= (C * rng.random(n) ** (1.0 / d) / np.linalg.norm(x, axis=1))[:, None]
     sensitivity = 2 * C  # replace-one on an L2 ball of radius C
+    _resolve_iterations(args, sensitivity, noise_given=args.sigma_star is not None and args.sigma_delta is not None)
     if args.sigma_star is not None and args.sigma_delta is not None:
         s_star, s_delta, source = args.sigma_star, args.sigma_delta, "given"
     elif args.sigma_star is not None or args.sigma_delta is not None:
@@ -195,7 +221,8 @@ def cmd_mean(args: argparse.Namespace) -> int:
     mu = mu_for_epsilon(args.epsilon, args.delta)
     central = (sensitivity / (n * mu)) ** 2  # Gaussian mechanism on the mean, tight calibration
     out = {
-        "parties": n, "dim": d, "clip": C, "epsilon_target": args.epsilon, "delta": args.delta,
+        "parties": n, "dim": d, "clip": C, "iterations": args.iterations, "neighbors": args.neighbors,
+        "epsilon_target": args.epsilon, "delta": args.delta,
         "sigma_star": s_star, "sigma_delta": s_delta, "sigmas": source,
         "finalists": int(result.finalists.size), "mse_inca": mse,
         "mse_central_dp": central, "mse_local_dp": central * n,
@@ -228,6 +255,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"error: --procedure paper needs --epsilon < 1 (the paper's classic Gaussian bound), got "
               f"{args.epsilon:g}; use --procedure exact", file=sys.stderr)
         return 2
+    _resolve_iterations(args, args.value_sensitivity)
     results = []
     for proc in procedures:
         if proc == "paper" and args.epsilon >= 1:
@@ -788,11 +816,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _protocol_args(sp: argparse.ArgumentParser, parties: int) -> None:
+_ITERATIONS_HELP = (f"IncA mixing iterations per round, in [1, {MAX_ITERATIONS}], or auto: the fewest of 10, 20, 40, "
+                    "80 (at most --max-iterations) whose noise left uncancelled by the expected --dropout is at "
+                    "most a quarter of the central noise (10 without dropouts)")
+
+
+def _protocol_args(sp: argparse.ArgumentParser, parties: int, iterations: int | str) -> None:
     sp.add_argument("--parties", "-n", type=_parties, default=parties,
                     help=f"number of parties n, in [2, {MAX_PARTIES:.0e}]")
-    sp.add_argument("--iterations", "-T", type=_iterations, default=20,
-                    help=f"mixing iterations T, in [1, {MAX_ITERATIONS}]")
+    sp.add_argument("--iterations", "-T", type=iterations_or_auto, default=iterations, help=_ITERATIONS_HELP)
+    sp.add_argument("--max-iterations", type=_iterations, default=40, help="most iterations auto may choose")
     sp.add_argument("--neighbors", "-k", type=_neighbors, default=1,
                     help="out-neighbours each party sends to per iteration")
     sp.add_argument("--schedule", type=_schedule, default=RECOMMENDED_SCHEDULE,
@@ -822,7 +855,7 @@ def _add_mean_parser(sub) -> None:
         epilog="examples:\n  flwr-inca mean\n"
                "  flwr-inca mean --parties 1000 --dim 100 --epsilon 0.5 --dropout temporary:0.2",
         formatter_class=_HelpFormatter)
-    _protocol_args(m, 100)
+    _protocol_args(m, 100, "auto")
     m.add_argument("--dim", "-d", type=_positive_int, default=10, help="dimension of each party's vector")
     m.add_argument("--clip", type=_scale, default=1.0, help="L2 norm bound C of the vectors (sensitivity 2C), > 0")
     m.add_argument("--sigma-star", type=_sigma, default=None,
@@ -841,7 +874,7 @@ def _add_calibrate_parser(sub) -> None:
         epilog="example:\n  flwr-inca calibrate --parties 200 --epsilon 0.2 --collusion 0.1 "
                "--dropout permanent:0.1 --runs 100",
         formatter_class=_HelpFormatter)
-    _protocol_args(c, 200)
+    _protocol_args(c, 200, 20)
     c.add_argument("--observed-fraction", type=_fraction, default=None,
                    help="Eavesdrop DP: fraction of messages intercepted, in [0, 1] (replaces --collusion; default: not used)")
     c.add_argument("--procedure", choices=["exact", "paper", "both"], default="both",
@@ -934,10 +967,7 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp"],
                    default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
                                       "party level)")
-    s.add_argument("--iterations", "-T", type=iterations_or_auto, default="auto",
-                   help=f"IncA mixing iterations per round, in [1, {MAX_ITERATIONS}], or auto: the fewest of 10, "
-                        "20, 40, 80 (at most --max-iterations) whose noise left uncancelled by the expected "
-                        "--dropout is at most a quarter of the central noise (10 without --dropout)")
+    s.add_argument("--iterations", "-T", type=iterations_or_auto, default="auto", help=_ITERATIONS_HELP)
     s.add_argument("--max-iterations", type=_iterations, default=40, help="most iterations auto may choose")
     s.add_argument("--neighbors", "-k", type=_neighbors, default=1, help="peers per mixing iteration")
     s.add_argument("--schedule", type=_schedule, default=RECOMMENDED_SCHEDULE,

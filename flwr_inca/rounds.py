@@ -35,6 +35,7 @@ from .privacy.ledger import PrivacyLedger
 from .privacy.rounds import RoundCertificate, certification_seeds
 from .privacy.session import RoundCharge, RoundSession
 from .protocol.config import IncaConfig
+from .protocol.dropout import NoDropout
 from .protocol.engine import sample_trace
 from .protocol.schedules import InjectionSchedule
 from .protocol.trace import ExecutionTrace
@@ -202,13 +203,13 @@ def choose_iterations(privacy: PrivacyTarget, mixing: MixingConfig, n: int, *, m
     full calibration (it would miss the aim too). The candidate chosen is always calibrated in full and
     judged on that.
 
-    Without expected dropouts (``mixing.dropout`` None), or with fixed noise (the sigmas given: the noise a
-    dropout leaves is then a fixed multiple of sigma_delta^2, whatever T), the fewest candidate is chosen
-    without calibrating anything."""
+    Without expected dropouts (``mixing.dropout`` None or :class:`NoDropout`), or with fixed noise (the
+    sigmas given: the noise a dropout leaves is then a fixed multiple of sigma_delta^2, whatever T), the
+    fewest candidate is chosen without calibrating anything."""
     candidates = [t for t in ITERATION_CANDIDATES if t <= mixing.max_iterations] or [mixing.max_iterations]
-    if not mixing.calibrated or mixing.dropout is None:
+    if not mixing.calibrated or mixing.dropout is None or isinstance(mixing.dropout, NoDropout):
         reason = ("the noise is given (sigma_star, sigma_delta): more iterations would not lower it" if
-                  not mixing.calibrated else "no dropouts expected (dropout=None), so no noise is left uncancelled")
+                  not mixing.calibrated else "no dropouts expected, so no noise is left uncancelled")
         return IterationChoice(candidates[0], {}, mixing.dropout_noise_share, reason)
     cal_seed = seed if calibration_seed is None else int(calibration_seed)
     aim = mixing.dropout_noise_share

@@ -117,7 +117,7 @@ BAD_COMMAND_LINES = [
     (["calibrate", "--epsilon", "1e-300", "-n", "20", "--runs", "1"], "--epsilon: must be in [1e-06, 1e+06]"),
     (["calibrate", "--value-sensitivity", "1e308", "-n", "20", "--runs", "1"], "--value-sensitivity: must be in"),
     (["mean", "--sigma-star", "1e308", "--sigma-delta", "1e308"], "--sigma-star: must be in [0, 1e+100]"),
-    (["mean", "--iterations", "1000000000"], "--iterations/-T: must be an integer in [1, 1000]"),
+    (["mean", "--iterations", "1000000000"], "--iterations/-T: must be 'auto' or an integer in [1, 1000]"),
     (["simulate", "--rounds", "1000000000", "--backend", "inline"], "--rounds/-R: must be an integer in [1, 100000]"),
     (["simulate", "--iterations", "30000", "--backend", "inline"],
      "--iterations/-T: must be 'auto' or an integer in [1, 1000], got 30000"),

@@ -91,6 +91,36 @@ def test_mean_demo(capsys):
     assert main(["mean", "-n", "20", "-d", "3", "--sigma-star", "0.1"]) == 2
 
 
+def test_mean_and_calibrate_choose_iterations_by_the_drivers_rule(capsys):
+    """--iterations auto (mean's default) is the rule IncaStrategy and the simulator use, noted on stderr."""
+    from flwr_inca.privacy import mu_for_epsilon
+    from flwr_inca.rounds import choose_iterations
+    from flwr_inca.settings import MixingConfig, PrivacyTarget
+
+    assert main(["mean", "-n", "40", "-d", "3", "--runs", "4", "--epsilon", "0.5", "--json"]) == 0
+    captured = capsys.readouterr()
+    chosen = json.loads(captured.out)["iterations"]
+    rule = choose_iterations(PrivacyTarget(round_epsilon=0.5, calibration_runs=4),
+                             MixingConfig(dropout=PermanentDropout(0.1)), 40,
+                             mu_target=mu_for_epsilon(0.5, 1e-5), value_sensitivity=2.0, seed=0)
+    assert chosen == rule.iterations > 10  # 10% dropouts at n = 40: T = 10 leaves too much noise
+    assert f"chose T = {chosen} ({chosen + 1} messages per party per round)" in captured.err
+    # --max-iterations caps it; without dropouts, or with the noise given, the fewest (nothing calibrated)
+    for extra, words in [(["--max-iterations", "10"], "chose T = 10 "),
+                         (["--dropout", "none"], "no dropouts expected"),
+                         (["--sigma-star", "0.5", "--sigma-delta", "1"], "the noise is given")]:
+        assert main(["mean", "-n", "40", "-d", "3", "--runs", "4", "--json", *extra]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["iterations"] == 10 and words in captured.err
+    assert main(["calibrate", "-n", "40", "-T", "auto", "--runs", "3", "--procedure", "exact",
+                 "--dropout", "none"]) == 0
+    captured = capsys.readouterr()
+    assert "n = 40, T = 10," in captured.out and "chose T = 10" in captured.err
+    with pytest.raises(SystemExit) as info:
+        main(["mean", "--iterations", "automatic"])
+    assert info.value.code == 2 and "argument --iterations/-T: must be 'auto' or an integer" in capsys.readouterr().err
+
+
 def test_parse_dropout():
     assert parse_dropout("permanent:0.2").gamma == 0.2
     assert parse_dropout("markov:0.1,0.4").correlation == 0.4

@@ -13,6 +13,7 @@ import pytest
 
 from flwr_inca import IncaConfig, InjectionSchedule, PermanentDropout, replay
 from flwr_inca.privacy.conversions import mu_for_epsilon
+from flwr_inca.protocol.dropout import NoDropout
 from flwr_inca.protocol import sample_trace
 from flwr_inca.protocol.schedules import recommended_tail
 from flwr_inca.rounds import (
@@ -131,6 +132,9 @@ def test_auto_without_dropouts_or_with_given_noise_is_ten_iterations_without_cal
     monkeypatch.setattr(rounds_module, "noise_calibrator", fail)
     quiet = choose_iterations(PRIVACY, MixingConfig(), 50, mu_target=MU, value_sensitivity=1.0, seed=0)
     assert quiet.iterations == 10 and quiet.shares == {} and "no dropouts expected" in quiet.describe(1)
+    none = choose_iterations(PRIVACY, MixingConfig(dropout=NoDropout()), 50, mu_target=MU, value_sensitivity=1.0,
+                             seed=0)
+    assert none.iterations == 10 and none.shares == {} and "no dropouts expected" in none.describe(1)
     given = choose_iterations(PRIVACY, MixingConfig(sigma_star=1.0, sigma_delta=3.0, dropout=DROPOUT), 50,
                               mu_target=None, value_sensitivity=1.0, seed=0)
     assert given.iterations == 10 and "the noise is given" in given.describe(2)
