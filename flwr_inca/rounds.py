@@ -29,9 +29,9 @@ from ._search import last_fitting
 from .privacy.budget_check import Predictions, predicted_round_mu, prediction_seeds
 from .privacy.calibration import NoiseCalibrator
 from .privacy.conversions import mu_for_epsilon
+from .privacy.ledger import PrivacyLedger
 from .privacy.plan import round_mu
 from .privacy.prefix import RoundPrefix, prefix_ceilings
-from .privacy.ledger import PrivacyLedger
 from .privacy.rounds import RoundCertificate, certification_seeds
 from .privacy.session import RoundCharge, RoundSession
 from .protocol.config import IncaConfig

@@ -13,8 +13,8 @@ import pytest
 
 from flwr_inca import IncaConfig, InjectionSchedule, PermanentDropout, replay
 from flwr_inca.privacy.conversions import mu_for_epsilon
-from flwr_inca.protocol.dropout import NoDropout
 from flwr_inca.protocol import sample_trace
+from flwr_inca.protocol.dropout import NoDropout
 from flwr_inca.protocol.schedules import recommended_tail
 from flwr_inca.rounds import (
     ITERATION_CANDIDATES,
