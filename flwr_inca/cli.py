@@ -821,11 +821,16 @@ _ITERATIONS_HELP = (f"IncA mixing iterations per round, in [1, {MAX_ITERATIONS}]
                     "most a quarter of the central noise (10 without dropouts)")
 
 
+def _iterations_args(parser: argparse.ArgumentParser, default: int | str) -> None:
+    """--iterations (a T or auto) and --max-iterations, the same in every command that runs IncA."""
+    parser.add_argument("--iterations", "-T", type=iterations_or_auto, default=default, help=_ITERATIONS_HELP)
+    parser.add_argument("--max-iterations", type=_iterations, default=40, help="most iterations auto may choose")
+
+
 def _protocol_args(sp: argparse.ArgumentParser, parties: int, iterations: int | str) -> None:
     sp.add_argument("--parties", "-n", type=_parties, default=parties,
                     help=f"number of parties n, in [2, {MAX_PARTIES:.0e}]")
-    sp.add_argument("--iterations", "-T", type=iterations_or_auto, default=iterations, help=_ITERATIONS_HELP)
-    sp.add_argument("--max-iterations", type=_iterations, default=40, help="most iterations auto may choose")
+    _iterations_args(sp, iterations)
     sp.add_argument("--neighbors", "-k", type=_neighbors, default=1,
                     help="out-neighbours each party sends to per iteration")
     sp.add_argument("--schedule", type=_schedule, default=RECOMMENDED_SCHEDULE,
@@ -967,8 +972,7 @@ def _add_simulate_parser(sub) -> None:
     s.add_argument("--accountant", choices=["exact", "opacus-prv", "opacus-rdp"],
                    default=None, help="composition over rounds (default: opacus-prv at record level, exact at "
                                       "party level)")
-    s.add_argument("--iterations", "-T", type=iterations_or_auto, default="auto", help=_ITERATIONS_HELP)
-    s.add_argument("--max-iterations", type=_iterations, default=40, help="most iterations auto may choose")
+    _iterations_args(s, "auto")
     s.add_argument("--neighbors", "-k", type=_neighbors, default=1, help="peers per mixing iteration")
     s.add_argument("--schedule", type=_schedule, default=RECOMMENDED_SCHEDULE,
                    help="injection schedule: auto (D_Inc with a value-free tail of 3 steps, fewer below T = 9) | "
