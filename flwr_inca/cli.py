@@ -198,8 +198,9 @@ def cmd_mean(args: argparse.Namespace) -> int:
     x = rng.standard_normal((n, d))
     x *= (C * rng.random(n) ** (1.0 / d) / np.linalg.norm(x, axis=1))[:, None]
     sensitivity = 2 * C  # replace-one on an L2 ball of radius C
-    _resolve_iterations(args, sensitivity, noise_given=args.sigma_star is not None and args.sigma_delta is not None)
-    if args.sigma_star is not None and args.sigma_delta is not None:
+    noise_given = args.sigma_star is not None and args.sigma_delta is not None
+    _resolve_iterations(args, sensitivity, noise_given=noise_given)
+    if noise_given:
         s_star, s_delta, source = args.sigma_star, args.sigma_delta, "given"
     elif args.sigma_star is not None or args.sigma_delta is not None:
         print("error: give both --sigma-star and --sigma-delta, or neither to calibrate", file=sys.stderr)
