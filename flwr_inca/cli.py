@@ -723,7 +723,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     try:
         settings = {"parties": args.parties, "epsilons": args.epsilons, "gammas": args.gammas,
-                    "iterations": args.iterations, "neighbors": args.neighbors}
+                    "iterations": args.iterations, "neighbors": args.neighbors, "solver": args.solver}
         reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress,
                   settings=settings, merge=args.merge)
     except OSError as exc:  # e.g. the disk filled up while writing a figure
@@ -733,6 +733,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
+    from .privacy.certificate import EXACT_MAX_ROWS, SOLVERS
     from .reproduce import DEFAULT_RUNS
 
     r = sub.add_parser(
@@ -761,6 +762,10 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                           help="IncA's T values")
     frontier.add_argument("--neighbors", type=_neighbors, nargs="+", default=None, metavar="K",
                           help="IncA's k values")
+    frontier.add_argument("--solver", choices=SOLVERS, default=None,
+                          help="how IncA's simulated executions are certified: auto (the default: exact up to "
+                               f"{EXACT_MAX_ROWS} observed honest messages, else the sound bound), exact, bound or "
+                               "cascade; GOPA's and CorDP-DME's are always exact")
     frontier.add_argument("--merge", nargs="+", default=None, metavar="CSV",
                           help="run nothing: join the frontier.csv files of earlier runs (pieces of the grid; a "
                                "point in several files is taken from the last) and write the frontier's CSV, "

@@ -39,7 +39,7 @@ class _Figure:
     display: tuple[str, ...]
     shares_cache: bool = False
     in_all: bool = True  # run by "all" (the paper's figures)
-    settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors)
+    settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors, solver)
 
 
 FIGURES: dict[str, _Figure] = {
@@ -81,7 +81,8 @@ def reproduce(
     frontier); see the module docstring.
 
     ``settings`` narrow the frontier's grid (:class:`flwr_inca.reproduce.frontier.Grid`: ``parties``,
-    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``); the paper's figures take none. ``merge``: the
+    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``, and ``solver``, how IncA's runs are certified);
+    the paper's figures take none. ``merge``: the
     frontier only, runs nothing: joins the ``frontier.csv`` files of earlier runs (pieces of its grid) and
     writes the frontier's outputs for all their points (:func:`flwr_inca.reproduce.frontier.merged`).
 

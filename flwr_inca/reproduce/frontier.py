@@ -45,6 +45,7 @@ from ..baselines.calibration import calibrate_samples, sample_views
 from ..baselines.gaussian import gaussian_mu
 from ..baselines.pairwise import GOPA, CorDPDME
 from ..privacy.calibration import BOUND_NOMINAL_RATIO, AlphaSelection, simulate_runs, simulation_seeds
+from ..privacy.certificate import SOLVERS
 from ..privacy.conversions import mu_for_epsilon
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import PermanentDropout
@@ -127,11 +128,12 @@ def _seed(seed: int, *key: float) -> int:
 
 
 def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: int, bar: ProgressBar,
-              epsilons: tuple[float, ...] | None = None) -> list[dict]:
+              epsilons: tuple[float, ...] | None = None, solver: str = "auto") -> list[dict]:
     """IncA calibrated for every epsilon on one set of simulated executions: the steps of the product's
-    ``calibrate`` (exact procedure), the executions' certificates computed once. Exact certificates hold
-    for every pair of sigmas; a sound bound (views too large for the exact method) is tightest near the
-    central-DP level of the geometric mean of the epsilons' targets and valid at both."""
+    ``calibrate`` (exact procedure), the executions' certificates computed once, each by ``solver``
+    (:func:`~flwr_inca.privacy.certificate.choose_solver`). Exact certificates hold for every pair of
+    sigmas; a sound bound is tightest near the central-DP level of the geometric mean of the epsilons'
+    targets and valid at both."""
     epsilons = EPSILONS if epsilons is None else epsilons
     schedule = InjectionSchedule.incremental(T, tail=tail)
     dropout = PermanentDropout(gamma) if gamma > 0 else None
@@ -142,7 +144,7 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
     bar.set_status(f"IncA n={n} T={T} k={k} {schedule.name} gamma={gamma:g}")
     start = time.perf_counter()
     sims = simulate_runs(n, base, simulation_seeds(_seed(seed, n, T, k, gamma), runs), rho=RHO, observed_fraction=None,
-                         nominal=(guess, BOUND_NOMINAL_RATIO * guess),
+                         solver=solver, nominal=(guess, BOUND_NOMINAL_RATIO * guess),
                          progress=bar.callback(len(epsilons) * inca_units(T, k)))
     messages, size, rounds = inca_cost(T, k)
     rows = []
@@ -192,18 +194,20 @@ def central_rows(n: int, gamma: float, epsilons: tuple[float, ...]) -> list[dict
 # ---------------------------------------------------------------------------------------------- run
 @dataclass(frozen=True)
 class Grid:
-    """The settings a frontier covers; :meth:`of` fills what is not given from the module's constants."""
+    """The settings a frontier covers; :meth:`of` fills what is not given from the module's constants.
+    ``solver``: how IncA's simulated executions are certified (GOPA's and CorDP-DME's are always exact)."""
 
     parties: tuple[int, ...]
     epsilons: tuple[float, ...]
     gammas: tuple[float, ...]
     iterations: tuple[int, ...]
     neighbors: tuple[int, ...]
+    solver: str = "auto"
 
     @classmethod
     def of(cls, parties: Sequence[int] | None = None, epsilons: Sequence[float] | None = None,
            gammas: Sequence[float] | None = None, iterations: Sequence[int] | None = None,
-           neighbors: Sequence[int] | None = None) -> Grid:
+           neighbors: Sequence[int] | None = None, solver: str | None = None) -> Grid:
         """Raises ``ValueError`` naming the setting (as its command-line option) and its range."""
         def values(name: str, given, default, check) -> tuple:
             got = tuple(default if given is None else given)
@@ -215,7 +219,10 @@ class Grid:
                    values("--epsilons", epsilons, EPSILONS, lambda n, v: check_real(n, v, 0.0, low_open=True)),
                    values("--gammas", gammas, GAMMAS, lambda n, v: check_real(n, v, 0.0, 0.8, high_open=True)),
                    values("--iterations", iterations, INCA_ITERATIONS, lambda n, v: check_int(n, v, 1, 1000)),
-                   values("--neighbors", neighbors, INCA_NEIGHBORS, lambda n, v: check_int(n, v, 1, 2)))
+                   values("--neighbors", neighbors, INCA_NEIGHBORS, lambda n, v: check_int(n, v, 1, 2)),
+                   "auto" if solver is None else solver)
+        if grid.solver not in SOLVERS:
+            raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {grid.solver!r}")
         return grid
 
     def inca_settings(self) -> list[tuple[int, int, int]]:
@@ -243,7 +250,7 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
         for gamma in grid.gammas:
             rows += central_rows(n, gamma, eps)
             for T, k, tail in grid.inca_settings():
-                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps)
+                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps, grid.solver)
             for k_pr in GOPA_NEIGHBORS:
                 for split in GOPA_SPLITS:
                     g2 = _gamma_2(split, gamma, n)
@@ -346,7 +353,7 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
 
 def _params(grid: Grid, runs: int, seed: int) -> dict:
     return {"n": grid.parties, "epsilon": grid.epsilons, "gamma": grid.gammas, "T": grid.iterations,
-            "k": grid.neighbors, "delta": DELTA, "rho": RHO, "runs": runs, "seed": seed}
+            "k": grid.neighbors, "delta": DELTA, "rho": RHO, "runs": runs, "seed": seed, "solver": grid.solver}
 
 
 # ---------------------------------------------------------------------------------------------- checks
