@@ -172,6 +172,29 @@ def test_settings_narrow_the_grid_and_bad_ones_are_refused(tiny, tmp_path, capsy
     assert "not fig1" in capsys.readouterr().err
 
 
+def test_solver_setting_reaches_incas_certificates_and_is_recorded(tiny, tmp_path, capsys):
+    """``--solver bound`` certifies IncA's runs with the sound bound: never below the exact method's sigma_delta
+    (the same executions), above it somewhere; GOPA is untouched; the parameters say which solver ran."""
+    grid = {"gammas": [0.2], "iterations": [5], "neighbors": [1], "epsilons": [1.0]}
+    by = {}
+    for solver in ("exact", "bound"):
+        (result,) = reproduce(["frontier"], runs=2, out=tmp_path / solver, seed=0, progress=False,
+                              stream=io.StringIO(), plots=False, settings={**grid, "solver": solver})
+        assert result.params["solver"] == solver
+        by[solver] = {r["protocol"]: r for r in result.rows}
+    inca = [p for p in by["exact"] if p.startswith("IncA")]
+    assert len(inca) == 2
+    ratios = [by["bound"][p]["sigma_delta"] / by["exact"][p]["sigma_delta"] for p in inca]
+    assert min(ratios) >= 1 - 1e-12 and max(ratios) > 1 + 1e-9
+    gopa = [p for p in by["exact"] if p.startswith("GOPA")]
+    assert gopa and all(by["bound"][p]["sigma_delta"] == by["exact"][p]["sigma_delta"] for p in gopa)
+    with pytest.raises(ValueError, match="--solver must be one of auto, exact, bound, cascade, got 'fast'"):
+        reproduce(["frontier"], runs=1, out=tmp_path, settings={"solver": "fast"})
+    with pytest.raises(SystemExit) as exc:  # argparse's own refusal of a choice outside the list
+        cli.main(["reproduce", "frontier", "--solver", "fast", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+
+
 def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys, monkeypatch):
     """Pieces of the grid run apart (two gammas, then one gamma again with more runs) and merged: every point
     once, a point in several files taken from the last, the checks and tables over all of them, nothing run."""
