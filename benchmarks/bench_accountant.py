@@ -4,6 +4,7 @@ Setting of the paper's Fig. 3 unless stated: k = 1, T = 20, collusion rho = 0.1,
 gamma = 0.1. Every timed figure is measured in a fresh subprocess (peak memory = its max RSS).
 
     python benchmarks/bench_accountant.py --scaling 500 1000 2000 4000   # exact vs bound, side by side
+    python benchmarks/bench_accountant.py --scaling 1000 --iterations 80  # the same at T = 80 (--neighbors: k)
     python benchmarks/bench_accountant.py --scaling 1000 2000 --methods bound cascade --executions 5  # maxima
     python benchmarks/bench_accountant.py --tightness 200 500 1000 2000  # Fig. 3 settings, calibrated
     python benchmarks/bench_accountant.py --large 10000 100000           # bound at scale + Thm 4.5 check
@@ -38,13 +39,15 @@ import numpy as np
 S_STAR, S_DELTA, MU_TARGET = 1.0, 6.0, 0.0625
 
 
-def _setting(n: int, gamma: float = 0.1, seed: int = 1, s_star: float = S_STAR, s_delta: float = S_DELTA):
+def _setting(n: int, gamma: float = 0.1, seed: int = 1, s_star: float = S_STAR, s_delta: float = S_DELTA,
+             iterations: int = 20, neighbors: int = 1):
     from flwr_inca import IncaConfig, PermanentDropout
     from flwr_inca.privacy import random_collusion
     from flwr_inca.protocol import sample_trace
 
     dropout = PermanentDropout(gamma) if gamma > 0 else None
-    config = IncaConfig(iterations=20, neighbors=1, sigma_star=s_star, sigma_delta=s_delta, dropout=dropout)
+    config = IncaConfig(iterations=iterations, neighbors=neighbors, sigma_star=s_star, sigma_delta=s_delta,
+                        dropout=dropout)
     trace = sample_trace(n, config, seed=seed)
     return trace, random_collusion(trace, 0.1, seed=seed + 1)
 
@@ -59,7 +62,8 @@ def _job(kind: str, n: int, extra: dict) -> dict:
     if kind in ("exact", "bound", "cascade", "cascade-numpy"):
         from flwr_inca.privacy.bound import BoundSettings, bound_profile
 
-        trace, view = _setting(n, seed=extra.get("seed", 1))
+        trace, view = _setting(n, seed=extra.get("seed", 1), iterations=extra.get("iterations", 20),
+                               neighbors=extra.get("neighbors", 1))
         out["rows"] = int(view.honest_observed().sum())
         start = time.perf_counter()
 
@@ -139,20 +143,23 @@ def run_job(kind: str, n: int, **extra) -> dict:
 
 
 # ------------------------------------------------------------------ sections
-def scaling(ns: list[int], exact_max: int, methods: list[str] | None = None, executions: int = 1) -> None:
+def scaling(ns: list[int], exact_max: int, methods: list[str] | None = None, executions: int = 1,
+            iterations: int = 20, neighbors: int = 1) -> None:
     if executions > 1:
         return _maxima(ns, exact_max, methods or ["bound"], executions)
     if methods and methods != ["bound"]:
         return _scaling_methods(ns, exact_max, methods)
-    print(f"exact vs bound, sigma_star = {S_STAR}, sigma_delta = {S_DELTA} (each in its own process)\n")
+    shape = {"iterations": iterations, "neighbors": neighbors}
+    print(f"exact vs bound, T = {iterations}, k = {neighbors}, sigma_star = {S_STAR}, sigma_delta = {S_DELTA} "
+          "(each in its own process)\n")
     header = (f"{'n':>6} {'rows m':>7} {'exact s':>9} {'exact GB':>9} {'bound s':>9} {'bound GB':>9} "
               f"{'bound/exact max mu':>19} {'min ratio':>10}")
     print(header)
     print("-" * len(header))
     for n in ns:
-        b = run_job("bound", n)
+        b = run_job("bound", n, **shape)
         if n <= exact_max:
-            e = run_job("exact", n)
+            e = run_job("exact", n, **shape)
             ratio = b["max_mu"] / e["max_mu"]
             r = np.array(b["mu"]) / np.maximum(np.array(e["mu"]), 1e-300)
             pos = np.array(e["mu"]) > 1e-9
@@ -761,6 +768,8 @@ def main() -> None:
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--scaling", type=int, nargs="*")
     p.add_argument("--exact-max", type=int, default=4000, help="run the exact method up to this n")
+    p.add_argument("--iterations", type=int, default=20, help="--scaling: T of the certified executions")
+    p.add_argument("--neighbors", type=int, default=1, help="--scaling: k of the certified executions")
     p.add_argument("--executions", type=int, default=1,
                    help="--scaling: compare the methods' maxima with exact on this many executions per n")
     p.add_argument("--tightness", type=int, nargs="*")
@@ -803,7 +812,7 @@ def main() -> None:
         print(json.dumps(_job(spec["kind"], spec["n"], spec["extra"])))
         return
     if args.scaling:
-        scaling(args.scaling, args.exact_max, args.methods, args.executions)
+        scaling(args.scaling, args.exact_max, args.methods, args.executions, args.iterations, args.neighbors)
     if args.tightness:
         tightness(args.tightness, args.gammas, args.runs, args.epsilon, tuple(args.passes),
                   tuple(t == "yes" for t in args.tight_runs))
