@@ -39,7 +39,7 @@ from threadpoolctl import threadpool_limits
 
 from flwr_inca import IncaConfig, PermanentDropout, TemporaryDropout
 from flwr_inca.privacy import certify, random_collusion, random_eavesdrop
-from flwr_inca.privacy import prefix as prefix_module
+from flwr_inca.privacy import certificate as certificate_module
 from flwr_inca.privacy.linear_system import _b_rows, dense_system
 from flwr_inca.privacy.prefix import PrefixProfile
 from flwr_inca.privacy.rounds import certification_seeds, certification_views
@@ -307,8 +307,8 @@ def main():
     parser.add_argument("--verify", type=int, default=0, metavar="N", help="compare on N random executions")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    limit = prefix_module.EXACT_MAX_ROWS
-    prefix_module.EXACT_MAX_ROWS = 10**9  # the exact path at every size (see the module docstring)
+    limit = certificate_module.EXACT_MAX_ROWS
+    certificate_module.EXACT_MAX_ROWS = 10**9  # the exact path at every size (see the module docstring)
     with threadpool_limits(1):
         if args.verify:
             run_verify(args.verify)

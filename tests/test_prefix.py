@@ -159,11 +159,36 @@ def test_prefix_ceilings_bound_every_execution_and_end_at_the_no_finals_bound(sc
 
 
 def test_a_view_too_large_for_the_exact_method_uses_the_bound(monkeypatch):
-    from flwr_inca.privacy import prefix as module
+    from flwr_inca.privacy import certificate as module
 
     trace, view = _execution(3)
+    assert PrefixProfile.build(trace, view) is not None
     monkeypatch.setattr(module, "EXACT_MAX_ROWS", 0)  # every view is "large"
     assert PrefixProfile.build(trace, view) is None
+
+
+def test_a_view_whose_exact_matrices_exceed_the_memory_limit_uses_the_bound(monkeypatch):
+    """Below the size limits but over this machine's memory limit, auto takes the sound bound (a certificate,
+    not a refusal) and the round's prefix path steps aside; forcing the exact method is refused in one line."""
+    from flwr_inca._checks import MEMORY_ENV
+    from flwr_inca.privacy.bound import bound_bytes
+    from flwr_inca.privacy.certificate import choose_solver, exact_affordable, exact_bytes
+
+    # large enough that the exact method's dense matrices need more than the bound's batches
+    trace = sample_trace(600, IncaConfig(iterations=4, sigma_star=1.0, sigma_delta=6.0,
+                                         dropout=PermanentDropout(0.1)), seed=1)
+    view = random_collusion(trace, 0.1, seed=2)
+    assert choose_solver(trace, view) == "exact" and exact_affordable(trace, view)
+    need = exact_bytes(trace.parties, int(view.honest.size), int(view.honest_observed().sum()), trace.iterations)
+    room = bound_bytes(trace.parties, trace.iterations)
+    assert room < need
+    monkeypatch.setenv(MEMORY_ENV, str(int((room + need) / 2)))
+    assert not exact_affordable(trace, view)
+    assert choose_solver(trace, view) == "bound"
+    assert PrefixProfile.build(trace, view) is None
+    assert certify(trace, view).method == "bound"
+    with pytest.raises(ValueError, match="the exact certificate of .* over the limit"):
+        certify(trace, view, solver="exact")
 
 
 def _dense_reference(trace, view):

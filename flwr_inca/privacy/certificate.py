@@ -34,7 +34,7 @@ import scipy.linalg as la
 from scipy.linalg.blas import dtrsm
 from scipy.linalg.lapack import dpocon, dpotrf
 
-from .._checks import check_bytes, check_delta, check_scale
+from .._checks import check_bytes, check_delta, check_scale, memory_limit
 from .._json import jsonable
 from ..protocol.trace import ExecutionTrace
 from .bound import BoundSettings, SensitivityBound, bound_bytes, bound_profile
@@ -51,6 +51,7 @@ __all__ = [
     "SensitivityProfile",
     "certify",
     "choose_solver",
+    "exact_affordable",
     "profile",
 ]
 
@@ -349,11 +350,23 @@ def exact_bytes(parties: int, honest: int, rows: int, iterations: int) -> float:
     return 8.0 * (3 * m * m + 2 * m * nH + 2 * m * n + 7 * n * n + 2 * n * nH + (T + 1) * n * (T + 2))
 
 
+def exact_affordable(trace: ExecutionTrace, view: AdversaryView) -> bool:
+    """Whether auto certifies ``view`` exactly: at most :data:`EXACT_MAX_ROWS` observed honest messages and
+    :data:`EXACT_MAX_PARTIES` parties, and the exact method's matrices within
+    :func:`~flwr_inca._checks.memory_limit` (on a smaller machine the sound bound instead of a refusal)."""
+    rows = int(view.honest_observed().sum())
+    n = trace.parties
+    if rows > EXACT_MAX_ROWS or n > EXACT_MAX_PARTIES:
+        return False
+    return exact_bytes(n, int(view.honest.size), rows, trace.iterations) <= memory_limit()
+
+
 def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "auto", *,
                   bound_settings: BoundSettings | None = None) -> str:
-    """``"exact"``, ``"bound"`` or ``"cascade"``: the request, or for ``"auto"`` exact up to
-    :data:`EXACT_MAX_ROWS` observed honest messages and :data:`EXACT_MAX_PARTIES` parties, else the global
-    bound up to :data:`CASCADE_MIN_ROWS` messages, the cascade beyond. Raises ``ValueError`` naming the
+    """``"exact"``, ``"bound"`` or ``"cascade"``: the request, or for ``"auto"`` exact where
+    :func:`exact_affordable` (up to :data:`EXACT_MAX_ROWS` observed honest messages and
+    :data:`EXACT_MAX_PARTIES` parties, within the memory limit), else the global bound up to
+    :data:`CASCADE_MIN_ROWS` messages, the cascade beyond. Raises ``ValueError`` naming the
     limit, before anything is allocated, if the chosen method would not fit in memory
     (:func:`~flwr_inca._checks.memory_limit`; the bound's batches are ``bound_settings``'), or if ``"exact"``
     is forced on a view too large for it."""
@@ -366,8 +379,7 @@ def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "aut
     if rows == 0 and solver in ("auto", "exact"):
         return "exact"  # the adversary observes no honest message: mu = 0, nothing to solve (_unobserved)
     if solver == "auto":
-        small = rows <= EXACT_MAX_ROWS and n <= EXACT_MAX_PARTIES
-        solver = "exact" if small else "bound" if rows <= CASCADE_MIN_ROWS else "cascade"
+        solver = "exact" if exact_affordable(trace, view) else "bound" if rows <= CASCADE_MIN_ROWS else "cascade"
     elif solver == "exact" and rows > EXACT_HARD_ROWS:
         gb = _EXACT_BYTES_PER_ROW2 * rows * rows / 2**30
         raise ValueError(

@@ -51,7 +51,7 @@ import scipy.linalg as la
 from ..protocol.schedules import InjectionSchedule
 from ..protocol.topology import Messages
 from ..protocol.trace import ExecutionTrace, TraceStep
-from .certificate import EXACT_MAX_PARTIES, EXACT_MAX_ROWS, certify, lower_solve, whiten_lower
+from .certificate import certify, exact_affordable, lower_solve, whiten_lower
 from .linear_system import observed_covariance
 from .rounds import RoundCertificate, certification_views, worst_mu
 from .views import AdversaryView, with_finals
@@ -97,7 +97,7 @@ class PrefixProfile:
               sigma_delta: float | None = None, value_sensitivity: float = 1.0) -> PrefixProfile | None:
         """The profile of ``view`` on ``trace``, or None where the prefix structure does not apply (a view
         too large for the exact method, or a singular / ill-conditioned covariance)."""
-        if int(view.honest_observed().sum()) > EXACT_MAX_ROWS or trace.parties > EXACT_MAX_PARTIES:
+        if not exact_affordable(trace, view):
             return None
         s_star = trace.sigma_star if sigma_star is None else float(sigma_star)
         s_delta = trace.sigma_delta if sigma_delta is None else float(sigma_delta)
