@@ -764,8 +764,8 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                           help="IncA's k values")
     frontier.add_argument("--solver", choices=SOLVERS, default=None,
                           help="how IncA's simulated executions are certified: auto (the default: exact up to "
-                               f"{EXACT_MAX_ROWS} observed honest messages, else the sound bound), exact, bound or "
-                               "cascade; GOPA's and CorDP-DME's are always exact")
+                               f"{EXACT_MAX_ROWS} observed honest messages where it fits in memory, else the sound "
+                               "bound), exact, bound or cascade; GOPA's and CorDP-DME's are always exact")
     frontier.add_argument("--merge", nargs="+", default=None, metavar="CSV",
                           help="run nothing: join the frontier.csv files of earlier runs (pieces of the grid; a "
                                "point in several files is taken from the last) and write the frontier's CSV, "
