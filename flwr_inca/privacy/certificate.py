@@ -57,10 +57,12 @@ __all__ = [
 
 _SNAP = 1e-9
 SOLVERS = ("auto", "exact", "bound", "cascade")
-# the automatic choice: exact up to this many observed honest messages, the bound beyond. Measured
-# (benchmarks/RESULTS.md, k = 1, T = 20, 10% colluders and dropouts) at about 5000 messages (n = 2000):
-# exact 6.9 s / 1.2 GB, bound 9.2 s / 0.55 GB; beyond it the exact method's m^2 memory dominates.
-EXACT_MAX_ROWS = 5000
+# the automatic choice: exact up to this many observed honest messages, the bound beyond. Measured side by
+# side (benchmarks/RESULTS.md, "Exact vs bound beyond EXACT_MAX_ROWS"): up to 8000 messages the exact method
+# was the faster one in every setting (1.6-3.3x at 7000-7350: n = 1000 with T = 80 or k = 2, T = 40; n = 3000,
+# T = 20) and 0.1-6% tighter; from 8,200 to 13,200 it was 0.5x to 2.5x the bound's speed depending on n, T
+# and k, and needs 2.3-5.5 GB (memory_limit() also guards it).
+EXACT_MAX_ROWS = 8000
 # beyond this many observed honest messages auto uses the charge-aware cascade instead of the global
 # bound (same maximum). Measured (benchmarks/RESULTS.md "Accountant at scale"), with the batched local tier:
 # bound 66 s / cascade 46 s at 9,732 messages (n = 4000), 167 s / 71 s at 14,652 (n = 6000), on a busy
