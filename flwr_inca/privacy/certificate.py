@@ -58,7 +58,7 @@ __all__ = [
 _SNAP = 1e-9
 SOLVERS = ("auto", "exact", "bound", "cascade")
 # the automatic choice: exact up to this many observed honest messages, the bound beyond. Measured side by
-# side (benchmarks/RESULTS.md, "Exact vs bound beyond EXACT_MAX_ROWS"): up to 8000 messages the exact method
+# side (benchmarks/RESULTS.md, "Exact vs bound around EXACT_MAX_ROWS"): up to 8000 messages the exact method
 # was the faster one in every setting (1.6-3.3x at 7000-7350: n = 1000 with T = 80 or k = 2, T = 40; n = 3000,
 # T = 20) and 0.1-6% tighter; from 8,200 to 13,200 it was 0.5x to 2.5x the bound's speed depending on n, T
 # and k, and needs 2.3-5.5 GB (memory_limit() also guards it).
