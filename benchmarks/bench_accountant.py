@@ -147,9 +147,9 @@ def scaling(ns: list[int], exact_max: int, methods: list[str] | None = None, exe
             iterations: int = 20, neighbors: int = 1) -> None:
     if executions > 1:
         return _maxima(ns, exact_max, methods or ["bound"], executions)
-    if methods and methods != ["bound"]:
-        return _scaling_methods(ns, exact_max, methods)
     shape = {"iterations": iterations, "neighbors": neighbors}
+    if methods and methods != ["bound"]:
+        return _scaling_methods(ns, exact_max, methods, shape)
     print(f"exact vs bound, T = {iterations}, k = {neighbors}, sigma_star = {S_STAR}, sigma_delta = {S_DELTA} "
           "(each in its own process)\n")
     header = (f"{'n':>6} {'rows m':>7} {'exact s':>9} {'exact GB':>9} {'bound s':>9} {'bound GB':>9} "
@@ -170,16 +170,18 @@ def scaling(ns: list[int], exact_max: int, methods: list[str] | None = None, exe
                   f"{'-':>19} {'-':>10}", flush=True)
 
 
-def _scaling_methods(ns: list[int], exact_max: int, methods: list[str]) -> None:
-    """The bound methods side by side (each in its own process, same execution), against exact where
-    affordable: seconds, peak memory and the maximum (what is charged)."""
-    print(f"methods {methods} vs exact, sigma_star = {S_STAR}, sigma_delta = {S_DELTA}\n")
+def _scaling_methods(ns: list[int], exact_max: int, methods: list[str], shape: dict) -> None:
+    """The bound methods side by side (each in its own process, same execution of ``shape``'s T and k),
+    against exact where affordable: seconds, peak memory and the maximum (what is charged)."""
+    print(f"methods {methods} vs exact, T = {shape['iterations']}, k = {shape['neighbors']}, "
+          f"sigma_star = {S_STAR}, sigma_delta = {S_DELTA}\n")
     for n in ns:
-        e = run_job("exact", n) if n <= exact_max else None
-        line = f"n = {n}:" + (f" exact {e['seconds']:.2f} s / {e['max_rss_gb']:.2f} GB, max mu {e['max_mu']:.6g};"
-                              if e else "")
-        for m in methods:
-            b = run_job(m, n)
+        e = run_job("exact", n, **shape) if n <= exact_max else None
+        got = {m: run_job(m, n, **shape) for m in methods}
+        line = f"n = {n}, {next(iter(got.values()))['rows']} observed messages:"
+        if e:
+            line += f" exact {e['seconds']:.2f} s / {e['max_rss_gb']:.2f} GB, max mu {e['max_mu']:.6g};"
+        for m, b in got.items():
             ratio = f" ({b['max_mu'] / e['max_mu']:.5f} x exact)" if e else ""
             line += f" {m} {b['seconds']:.2f} s / {b['max_rss_gb']:.2f} GB, max mu {b['max_mu']:.6g}{ratio};"
         print(line, flush=True)

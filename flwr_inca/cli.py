@@ -733,7 +733,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
-    from .privacy.certificate import EXACT_MAX_ROWS, SOLVERS
+    from .privacy.certificate import EXACT_LONG_MAX_ROWS, EXACT_LONG_MIN_ITERATIONS, EXACT_MAX_ROWS, SOLVERS
     from .reproduce import DEFAULT_RUNS
 
     r = sub.add_parser(
@@ -764,8 +764,9 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                           help="IncA's k values")
     frontier.add_argument("--solver", choices=SOLVERS, default=None,
                           help="how IncA's simulated executions are certified: auto (the default: exact up to "
-                               f"{EXACT_MAX_ROWS} observed honest messages where it fits in memory, else the sound "
-                               "bound), exact, bound or cascade; GOPA's and CorDP-DME's are always exact")
+                               f"{EXACT_MAX_ROWS} observed honest messages, {EXACT_LONG_MAX_ROWS} with k = 1 and T >= "
+                               f"{EXACT_LONG_MIN_ITERATIONS}, where it fits in memory; else a sound bound), exact, "
+                               "bound or cascade; GOPA's and CorDP-DME's are always exact")
     frontier.add_argument("--merge", nargs="+", default=None, metavar="CSV",
                           help="run nothing: join the frontier.csv files of earlier runs (pieces of the grid; a "
                                "point in several files is taken from the last) and write the frontier's CSV, "

@@ -28,6 +28,18 @@ from flwr_inca.privacy import (
 )
 from flwr_inca.privacy import certificate as certificate_module
 from flwr_inca.privacy.bound import BoundSettings, _evaluate, bound_profile
+from flwr_inca.privacy.certificate import (
+    CASCADE_MAX_STEPS,
+    CASCADE_MIN_ROWS,
+    EXACT_LONG_MAX_ROWS,
+    EXACT_LONG_MIN_ITERATIONS,
+    EXACT_MAX_PARTIES,
+    EXACT_MAX_ROWS,
+    auto_solver,
+    exact_affordable,
+    exact_bytes,
+    neighbors_of,
+)
 from flwr_inca.privacy.message_space import MessageSpace
 from flwr_inca.protocol import sample_trace
 
@@ -183,20 +195,61 @@ def test_auto_picks_exact_when_small_and_bound_beyond_the_threshold(monkeypatch)
     assert certify(trace, view, solver="exact").method == "exact"  # forcing still works
 
 
-@pytest.mark.parametrize("parties, iterations, neighbors, expected", [
-    (1000, 80, 1, "exact"),    # 7,347 observed messages: exact 3.3x faster than the bound, 6% tighter
-    (1000, 40, 2, "exact"),    # 6,973: 1.6x faster
-    (4000, 20, 1, "cascade"),  # 9,732: the exact method 2x slower than the cascade (benchmarks/RESULTS.md)
+@pytest.mark.parametrize("parties, iterations, neighbors, rows, expected", [
+    # every setting of benchmarks/RESULTS.md, "Which method auto takes", and the method measured fastest there
+    (1000, 80, 1, 7347, "exact"),     # exact 3.3x faster than the bound, 6% tighter
+    (1000, 40, 2, 6973, "exact"),     # 1.6x faster
+    (1500, 80, 1, 11037, "exact"),    # 2.2x faster than the bound, 3.7x than the cascade
+    (2000, 60, 1, 11454, "exact"),    # 1.5x faster than either
+    (2000, 80, 1, 14768, "exact"),    # 1.8x faster than either, 4-8% tighter
+    (4000, 20, 1, 9732, "cascade"),   # the exact method 2x slower than the cascade
+    (2500, 40, 1, 10446, "cascade"),  # cascade 26 s, bound 32 s, exact 41 s
+    (4000, 30, 1, 12959, "cascade"),  # cascade 2.3x faster than the bound, 4.5x than exact
+    (1500, 40, 2, 10590, "bound"),    # bound 3x faster than exact, 4.4x than the cascade
+    (1000, 60, 2, 10039, "bound"),    # 1.9x than exact, 5.6x than the cascade
+    (1000, 80, 2, 13159, "bound"),    # 1.1x to 1.9x faster than exact, 8.4x than the cascade
 ])
-def test_auto_follows_the_measured_crossover(parties, iterations, neighbors, expected):
-    """The settings of benchmarks/RESULTS.md, "Exact vs bound around EXACT_MAX_ROWS": auto takes the method
-    that was measured faster there (the choice allocates nothing)."""
+def test_auto_takes_the_method_measured_fastest(monkeypatch, parties, iterations, neighbors, rows, expected):
+    """Auto's choice on the benchmark's own executions (the same seeds: the same observed messages); with
+    room for the exact method's matrices (16 GiB), so that the choice does not depend on this machine."""
+    monkeypatch.setenv("FLWR_INCA_MAX_BYTES", str(16 * 2**30))
     config = IncaConfig(iterations=iterations, neighbors=neighbors, sigma_star=1.0, sigma_delta=6.0,
                         dropout=PermanentDropout(0.1))
     trace = sample_trace(parties, config, seed=1)
     view = random_collusion(trace, 0.1, seed=2)
-    assert 5000 < int(view.honest_observed().sum()) < 10000
+    assert int(view.honest_observed().sum()) == rows and neighbors_of(trace) == neighbors
     assert choose_solver(trace, view) == expected
+    assert exact_affordable(trace, view) == (expected == "exact")
+    # where the exact method's matrices do not fit, auto takes what it would take beyond the exact range
+    needed = exact_bytes(parties, int(view.honest.size), rows, iterations)
+    monkeypatch.setenv("FLWR_INCA_MAX_BYTES", str(int(needed) - 1))
+    beyond = "bound" if rows <= CASCADE_MIN_ROWS or iterations * neighbors > CASCADE_MAX_STEPS else "cascade"
+    assert choose_solver(trace, view) == (beyond if expected == "exact" else expected)
+
+
+def test_the_auto_rule_at_its_limits():
+    """auto_solver, the rule alone (sizes only): each limit is where the method changes."""
+    assert auto_solver(1000, 20, 1, EXACT_MAX_ROWS) == "exact"
+    assert auto_solver(1000, 20, 1, EXACT_MAX_ROWS + 1) == "bound"
+    assert auto_solver(1000, 20, 1, CASCADE_MIN_ROWS + 1) == "cascade"
+    # one neighbour, many iterations: exact further, then the bound (T * k beyond the cascade's range)
+    assert auto_solver(1000, EXACT_LONG_MIN_ITERATIONS, 1, EXACT_LONG_MAX_ROWS) == "exact"
+    assert auto_solver(1000, EXACT_LONG_MIN_ITERATIONS - 1, 1, EXACT_MAX_ROWS + 1) == "bound"
+    assert auto_solver(1000, EXACT_LONG_MIN_ITERATIONS, 2, EXACT_MAX_ROWS + 1) == "bound"
+    assert auto_solver(1000, EXACT_LONG_MIN_ITERATIONS, 1, EXACT_LONG_MAX_ROWS + 1) == "bound"
+    assert auto_solver(1000, EXACT_LONG_MIN_ITERATIONS, 1, EXACT_LONG_MAX_ROWS, exact_fits=False) == "bound"
+    # the cascade only up to T * k = CASCADE_MAX_STEPS ... on the parties where that was measured
+    assert auto_solver(3000, CASCADE_MAX_STEPS, 1, CASCADE_MIN_ROWS + 1) == "cascade"
+    assert auto_solver(3000, CASCADE_MAX_STEPS // 2 + 1, 2, CASCADE_MIN_ROWS + 1) == "bound"
+    assert auto_solver(EXACT_MAX_PARTIES + 1, 80, 2, CASCADE_MIN_ROWS + 1) == "cascade"
+    assert auto_solver(EXACT_MAX_PARTIES + 1, 20, 1, 100) == "bound"  # never exact beyond EXACT_MAX_PARTIES
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_neighbors_of_a_trace_is_its_k_even_with_dropouts(k):
+    for dropout in (None, PermanentDropout(0.3)):
+        config = IncaConfig(iterations=8, neighbors=k, sigma_star=1.0, sigma_delta=6.0, dropout=dropout)
+        assert neighbors_of(sample_trace(200, config, seed=k)) == k
 
 
 def test_bad_solver_requests_are_rejected_clearly(monkeypatch):

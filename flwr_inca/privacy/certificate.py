@@ -43,31 +43,45 @@ from .linear_system import ObservationModel, build_model, lower_norm1
 from .views import AdversaryView
 
 __all__ = [
+    "CASCADE_MAX_STEPS",
     "CASCADE_MIN_ROWS",
+    "EXACT_LONG_MAX_ROWS",
+    "EXACT_LONG_MIN_ITERATIONS",
     "EXACT_MAX_PARTIES",
     "EXACT_MAX_ROWS",
     "SOLVERS",
     "Certificate",
     "SensitivityProfile",
     "certify",
+    "auto_solver",
     "choose_solver",
     "exact_affordable",
+    "neighbors_of",
     "profile",
 ]
 
 _SNAP = 1e-9
 SOLVERS = ("auto", "exact", "bound", "cascade")
-# the automatic choice: exact up to this many observed honest messages, the bound beyond. Measured side by
-# side (benchmarks/RESULTS.md, "Exact vs bound around EXACT_MAX_ROWS"): up to 8000 messages the exact method
-# was the faster one in every setting (1.6-3.3x at 7000-7350: n = 1000 with T = 80 or k = 2, T = 40; n = 3000,
-# T = 20) and 0.1-6% tighter; from 8,200 to 13,200 it was 0.5x to 2.5x the bound's speed depending on n, T
-# and k, and needs 2.3-5.5 GB (memory_limit() also guards it).
+# The automatic choice (auto_solver), measured side by side: benchmarks/RESULTS.md, "Which method auto takes".
+# Exact up to this many observed honest messages: up to 8000 it was the faster method in every setting
+# (1.6-3.3x at 7000-7350: n = 1000 with T = 80 or k = 2, T = 40; n = 3000, T = 20) and 0.1-6% tighter.
 EXACT_MAX_ROWS = 8000
+# ... and, with one neighbour and at least this many iterations, up to EXACT_LONG_MAX_ROWS: the bound's search
+# is slow there and the cascade's local tier slower (T = 60, n = 2000, 11,454 messages: exact 47 s, bound and
+# cascade 71 s; T = 80, up to 14,768 messages: 1.8x to 2.5x faster than the bound, 1.8x to 3.7x than the
+# cascade, 4-8% tighter). The memory limit still applies (6.9 GB at 14,768 messages).
+EXACT_LONG_MIN_ITERATIONS = 60
+EXACT_LONG_MAX_ROWS = 15000
 # beyond this many observed honest messages auto uses the charge-aware cascade instead of the global
-# bound (same maximum). Measured (benchmarks/RESULTS.md "Accountant at scale"), with the batched local tier:
-# bound 66 s / cascade 46 s at 9,732 messages (n = 4000), 167 s / 71 s at 14,652 (n = 6000), on a busy
-# machine; the cascade's side of n <= 2000 (4,987 messages: 8 s / 17 s before) is left to the bound
+# bound (both sound, their maxima within about 1-4% of each other): bound 66 s / cascade 46 s at 9,732
+# messages (n = 4000, T = 20), 167 s / 71 s at 14,652 (n = 6000), on a busy machine; 32 s / 26 s at n = 2500,
+# T = 40 ...
 CASCADE_MIN_ROWS = 9500
+# ... as long as T * k is at most CASCADE_MAX_STEPS: the cascade's local tier covers the neighbourhood a party's
+# messages reach, which grows with T and k. Beyond, up to EXACT_MAX_PARTIES parties (the range measured), the
+# global bound is faster: k = 2, T = 40 (n = 1500): 12 s against 55 s; k = 2, T = 80 (n = 1000): 42 s against
+# 358 s.
+CASCADE_MAX_STEPS = 40
 # the exact method refuses views whose dense matrices would not fit: it peaks at about 44 bytes per
 # squared observed message (4.2 GB at 9732 messages)
 EXACT_HARD_ROWS = 16000
@@ -352,23 +366,41 @@ def exact_bytes(parties: int, honest: int, rows: int, iterations: int) -> float:
     return 8.0 * (3 * m * m + 2 * m * nH + 2 * m * n + 7 * n * n + 2 * n * nH + (T + 1) * n * (T + 2))
 
 
+def neighbors_of(trace: ExecutionTrace) -> int:
+    """The most messages one party sent in one iteration: the topology's k (0 without any message)."""
+    return max((int(np.bincount(step.messages.senders).max()) for step in trace.steps
+                if step.messages.senders.size), default=0)
+
+
+def auto_solver(parties: int, iterations: int, neighbors: int, rows: int, exact_fits: bool = True) -> str:
+    """The method auto takes for a view of ``rows`` observed honest messages: ``"exact"``, where its
+    matrices fit in memory (``exact_fits``), up to :data:`EXACT_MAX_ROWS` (up to :data:`EXACT_LONG_MAX_ROWS`
+    with one neighbour and at least :data:`EXACT_LONG_MIN_ITERATIONS` iterations) on at most
+    :data:`EXACT_MAX_PARTIES` parties; else the global ``"bound"`` up to :data:`CASCADE_MIN_ROWS` messages,
+    or where ``iterations * neighbors`` exceeds :data:`CASCADE_MAX_STEPS` on at most
+    :data:`EXACT_MAX_PARTIES` parties; else the ``"cascade"``. In each region, the method measured fastest
+    (benchmarks/RESULTS.md, "Which method auto takes")."""
+    long_run = neighbors <= 1 and iterations >= EXACT_LONG_MIN_ITERATIONS
+    exact_rows = EXACT_LONG_MAX_ROWS if long_run else EXACT_MAX_ROWS
+    if exact_fits and parties <= EXACT_MAX_PARTIES and rows <= exact_rows:
+        return "exact"
+    wide = iterations * neighbors > CASCADE_MAX_STEPS and parties <= EXACT_MAX_PARTIES
+    return "bound" if rows <= CASCADE_MIN_ROWS or wide else "cascade"
+
+
 def exact_affordable(trace: ExecutionTrace, view: AdversaryView) -> bool:
-    """Whether auto certifies ``view`` exactly: at most :data:`EXACT_MAX_ROWS` observed honest messages and
-    :data:`EXACT_MAX_PARTIES` parties, and the exact method's matrices within
-    :func:`~flwr_inca._checks.memory_limit` (on a smaller machine the sound bound instead of a refusal)."""
-    rows = int(view.honest_observed().sum())
-    n = trace.parties
-    if rows > EXACT_MAX_ROWS or n > EXACT_MAX_PARTIES:
-        return False
-    return exact_bytes(n, int(view.honest.size), rows, trace.iterations) <= memory_limit()
+    """Whether auto certifies ``view`` exactly: :func:`auto_solver` says exact for its size, and the exact
+    method's matrices fit within :func:`~flwr_inca._checks.memory_limit` (on a smaller machine the sound
+    bound instead of a refusal)."""
+    rows, n = int(view.honest_observed().sum()), trace.parties
+    fits = exact_bytes(n, int(view.honest.size), rows, trace.iterations) <= memory_limit()
+    return auto_solver(n, trace.iterations, neighbors_of(trace), rows, exact_fits=fits) == "exact"
 
 
 def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "auto", *,
                   bound_settings: BoundSettings | None = None) -> str:
-    """``"exact"``, ``"bound"`` or ``"cascade"``: the request, or for ``"auto"`` exact where
-    :func:`exact_affordable` (up to :data:`EXACT_MAX_ROWS` observed honest messages and
-    :data:`EXACT_MAX_PARTIES` parties, within the memory limit), else the global bound up to
-    :data:`CASCADE_MIN_ROWS` messages, the cascade beyond. Raises ``ValueError`` naming the
+    """``"exact"``, ``"bound"`` or ``"cascade"``: the request, or for ``"auto"`` what :func:`auto_solver`
+    says for the view's size and the memory limit. Raises ``ValueError`` naming the
     limit, before anything is allocated, if the chosen method would not fit in memory
     (:func:`~flwr_inca._checks.memory_limit`; the bound's batches are ``bound_settings``'), or if ``"exact"``
     is forced on a view too large for it."""
@@ -381,7 +413,8 @@ def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "aut
     if rows == 0 and solver in ("auto", "exact"):
         return "exact"  # the adversary observes no honest message: mu = 0, nothing to solve (_unobserved)
     if solver == "auto":
-        solver = "exact" if exact_affordable(trace, view) else "bound" if rows <= CASCADE_MIN_ROWS else "cascade"
+        solver = auto_solver(n, trace.iterations, neighbors_of(trace), rows,
+                             exact_fits=exact_bytes(n, nH, rows, trace.iterations) <= memory_limit())
     elif solver == "exact" and rows > EXACT_HARD_ROWS:
         gb = _EXACT_BYTES_PER_ROW2 * rows * rows / 2**30
         raise ValueError(
