@@ -197,8 +197,13 @@ def test_auto_picks_exact_when_small_and_bound_beyond_the_threshold(monkeypatch)
 
 @pytest.mark.parametrize("parties, iterations, neighbors, rows, expected", [
     # every setting of benchmarks/RESULTS.md, "Which method auto takes", and the method measured fastest there
-    (1000, 80, 1, 7347, "exact"),     # exact 3.3x faster than the bound, 6% tighter
+    (1000, 40, 1, 4014, "exact"),     # exact 2.6x faster than the bound
+    (1000, 80, 1, 7347, "exact"),     # 3.3x faster, 6% tighter
     (1000, 40, 2, 6973, "exact"),     # 1.6x faster
+    (3000, 20, 1, 7262, "exact"),     # 2.1x faster
+    (2000, 40, 1, 8261, "bound"),     # level with exact (24.1 s against 24.0 s)
+    (3000, 26, 1, 8710, "bound"),     # 1.1x faster than exact
+    (1300, 80, 1, 9256, "exact"),     # 2.5x faster than the bound
     (1500, 80, 1, 11037, "exact"),    # 2.2x faster than the bound, 3.7x than the cascade
     (2000, 60, 1, 11454, "exact"),    # 1.5x faster than either
     (2000, 80, 1, 14768, "exact"),    # 1.8x faster than either, 4-8% tighter
