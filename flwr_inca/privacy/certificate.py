@@ -392,9 +392,14 @@ def exact_affordable(trace: ExecutionTrace, view: AdversaryView) -> bool:
     """Whether auto certifies ``view`` exactly: :func:`auto_solver` says exact for its size, and the exact
     method's matrices fit within :func:`~flwr_inca._checks.memory_limit` (on a smaller machine the sound
     bound instead of a refusal)."""
-    rows, n = int(view.honest_observed().sum()), trace.parties
+    return _auto_solver_for(trace, view, int(view.honest_observed().sum())) == "exact"
+
+
+def _auto_solver_for(trace: ExecutionTrace, view: AdversaryView, rows: int) -> str:
+    """:func:`auto_solver` for ``view`` (``rows``: its observed honest messages), against the memory limit."""
+    n = trace.parties
     fits = exact_bytes(n, int(view.honest.size), rows, trace.iterations) <= memory_limit()
-    return auto_solver(n, trace.iterations, neighbors_of(trace), rows, exact_fits=fits) == "exact"
+    return auto_solver(n, trace.iterations, neighbors_of(trace), rows, exact_fits=fits)
 
 
 def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "auto", *,
@@ -413,8 +418,7 @@ def choose_solver(trace: ExecutionTrace, view: AdversaryView, solver: str = "aut
     if rows == 0 and solver in ("auto", "exact"):
         return "exact"  # the adversary observes no honest message: mu = 0, nothing to solve (_unobserved)
     if solver == "auto":
-        solver = auto_solver(n, trace.iterations, neighbors_of(trace), rows,
-                             exact_fits=exact_bytes(n, nH, rows, trace.iterations) <= memory_limit())
+        solver = _auto_solver_for(trace, view, rows)
     elif solver == "exact" and rows > EXACT_HARD_ROWS:
         gb = _EXACT_BYTES_PER_ROW2 * rows * rows / 2**30
         raise ValueError(
