@@ -371,12 +371,44 @@ def test_the_prv_accountant_refuses_a_grid_that_would_not_fit(monkeypatch):
         OpacusRdpAccountant().epsilon([RoundCost(0.1, 0.1)], delta=2.0)
     with pytest.raises(ValueError, match=r"orders \(each\) must be a finite number > 1"):
         OpacusRdpAccountant(orders=[0.5])
-    # mu = 1e-300 (noise multiplier 1e300) overflowed inside Opacus; composed as 1e-100: the same epsilon
-    tiny = [OpacusPrvAccountant().epsilon([RoundCost(mu, 0.5)] * 3, 1e-5) for mu in (1e-300, 1e-100)]
+    # mu = 1e-300 (noise multiplier 1e300) overflowed inside Opacus; composed as the smallest mu: the same
+    # epsilon (one accountant: the second query is the first one's, remembered)
+    prv = OpacusPrvAccountant()
+    tiny = [prv.epsilon([RoundCost(mu, 0.5)] * 3, 1e-5) for mu in (1e-300, 1e-100)]
     assert tiny[0] == tiny[1] and math.isfinite(tiny[0])
     monkeypatch.setenv(MEMORY_ENV, str(2**20))
     with pytest.raises(ValueError, match="PRV accountant's grid for 1000 rounds .* over the limit of 1 MiB"):
         OpacusPrvAccountant().epsilon([RoundCost(0.1, 0.01)] * 1000, delta=1e-5)
+
+
+@pytest.mark.parametrize("mu, sample_rate", [(10**-7.75, 1e-5), (10**-7.75, 1e-4), (10**-7.75, 1e-3), (1e-8, 0.01)])
+def test_a_round_of_almost_no_cost_never_stops_the_opacus_accountants(mu, sample_rate):
+    """Opacus's Renyi-DP curve raises for these noise multipliers (found by a scan of mu in [1e-10, 10]):
+    such a round is composed as the smallest mu, never below what Opacus gives at a smaller mu it can
+    compute, and with a history of real rounds the tiny one adds (almost) nothing."""
+    pytest.importorskip("opacus")
+    import warnings
+
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    from flwr_inca.privacy.accountants import OpacusPrvAccountant, OpacusRdpAccountant, RoundCost
+    from flwr_inca.privacy.accountants.rdp import ORDERS
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="non-negative"):  # Opacus itself, on the round as it is
+            compute_rdp(q=sample_rate, noise_multiplier=1 / mu, steps=1, orders=list(ORDERS))
+        tiny, real = RoundCost(mu, sample_rate), RoundCost(0.5, sample_rate)
+        for accountant, slack in ((OpacusRdpAccountant(), 1e-6), (OpacusPrvAccountant(), 0.01)):
+            eps = accountant.epsilon([tiny] * 3, 1e-5)
+            assert math.isfinite(eps) and eps > 0, accountant.name
+            # the PRV's grid depends on the number of rounds: within its eps_error, not monotone
+            alone, both = accountant.epsilon([real], 1e-5), accountant.epsilon([real, tiny], 1e-5)
+            assert alone - slack <= both <= alone + slack, accountant.name
+        # never below Opacus at a smaller mu it can compute (the RDP accountant: its own orders)
+        smaller = compute_rdp(q=sample_rate, noise_multiplier=1e10, steps=3, orders=list(ORDERS))
+        assert get_privacy_spent(orders=list(ORDERS), rdp=smaller, delta=1e-5)[0] <= \
+            OpacusRdpAccountant().epsilon([tiny] * 3, 1e-5)
 
 
 # ------------------------------------------------------------------------------------------ study --resume

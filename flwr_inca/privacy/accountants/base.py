@@ -35,10 +35,13 @@ class RoundCost:
         check_real("sample_rate", self.sample_rate, 0.0, 1.0, low_open=True)
 
 
-# Opacus overflows at noise multipliers near 1e300 (mu = 1e-300); its bounds are already flat far below
-# (the same epsilon at mu = 1e-20 as at 1e-150), so a smaller mu is composed as this one: the same figures,
-# and never less than the true cost (a larger mu only costs more)
-_SMALLEST_MU = 1e-100
+# Opacus's Renyi-DP curve (compute_rdp, which both accountants use) raises "The result of subtraction must
+# be non-negative" for some noise multipliers between about 1e7 and 1e9 (mu 1e-9 to 1e-7: a cancellation in
+# its fractional-order series) and overflows near 1e300; its bounds are flat there (at sample rate 0.5,
+# epsilon at mu = 1e-6 is 4e-10 above that at 1e-9), so a smaller mu is composed as this one: never less
+# than the true cost (a larger mu only costs more), and a round that certified almost nothing never stops
+# the ledger
+_SMALLEST_MU = 1e-6
 
 
 class RoundAccountant(ABC):
@@ -57,9 +60,10 @@ class RoundAccountant(ABC):
 
 def grouped(rounds: Sequence[RoundCost]) -> list[tuple[float, float, int]]:
     """``(noise_multiplier, sample_rate, count)`` triples, identical rounds merged (order is
-    irrelevant for composition). Rounds with mu = 0 cost nothing and are dropped."""
-    counts = Counter((r.mu, r.sample_rate) for r in rounds if r.mu > 0)
-    return [(1.0 / max(mu, _SMALLEST_MU), q, c) for (mu, q), c in sorted(counts.items())]
+    irrelevant for composition). Rounds with mu = 0 cost nothing and are dropped; a positive mu below
+    ``_SMALLEST_MU`` is composed as that mu."""
+    counts = Counter((max(r.mu, _SMALLEST_MU), r.sample_rate) for r in rounds if r.mu > 0)
+    return [(1.0 / mu, q, c) for (mu, q), c in sorted(counts.items())]
 
 
 class Memo:
