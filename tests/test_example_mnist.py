@@ -120,7 +120,7 @@ def _results(tmp_path, unit="record"):
 
 
 @pytest.mark.flower
-@pytest.mark.timeout(300)  # two runs of Flower's simulation engine (Ray); a deadline for a loaded machine
+@pytest.mark.timeout(300)  # a run of Flower's simulation engine (Ray); a deadline for a loaded machine
 def test_example_runs_offline_on_digits_and_a_spent_budget_keeps_earlier_results(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("FLWR_INCA_MNIST_DIR", raising=False)
     monkeypatch.setitem(sys.modules, "datasets", None)
@@ -141,7 +141,12 @@ def test_example_runs_offline_on_digits_and_a_spent_budget_keeps_earlier_results
     assert len(list((runs[0] / "traces").iterdir())) == 5
     before = (runs[0] / "results.json").read_bytes()
 
-    # the same command again: the shared ledger has no room for a round; exit 1, earlier results intact
+    # the same command again: the shared ledger has no room for a round; exit 1 before Flower starts,
+    # earlier results intact
+    def not_started(**_):
+        raise AssertionError("Flower's simulation engine started for a run the ledger refuses")
+
+    monkeypatch.setattr("flwr.simulation.run_simulation", not_started)
     _run_example(tmp_path, monkeypatch, expect=1, **{"num-server-rounds": 5, "epsilon": 2.0, "batch-size": 20})
     err = capsys.readouterr().err
     ledger = tmp_path / "mnist_logreg-record" / "inca_ledger.json"

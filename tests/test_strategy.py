@@ -26,6 +26,7 @@ from flwr_inca.flower import (  # noqa: E402
 )
 from flwr_inca.flower.shared import flatten_arrays  # noqa: E402
 from flwr_inca.privacy import BudgetExceededError, PrivacyLedger, RoundCost  # noqa: E402
+from flwr_inca.privacy.session import BudgetExhausted  # noqa: E402
 from flwr_inca.protocol import sample_trace  # noqa: E402
 
 SIGMAS = {"sigma_star": 1.0, "sigma_delta": 5.0, "ledger_path": None}
@@ -105,8 +106,6 @@ def test_accountant_that_cannot_handle_subsampling_is_refused_before_any_round()
 
 
 def test_budget_error_speaks_flowers_vocabulary():
-    from flwr_inca.privacy.session import BudgetExhausted
-
     assert issubclass(IncaBudgetExhausted, PrivacyBudgetExhausted)
     assert issubclass(IncaBudgetExhausted, BudgetExhausted) and issubclass(IncaBudgetExhausted, BudgetExceededError)
 
@@ -318,9 +317,14 @@ def test_exhausted_budget_stops_before_any_node_is_contacted(tmp_path, task_iden
     strategy = IncaStrategy(sigma_star=1.0, sigma_delta=5.0, max_epsilon=4.0, ledger_path=path, seed=1,
                             min_available_nodes=10, min_train_nodes=10)
     grid, model = FakeGrid(), ArrayRecord([np.ones(3)])
+    before = path.read_bytes()
+    with pytest.raises(BudgetExhausted) as checked:  # the same check, before Flower starts: nothing written
+        strategy.check_round(ledger.rounds + 1, 10)
+    assert path.read_bytes() == before and not isinstance(checked.value, IncaBudgetExhausted)
     with pytest.raises(IncaBudgetExhausted) as info:
         strategy.configure_train(ledger.rounds + 1, model, ConfigRecord(), grid)
     stop = info.value
+    assert str(stop) == str(checked.value) and stop.predicted_epsilon == checked.value.predicted_epsilon
     assert stop.round == ledger.rounds + 1 and stop.arrays is model
     assert stop.epsilon == pytest.approx(ledger.epsilon()) and stop.max_epsilon == 4.0
     assert stop.predicted_epsilon == pytest.approx(ledger.epsilon_after(charged)) and stop.predicted_epsilon > 4.0
@@ -331,8 +335,39 @@ def test_exhausted_budget_stops_before_any_node_is_contacted(tmp_path, task_iden
         ledger2.spend(cost.mu)
     fresh = IncaStrategy(sigma_star=1.0, sigma_delta=5.0, max_epsilon=4.0, ledger_path=tmp_path / "l2.json",
                          seed=1, min_available_nodes=10, min_train_nodes=10)
+    assert fresh.check_round(ledger2.rounds + 1, 10) is None and fresh.ledger.rounds == ledger2.rounds
     messages = list(fresh.configure_train(ledger2.rounds + 1, model, ConfigRecord(), grid))
     assert len(messages) == 10 and all("inca" in m.content.config_records for m in messages)
+    with pytest.raises(ValueError, match="nodes must be an integer >= 2, got 1"):
+        fresh.check_round(1, 1)
+
+
+def test_the_check_before_flower_starts_is_the_first_rounds_admission_with_calibrated_noise(tmp_path,
+                                                                                             task_identity):
+    """A budget shared by the rounds (the noise calibrated per round for what is left): check_round given
+    the number of rounds decides as the first round does, on a fresh ledger and on one an earlier run spent."""
+    path = tmp_path / "ledger.json"
+
+    def strategy():
+        return IncaStrategy(iterations=3, max_epsilon=2.0, clip_norm=1.0, ledger_path=path, seed=1,
+                            min_available_nodes=10, min_train_nodes=10, fraction_evaluate=0.0)
+
+    assert strategy().check_round(1, 10, num_rounds=5) is None  # a fresh ledger
+    earlier = PrivacyLedger(path, delta=1e-5, max_epsilon=2.0)
+    low, high = 0.0, 10.0
+    for _ in range(60):  # an earlier training spent all but a sliver of the budget
+        low, high = ((low + high) / 2, high) if earlier.can_afford((low + high) / 2) else (low, (low + high) / 2)
+    earlier.spend(low * 0.999)
+    before = path.read_bytes()
+    with pytest.raises(BudgetExhausted) as checked:
+        strategy().check_round(1, 10, num_rounds=5)
+    assert path.read_bytes() == before
+    flower = strategy()
+    flower.num_rounds = 5  # what start(num_rounds=5) sets
+    with pytest.raises(IncaBudgetExhausted) as refused:
+        flower.configure_train(1, ArrayRecord([np.ones(3)]), ConfigRecord(), FakeGrid())
+    assert str(refused.value) == str(checked.value)
+    assert flower.ledger.rounds == 1 and flower.ledger.epsilon() == earlier.epsilon()  # only the claim written
 
 
 def test_overrun_budget_stops_the_next_round(tmp_path, task_identity):

@@ -301,21 +301,14 @@ class IncaStrategy(FedAvg):
             return messages
         self._bind_ledger(grid)
         n = max(len(messages), 2)
-        if self.mixing.automatic:
-            self._choose_iterations(n)
-        if self.privacy.max_epsilon is not None:  # calibrated for what is left of the budget (spend_budget)
-            planned = self.privacy.budget_rounds or self.num_rounds or server_round
-            self.ledger.refresh()
-            self.inca.spend_what_is_left(self.ledger, planned - server_round + 1, self.privacy.sample_rate,
-                                        n=n)
-        if not self.rounds and not self._warned:  # before round 1: would the noise drown the updates?
-            self._warned = True
-            self._warn_if_useless(n, flatten_arrays(arrays)[0].size)
         try:
-            self.session.admit(server_round, predicted_mu=lambda: self.inca.predicted_mu(n))
+            self.check_round(server_round, n)
         except BudgetExhausted as stop:
             log(WARNING, "IncA: %s", stop)
             raise IncaBudgetExhausted(stop, arrays) from None
+        if not self.rounds and not self._warned:  # before round 1: would the noise drown the updates?
+            self._warned = True
+            self._warn_if_useless(n, flatten_arrays(arrays)[0].size)
         inca = ConfigRecord({"round": server_round, "clip-norm": self.privacy.clip_norm,
                              "iterations": self.mixing.iterations, "arrays-key": self.arrayrecord_key,
                              "forward-metrics": self.forward_client_metrics})
@@ -323,6 +316,30 @@ class IncaStrategy(FedAvg):
             msg.content[INCA_KEY] = inca
         self._pending[server_round] = _Pending(grid, arrays, time.time())
         return messages
+
+    def check_round(self, server_round: int, nodes: int, num_rounds: int | None = None) -> None:
+        """Whether round ``server_round`` of ``nodes`` nodes may start, as the ledger reads now: raises the
+        session's :class:`~flwr_inca.privacy.session.BudgetExhausted` if not; nothing is reserved or charged
+        either way. ``configure_train`` makes this check before it contacts any node (first choosing T
+        when ``iterations="auto"`` and calibrating for what is left of the budget, as the round will); an
+        app can make it before Flower starts, to refuse a run on a spent ledger without starting the engine.
+        ``num_rounds``: the rounds the budget is shared by, as ``start(num_rounds=...)`` will set them (needed
+        before ``start`` when the noise is calibrated for the budget's share, unless ``budget_rounds``).
+        """
+        nodes = check_int("nodes", nodes, 2)
+        if num_rounds is not None:
+            num_rounds = check_int("num_rounds", num_rounds, 1)
+            if self.num_rounds not in (None, num_rounds):
+                raise ValueError(f"num_rounds = {num_rounds} differs from the {self.num_rounds} rounds start() set")
+            self.num_rounds = num_rounds
+        if self.mixing.automatic:
+            self._choose_iterations(nodes)
+        if self.privacy.max_epsilon is not None:  # calibrated for what is left of the budget (spend_budget)
+            planned = self.privacy.budget_rounds or self.num_rounds or server_round
+            self.ledger.refresh()
+            self.inca.spend_what_is_left(self.ledger, planned - server_round + 1, self.privacy.sample_rate,
+                                        n=nodes)
+        self.session.admit(server_round, predicted_mu=lambda: self.inca.predicted_mu(nodes))
 
     def _warn_if_useless(self, n: int, dimension: int) -> None:
         rounds = self.privacy.budget_rounds or self.num_rounds or 1

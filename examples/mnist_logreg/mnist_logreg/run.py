@@ -1,8 +1,9 @@
 """Plain Python entry point (no Flower CLI, works offline): ``python -m mnist_logreg.run --help``.
 
 Exit status: 0 when every round ran, 1 when training stopped because the privacy budget in the
-ledger is spent (the message names the ledger and how to start afresh), 2 for a bad setting (the
-message names the key and its allowed range; checked before Flower and Ray start).
+ledger is spent (the message names the ledger and how to start afresh; a ledger with no room for the
+first round is refused before Flower and Ray start), 2 for a bad setting (the message names the key and
+its allowed range; checked before Flower and Ray start).
 """
 
 from __future__ import annotations
@@ -71,10 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         if len(data.y_train) // nodes < 1:
             raise ConfigError(f"num-supernodes must be at most {len(data.y_train)} (one example each), "
                               f"got {nodes}")
-        privacy_plan(cfg, len(data.y_train) // nodes)
+        plan = privacy_plan(cfg, len(data.y_train) // nodes)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from .server_app import check_ledger
+
+    spent = check_ledger(cfg, plan, nodes)  # a spent ledger refuses the run before Flower and Ray start
+    if spent is not None:
+        print(f"error: {spent}", file=sys.stderr)
+        return 1
     os.environ[ENV_CONFIG] = json.dumps(config)  # read by the apps (also in Ray workers)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     from flwr.simulation import run_simulation

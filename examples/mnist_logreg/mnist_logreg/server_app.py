@@ -15,6 +15,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr_inca._plots import have_matplotlib, new_figure, paper_style, save_figure
 from flwr_inca._progress import ProgressBar
 from flwr_inca.flower import IncaBudgetExhausted, IncaStrategy
+from flwr_inca.privacy.session import BudgetExhausted
 
 from .task import (accuracy, describe_plan, expected_dropout, load_config, load_data, make_model,
                    privacy_plan)
@@ -48,6 +49,31 @@ def output_paths(cfg: dict) -> tuple[Path, Path]:
     return base / "inca_ledger.json", run_dir
 
 
+def make_strategy(cfg: dict, plan: dict, nodes: int, ledger: Path, trace_dir: Path | None) -> IncaStrategy:
+    """The app's strategy for ``nodes`` nodes (also built before Flower starts, to check the ledger)."""
+    return IncaStrategy(
+        fraction_train=1.0, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
+        iterations=cfg["iterations"], dropout=expected_dropout(cfg), neighbors=cfg["neighbors"],
+        max_epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),  # the rounds share it: calibrated per round
+        clip_norm=plan["party_clip"], value_sensitivity=plan["value_sensitivity"],
+        sample_rate=plan["sample_rate"],  # the accountant follows: Opacus's PRV if < 1, else exact GDP
+        collusion=float(cfg["collusion"]), ledger_path=ledger, trace_dir=trace_dir, seed=cfg["seed"],
+    )
+
+
+def check_ledger(cfg: dict, plan: dict, nodes: int) -> str | None:
+    """Before Flower starts: the one-line refusal the first round would end with when the ledger that
+    earlier runs with this output-dir share has no room for it (None: it has, or there is no ledger yet)."""
+    ledger, _ = output_paths(cfg)
+    if not ledger.exists():
+        return None
+    try:
+        make_strategy(cfg, plan, nodes, ledger, None).check_round(1, nodes, num_rounds=cfg["num-server-rounds"])
+    except BudgetExhausted as stop:
+        return _budget_message(stop, ledger, 0, 0, cfg["num-server-rounds"], None)
+    return None
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = load_config(context.run_config)  # ConfigError names a bad key before anything starts
@@ -56,15 +82,7 @@ def main(grid: Grid, context: Context) -> None:
     plan = privacy_plan(cfg, len(data.y_train) // nodes)
     ledger, run_dir = output_paths(cfg)
     log(INFO, "mnist_logreg: %s", describe_plan(cfg, plan, nodes))
-    strategy = IncaStrategy(
-        fraction_train=1.0, min_train_nodes=nodes, min_available_nodes=nodes, fraction_evaluate=0.0,
-        iterations=cfg["iterations"], dropout=expected_dropout(cfg), neighbors=cfg["neighbors"],
-        max_epsilon=float(cfg["epsilon"]), delta=float(cfg["delta"]),  # the rounds share it: calibrated per round
-        clip_norm=plan["party_clip"], value_sensitivity=plan["value_sensitivity"],
-        sample_rate=plan["sample_rate"],  # the accountant follows: Opacus's PRV if < 1, else exact GDP
-        collusion=float(cfg["collusion"]), ledger_path=ledger, trace_dir=run_dir / "traces",
-        seed=cfg["seed"],
-    )
+    strategy = make_strategy(cfg, plan, nodes, ledger, run_dir / "traces")
     model = make_model(data.features)
     history: list[dict] = []
     rounds = cfg["num-server-rounds"]
@@ -104,7 +122,7 @@ _DIGITS_NOTE = ("this run used scikit-learn's 8x8 digits, not MNIST (no data-dir
                 "Hugging Face unreachable): its accuracy is not comparable with the README's table")
 
 
-def _budget_message(stop: IncaBudgetExhausted, ledger: Path, ran: int, refused: int, rounds: int,
+def _budget_message(stop: BudgetExhausted, ledger: Path, ran: int, refused: int, rounds: int,
                     run_dir: Path | None) -> str:
     skipped = f", {refused} of them skipped: refused by the budget, charged, model unchanged" if refused else ""
     done = (f"{ran} of {rounds} rounds ran{skipped} (results in {run_dir})" if ran
