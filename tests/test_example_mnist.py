@@ -304,3 +304,31 @@ def test_budget_message_counts_the_rounds_the_budget_skipped(tmp_path):
     assert "8 of 10 rounds ran, 2 of them skipped: refused by the budget" in message
     assert "skipped" not in server_app._budget_message(stop, tmp_path / "l.json", 8, 0, 10, tmp_path / "run")
     assert "No round ran" in server_app._budget_message(stop, tmp_path / "l.json", 0, 0, 10, None)
+
+
+def test_the_check_before_flower_starts_refuses_only_a_ledger_without_room_for_a_round(tmp_path):
+    """What `python -m mnist_logreg.run` checks before starting Flower and Ray: no ledger yet, or one with
+    room for the first round, passes (the round's own admission then decides as before); a ledger that
+    earlier runs spent refuses with the budget message, and nothing is written to it."""
+    pytest.importorskip("flwr")
+    from flwr_inca.privacy import PrivacyLedger
+    from mnist_logreg.server_app import check_ledger, output_paths
+
+    cfg = task.load_config({"output-dir": str(tmp_path), "privacy-unit": "party", "epsilon": 2.0,
+                            "num-server-rounds": 5})
+    plan = task.privacy_plan(cfg, 100)
+    assert check_ledger(cfg, plan, 10) is None  # no ledger yet
+    path, _ = output_paths(cfg)
+    ledger = PrivacyLedger(path, delta=cfg["delta"], max_epsilon=2.0)
+    ledger.spend(plan["mu_round"])  # an earlier run's round: room is left
+    assert check_ledger(cfg, plan, 10) is None
+    low, high = 0.0, 10.0
+    for _ in range(60):  # then all but a sliver of the budget
+        mid = (low + high) / 2
+        low, high = (mid, high) if ledger.can_afford(mid) else (low, mid)
+    ledger.spend(low * 0.999)
+    before = path.read_bytes()
+    message = check_ledger(cfg, plan, 10)
+    assert message.startswith("privacy budget spent: stopping before round 1")
+    assert f"rm {path}" in message and "No round ran and no results were written" in message
+    assert path.read_bytes() == before
