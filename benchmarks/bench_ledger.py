@@ -69,12 +69,14 @@ def main() -> None:
     warnings.simplefilter("ignore")
 
     from flwr_inca.privacy import PrivacyLedger
+    from flwr_inca.privacy.accountants import OpacusPrvAccountant
     from flwr_inca.privacy.rounds import RoundCertificate
     from flwr_inca.privacy.session import RoundSession
     from flwr_inca.rounds import budget_share
 
     q, rng = args.sample_rate, np.random.default_rng(args.seed)
-    ledgers = {name: PrivacyLedger(None, delta=1e-5, max_epsilon=args.epsilon, accountant="opacus-prv")
+    ledgers = {name: PrivacyLedger(None, delta=1e-5, max_epsilon=args.epsilon,
+                                   accountant=OpacusPrvAccountant(shared_memo=False))
                for name in ("session", "bisection")}
     session = RoundSession(ledgers["session"], sample_rate=q, resolution=0.005)
     asked = {name: _counting(ledger) for name, ledger in ledgers.items()}

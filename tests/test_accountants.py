@@ -65,3 +65,25 @@ def test_the_package_imports_without_opacus_and_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "refused: the 'opacus-prv' accountant needs Opacus" in out.stdout
+
+
+def test_a_rounds_rdp_curve_is_computed_once_per_process_unless_the_accountant_keeps_its_own(monkeypatch):
+    """Opacus's per-step curve of a round (up to seconds) is remembered for the process: another ledger's
+    accountant composing the same round asks Opacus for nothing and gives the same epsilon to the bit; an
+    accountant with ``shared_memo=False`` computes its own."""
+    pytest.importorskip("opacus")
+    import opacus.accountants.analysis.rdp as opacus_rdp
+
+    from flwr_inca.privacy.accountants import OpacusPrvAccountant, OpacusRdpAccountant, RoundCost
+
+    rounds = [RoundCost(0.37123, 0.0185)] * 3 + [RoundCost(0.41, 0.0185)]
+    first = {a.name: a.epsilon(rounds, 1e-5) for a in (OpacusPrvAccountant(), OpacusRdpAccountant())}
+
+    def not_again(**_):
+        raise AssertionError("Opacus's compute_rdp called again for a curve already computed")
+
+    monkeypatch.setattr(opacus_rdp, "compute_rdp", not_again)
+    for accountant in (OpacusPrvAccountant(), OpacusRdpAccountant()):  # new accountants, as a new ledger has
+        assert accountant.epsilon(rounds, 1e-5) == first[accountant.name]
+    with pytest.raises(AssertionError, match="called again"):
+        OpacusPrvAccountant(shared_memo=False).epsilon(rounds, 1e-5)

@@ -100,9 +100,17 @@ class Memo:
             running.set()
 
 
+# Opacus's per-step Renyi-DP curve and the PRV's truncated mean are pure functions of (sample rate, noise
+# multiplier, orders or domain) that cost up to seconds each (the fractional orders' series): remembered for
+# the whole process, so every ledger (a study's runs, a training restarted) reuses what another computed
+RDP_CURVES = Memo(4096)  # about 1 KiB a curve
+PRV_MEANS = Memo(4096)
+
+
 def rdp_per_step(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...],
-                 memo: Memo | None = None) -> np.ndarray:
-    """Opacus's ``compute_rdp(q, sigma, steps=1, orders)`` (read-only; memoized in ``memo``)."""
+                 memo: Memo | None = RDP_CURVES) -> np.ndarray:
+    """Opacus's ``compute_rdp(q, sigma, steps=1, orders)`` (read-only; memoized in ``memo``, by default the
+    process-wide :data:`RDP_CURVES`; None: computed afresh)."""
     from opacus.accountants.analysis.rdp import compute_rdp
 
     def compute() -> np.ndarray:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..._checks import check_bytes, check_delta, check_real
-from .base import Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
+from .base import PRV_MEANS, RDP_CURVES, Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
 
 __all__ = ["OpacusPrvAccountant", "prv_epsilon"]
 
@@ -40,13 +40,13 @@ def prv_epsilon(groups: Sequence[tuple[float, float, int]], delta: float, eps_er
     """Opacus's PRV upper bound on epsilon at ``delta`` for ``groups`` of ``(noise_multiplier,
     sample_rate, count)`` (``PRVAccountant`` with that history, ``get_epsilon(delta, eps_error=...)``).
 
-    ``memo`` (from :meth:`OpacusPrvAccountant`) keeps the per-step RDP curves and truncated means
-    between calls; the result does not depend on it.
+    ``memo`` keeps the per-step RDP curves and truncated means between calls (default: the process-wide
+    ones); the result does not depend on it.
     """
     from opacus.accountants import RDPAccountant
     from opacus.accountants.analysis.prv import Domain, compose_heterogeneous, discretize
 
-    memo = memo if memo is not None else {"rdp": Memo(64), "mean": Memo(64)}
+    memo = memo if memo is not None else {"rdp": RDP_CURVES, "mean": PRV_MEANS}
     orders = tuple(RDPAccountant.DEFAULT_ALPHAS)
     delta_error = delta / 1000  # PRVAccountant.get_epsilon's default
     counts = [count for _, _, count in groups]
@@ -124,16 +124,19 @@ class OpacusPrvAccountant(RoundAccountant):
 
     Needs Opacus (``pip install "flwr-inca[opacus]"``); checked when the accountant is created.
     Gives Opacus's ``PRVAccountant`` epsilon (:func:`prv_epsilon`), remembering what repeated queries on
-    a growing history share.
+    a growing history share: each round's RDP curve and truncated mean in the process-wide memos (any
+    ledger's), or, with ``shared_memo=False``, in this accountant's own (e.g. to time one ledger alone).
     """
 
     name = "opacus-prv"
 
-    def __init__(self, eps_error: float = 0.01) -> None:
+    def __init__(self, eps_error: float = 0.01, *, shared_memo: bool = True) -> None:
         check_real("eps_error", eps_error, 0.0, low_open=True)
         require_opacus(self.name)
         self.eps_error = float(eps_error)
-        self._memo = {"rdp": Memo(64), "mean": Memo(64), "epsilon": Memo(16)}
+        own = not shared_memo
+        self._memo = {"rdp": Memo(64) if own else RDP_CURVES, "mean": Memo(64) if own else PRV_MEANS,
+                      "epsilon": Memo(16)}
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
         delta = check_delta("delta", delta)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..._checks import check_delta, check_real
-from .base import Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
+from .base import RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
 
 __all__ = ["OpacusRdpAccountant"]
 
@@ -35,7 +35,6 @@ class OpacusRdpAccountant(RoundAccountant):
             raise ValueError(f"orders must be a non-empty list of Renyi orders > 1, got {orders!r}")
         self.orders = [check_real("orders (each)", a, 1.0, low_open=True) for a in orders] \
             if orders is not None else list(ORDERS)
-        self._memo = Memo(64)  # per-step RDP curve of each distinct round (c rounds: c times the curve)
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
         from opacus.accountants.analysis.rdp import get_privacy_spent
@@ -49,6 +48,6 @@ class OpacusRdpAccountant(RoundAccountant):
         rdp = np.zeros(len(self.orders))
         orders = tuple(self.orders)
         for sigma, q, count in groups:  # = compute_rdp(q=q, noise_multiplier=sigma, steps=count, orders=...)
-            rdp += rdp_per_step(q, sigma, orders, self._memo) * count
+            rdp += rdp_per_step(q, sigma, orders) * count  # c rounds: c times the per-step curve
         eps, _ = get_privacy_spent(orders=self.orders, rdp=rdp, delta=delta)
         return float(eps)
