@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_core_imports_without_flower_and_ray():
     code = (
@@ -14,6 +16,33 @@ def test_core_imports_without_flower_and_ray():
         "r = flwr_inca.run_inca(np.ones((4, 2)), flwr_inca.IncaConfig(sigma_star=0.0, sigma_delta=1.0), seed=0)\n"
         "assert np.allclose(r.estimate, 1.0)\n"
         "assert 'flwr' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_a_clientapp_loads_no_privacy_accounting():
+    """The deployment engine starts a ClientApp process per message: ``IncaClient`` (and the wire format a
+    ClientApp reads) come without the strategy's privacy accounting, Opacus or Ray; the strategy's names
+    still import from the same package, and an unknown name is an AttributeError."""
+    pytest.importorskip("flwr")
+    code = (
+        "import sys\n"
+        "from flwr_inca.flower import IncaClient\n"
+        "from flwr_inca.flower.wire import peek_request\n"
+        "heavy = sorted(m for m in sys.modules if m.startswith(('flwr_inca.privacy', 'opacus', 'ray', 'torch')))\n"
+        "assert not heavy, heavy\n"
+        "import flwr_inca.flower as f\n"
+        "from flwr_inca.flower import IncaStrategy, IncaBudgetExhausted, PrivacyTarget\n"
+        "assert IncaStrategy.__name__ == 'IncaStrategy' and set(f.__all__) <= set(dir(f))\n"
+        "try:\n"
+        "    f.NoSuchThing\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchThing' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
