@@ -108,9 +108,9 @@ PRV_MEANS = Memo(4096)
 
 
 def rdp_per_step(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...],
-                 memo: Memo | None = RDP_CURVES) -> np.ndarray:
+                 memo: Memo = RDP_CURVES) -> np.ndarray:
     """Opacus's ``compute_rdp(q, sigma, steps=1, orders)`` (read-only; memoized in ``memo``, by default the
-    process-wide :data:`RDP_CURVES`; None: computed afresh)."""
+    process-wide :data:`RDP_CURVES`)."""
     from opacus.accountants.analysis.rdp import compute_rdp
 
     def compute() -> np.ndarray:
@@ -119,8 +119,6 @@ def rdp_per_step(sample_rate: float, noise_multiplier: float, orders: tuple[floa
         rdp.setflags(write=False)
         return rdp
 
-    if memo is None:
-        return compute()
     return memo.get((float(sample_rate), float(noise_multiplier), orders), compute)
 
 

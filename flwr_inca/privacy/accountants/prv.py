@@ -134,9 +134,8 @@ class OpacusPrvAccountant(RoundAccountant):
         check_real("eps_error", eps_error, 0.0, low_open=True)
         require_opacus(self.name)
         self.eps_error = float(eps_error)
-        own = not shared_memo
-        self._memo = {"rdp": Memo(64) if own else RDP_CURVES, "mean": Memo(64) if own else PRV_MEANS,
-                      "epsilon": Memo(16)}
+        rdp, mean = (RDP_CURVES, PRV_MEANS) if shared_memo else (Memo(64), Memo(64))
+        self._memo = {"rdp": rdp, "mean": mean, "epsilon": Memo(16)}
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
         delta = check_delta("delta", delta)
