@@ -312,6 +312,7 @@ def test_the_check_before_flower_starts_refuses_only_a_ledger_without_room_for_a
     earlier runs spent refuses with the budget message, and nothing is written to it."""
     pytest.importorskip("flwr")
     from flwr_inca.privacy import PrivacyLedger
+    from flwr_inca.rounds import budget_share
     from mnist_logreg.server_app import check_ledger, output_paths
 
     cfg = task.load_config({"output-dir": str(tmp_path), "privacy-unit": "party", "epsilon": 2.0,
@@ -322,11 +323,7 @@ def test_the_check_before_flower_starts_refuses_only_a_ledger_without_room_for_a
     ledger = PrivacyLedger(path, delta=cfg["delta"], max_epsilon=2.0)
     ledger.spend(plan["mu_round"])  # an earlier run's round: room is left
     assert check_ledger(cfg, plan, 10) is None
-    low, high = 0.0, 10.0
-    for _ in range(60):  # then all but a sliver of the budget
-        mid = (low + high) / 2
-        low, high = (mid, high) if ledger.can_afford(mid) else (low, mid)
-    ledger.spend(low * 0.999)
+    ledger.spend(budget_share(ledger, 1) * 0.999)  # then all but a sliver of the budget
     before = path.read_bytes()
     message = check_ledger(cfg, plan, 10)
     assert message.startswith("privacy budget spent: stopping before round 1")

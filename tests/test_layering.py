@@ -6,6 +6,13 @@ import sys
 import pytest
 
 
+def _prints_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter: it exits 0 and prints ``ok``."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def test_core_imports_without_flower_and_ray():
     code = (
         "import sys\n"
@@ -18,9 +25,7 @@ def test_core_imports_without_flower_and_ray():
         "assert 'flwr' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    _prints_ok(code)
 
 
 def test_a_clientapp_loads_no_privacy_accounting():
@@ -45,9 +50,7 @@ def test_a_clientapp_loads_no_privacy_accounting():
         "    raise SystemExit('no AttributeError')\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    _prints_ok(code)
 
 
 # ---------------------------------------------------------------------------- one module, one owner

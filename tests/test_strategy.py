@@ -346,6 +346,8 @@ def test_the_check_before_flower_starts_is_the_first_rounds_admission_with_calib
                                                                                              task_identity):
     """A budget shared by the rounds (the noise calibrated per round for what is left): check_round given
     the number of rounds decides as the first round does, on a fresh ledger and on one an earlier run spent."""
+    from flwr_inca.rounds import budget_share
+
     path = tmp_path / "ledger.json"
 
     def strategy():
@@ -354,10 +356,7 @@ def test_the_check_before_flower_starts_is_the_first_rounds_admission_with_calib
 
     assert strategy().check_round(1, 10, num_rounds=5) is None  # a fresh ledger
     earlier = PrivacyLedger(path, delta=1e-5, max_epsilon=2.0)
-    low, high = 0.0, 10.0
-    for _ in range(60):  # an earlier training spent all but a sliver of the budget
-        low, high = ((low + high) / 2, high) if earlier.can_afford((low + high) / 2) else (low, (low + high) / 2)
-    earlier.spend(low * 0.999)
+    earlier.spend(budget_share(earlier, 1) * 0.999)  # an earlier training spent all but a sliver of the budget
     before = path.read_bytes()
     with pytest.raises(BudgetExhausted) as checked:
         strategy().check_round(1, 10, num_rounds=5)
