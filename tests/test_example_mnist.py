@@ -329,3 +329,23 @@ def test_the_check_before_flower_starts_refuses_only_a_ledger_without_room_for_a
     assert message.startswith("privacy budget spent: stopping before round 1")
     assert f"rm {path}" in message and "No round ran and no results were written" in message
     assert path.read_bytes() == before
+
+
+def test_an_unreadable_ledger_is_named_in_one_line_before_flower_starts(tmp_path, monkeypatch, capsys):
+    """A ledger file that is not JSON (or was edited): exit 2, one line naming the file, Flower not started,
+    the file left as it was."""
+    monkeypatch.delenv("FLWR_INCA_MNIST_DIR", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+
+    def not_started(**_):
+        raise AssertionError("Flower's simulation engine started despite an unreadable ledger")
+
+    monkeypatch.setattr("flwr.simulation.run_simulation", not_started)
+    ledger = tmp_path / "mnist_logreg-record" / "inca_ledger.json"
+    ledger.parent.mkdir()
+    ledger.write_text("not json")
+    _run_example(tmp_path, monkeypatch, expect=2, **{"num-server-rounds": 2})
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(ledger) in errors[0] and "not valid JSON" in errors[0], errors
+    assert "Traceback" not in err and ledger.read_text() == "not json"

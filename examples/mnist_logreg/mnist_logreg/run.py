@@ -3,7 +3,8 @@
 Exit status: 0 when every round ran, 1 when training stopped because the privacy budget in the
 ledger is spent (the message names the ledger and how to start afresh; a ledger with no room for the
 first round is refused before Flower and Ray start), 2 for a bad setting (the message names the key and
-its allowed range; checked before Flower and Ray start).
+its allowed range) or a ledger file that cannot be read (the message names it); both checked before Flower
+and Ray start.
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .server_app import check_ledger
 
-    spent = check_ledger(cfg, plan, nodes)  # a spent ledger refuses the run before Flower and Ray start
+    try:
+        spent = check_ledger(cfg, plan, nodes)  # a spent ledger refuses the run before Flower and Ray start
+    except (ValueError, OSError) as exc:  # a ledger file that cannot be read or was edited: named, one line
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if spent is not None:
         print(f"error: {spent}", file=sys.stderr)
         return 1
