@@ -87,3 +87,29 @@ def test_a_rounds_rdp_curve_is_computed_once_per_process_unless_the_accountant_k
         assert accountant.epsilon(rounds, 1e-5) == first[accountant.name]
     with pytest.raises(AssertionError, match="called again"):
         OpacusPrvAccountant(shared_memo=False).epsilon(rounds, 1e-5)
+
+
+def test_a_plans_noise_search_runs_once_per_process_and_a_refusal_is_not_remembered(monkeypatch):
+    """Opacus's noise-multiplier search (seconds) is a pure function of the budget: the example's plan, its
+    strategy's per-round target and the check before Flower starts ask it the same question, and get the
+    first answer again, to the bit, without a second search. A budget Opacus refuses is refused every time."""
+    pytest.importorskip("opacus")
+    import opacus.accountants.utils as opacus_utils
+
+    from flwr_inca.privacy.plan import privacy_plan, round_mu
+
+    real = opacus_utils.get_noise_multiplier
+    searches = []
+    monkeypatch.setattr(opacus_utils, "get_noise_multiplier", lambda **kw: searches.append(kw) or real(**kw))
+    args = dict(epsilon=1.7321, delta=1e-5, rounds=3, clip_norm=1.0, lr=1.0, batch_size=10, local_size=10)
+    plan = privacy_plan("record", accountant="opacus-rdp", **args)
+    assert len(searches) == 1 and searches[0]["steps"] == 3 and searches[0]["accountant"] == "rdp"
+    assert privacy_plan("record", accountant="opacus-rdp", **args).mu_round == plan.mu_round
+    assert round_mu(1.7321, 1e-5, 3, 1.0, "opacus-rdp") == plan.mu_round
+    assert len(searches) == 1
+    assert round_mu(1.7321, 1e-5, 4, 1.0, "opacus-rdp") < plan.mu_round  # another question is searched
+    assert len(searches) == 2
+    for _ in range(2):
+        with pytest.raises(ValueError, match="too low"):
+            round_mu(1e-2, 1e-5, 3, 1.0, "opacus-rdp")
+    assert len(searches) == 4

@@ -88,3 +88,39 @@ def test_rdp_epsilon_is_opacus_compute_rdp():
         theirs = float(get_privacy_spent(orders=accountant.orders, rdp=rdp, delta=1e-5)[0])
         assert accountant.epsilon(rounds, 1e-5) == theirs
         assert accountant.epsilon(rounds, 1e-5) == theirs  # again, from the memoized per-step curves
+
+
+def test_both_opacus_accountants_are_opacus_to_the_bit_from_the_orders_that_can_be_the_minimum():
+    """Random histories (one to three kinds of round; strong, weak and subsampled rounds; many deltas):
+    epsilon is Opacus's own (PRVAccountant; compute_rdp + get_privacy_spent over every order) to the
+    bit, while the curves computed only some of the orders (the others cannot be the minimum)."""
+    from opacus.accountants import PRVAccountant
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    from flwr_inca.privacy.accountants import OpacusPrvAccountant, OpacusRdpAccountant
+    from flwr_inca.privacy.accountants.base import RdpCurve, rdp_curve
+
+    rng = np.random.default_rng(11)
+    prv, rdp_accountant = OpacusPrvAccountant(shared_memo=False), OpacusRdpAccountant()
+    partial = 0
+    for case in range(8):
+        rounds = []
+        for _ in range(int(rng.integers(1, 4))):
+            mu, q = float(10 ** rng.uniform(-2, 0.5)), float(rng.choice([1.0, 10 ** rng.uniform(-3, -0.3)]))
+            rounds += [RoundCost(mu, q)] * int(10 ** rng.uniform(0, 2.5))
+        delta = float(10 ** rng.uniform(-8, -4))
+        groups = grouped(rounds)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = PRVAccountant()
+            ref.history = groups
+            assert prv.epsilon(rounds, delta) == ref.get_epsilon(delta=delta, eps_error=0.01), (case, groups)
+            orders = rdp_accountant.orders
+            full = sum(compute_rdp(q=q, noise_multiplier=z, steps=c, orders=orders) for z, q, c in groups)
+            theirs = float(get_privacy_spent(orders=orders, rdp=full, delta=delta)[0])
+            assert rdp_accountant.epsilon(rounds, delta) == theirs, (case, groups)
+        for z, q, _ in groups:
+            curve = rdp_curve(q, z, tuple(orders))
+            assert isinstance(curve, RdpCurve)
+            partial += not curve.known().all()
+    assert partial > 0  # the search skipped orders

@@ -29,6 +29,7 @@ from typing import Any
 
 from .._checks import check_delta, check_epsilon, check_int, check_real, check_rounds
 from .accountants import ACCOUNTANTS, resolve_accountant_name
+from .accountants.base import Memo
 from .conversions import epsilon_for_delta, mu_for_epsilon
 
 __all__ = ["PRIVACY_UNITS", "PrivacyPlan", "privacy_plan", "record_sample_rate", "round_mu"]
@@ -160,9 +161,20 @@ def round_mu(epsilon: float, delta: float, rounds: int, sample_rate: float = 1.0
     return _mu_round(epsilon, delta, sample_rate, rounds, accountant)
 
 
+# Opacus's noise-multiplier search costs seconds (each step computes its accountant's curve at fractional
+# orders) and is a pure function of its arguments; an app asks it the same question several times (its
+# privacy plan, its strategy's per-round target, a check before Flower starts): answered once per process
+ROUND_TARGETS = Memo(256)
+
+
 def _mu_round(epsilon: float, delta: float, q: float, rounds: int, accountant: str) -> float:
     if accountant == "exact":
         return mu_for_epsilon(epsilon, delta) / math.sqrt(rounds)
+    key = (float(epsilon), float(delta), float(q), int(rounds), accountant)
+    return ROUND_TARGETS.get(key, lambda: _opacus_mu_round(*key))
+
+
+def _opacus_mu_round(epsilon: float, delta: float, q: float, rounds: int, accountant: str) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
     with warnings.catch_warnings():  # Opacus's RDP-order notice while it brackets the search

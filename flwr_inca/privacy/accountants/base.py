@@ -14,7 +14,7 @@ import numpy as np
 
 from ..._checks import check_real
 
-__all__ = ["Memo", "RoundAccountant", "RoundCost", "grouped", "rdp_per_step", "require_opacus"]
+__all__ = ["Memo", "RdpCurve", "RoundAccountant", "RoundCost", "grouped", "rdp_curve", "rdp_epsilon", "require_opacus"]
 
 
 @dataclass(frozen=True)
@@ -99,27 +99,107 @@ class Memo:
                 del self._pending[key]
             running.set()
 
+    def clear(self) -> None:
+        """Forget every value (one being computed is still waited for)."""
+        with self._lock:
+            self._items.clear()
+
 
 # Opacus's per-step Renyi-DP curve and the PRV's truncated mean are pure functions of (sample rate, noise
 # multiplier, orders or domain) that cost up to seconds each (the fractional orders' series): remembered for
 # the whole process, so every ledger (a study's runs, a training restarted) reuses what another computed
-RDP_CURVES = Memo(4096)  # about 1 KiB a curve
+RDP_CURVES = Memo(4096)  # about 2 KiB a curve
 PRV_MEANS = Memo(4096)
 
+# integer orders up to this have a finite series of at most this many terms: cheap, and computed first
+_CHEAP_ORDER = 64
 
-def rdp_per_step(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...],
-                 memo: Memo = RDP_CURVES) -> np.ndarray:
-    """Opacus's ``compute_rdp(q, sigma, steps=1, orders)`` (read-only; memoized in ``memo``, by default the
-    process-wide :data:`RDP_CURVES`)."""
-    from opacus.accountants.analysis.rdp import compute_rdp
 
-    def compute() -> np.ndarray:
-        rdp = np.asarray(compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1,
-                                     orders=list(orders)), dtype=float)
-        rdp.setflags(write=False)
-        return rdp
+class RdpCurve:
+    """Opacus's per-step Renyi DP of the Poisson-subsampled Gaussian mechanism (``sample_rate``,
+    ``noise_multiplier``) at ``orders``, each order computed the first time it is needed, by Opacus's
+    ``compute_rdp`` at that one order: the value its list of orders would give, to the bit. A fractional order's series costs up to tens of milliseconds, and most orders
+    never decide an epsilon (:func:`rdp_epsilon` computes the ones that can)."""
 
-    return memo.get((float(sample_rate), float(noise_multiplier), orders), compute)
+    def __init__(self, sample_rate: float, noise_multiplier: float, orders: tuple[float, ...]) -> None:
+        self.sample_rate, self.noise_multiplier = float(sample_rate), float(noise_multiplier)
+        self.orders = orders
+        self._values = np.full(len(orders), np.nan)
+        self._known = np.zeros(len(orders), dtype=bool)
+        self._lock = threading.Lock()  # ledgers in several threads may share a curve (the memo)
+
+    def values(self, which: np.ndarray) -> np.ndarray:
+        """The per-step RDP at the orders the boolean mask ``which`` selects (computed where not yet
+        known), NaN at the others; a new array."""
+        from opacus.accountants.analysis.rdp import compute_rdp
+
+        with self._lock:
+            for i in np.flatnonzero(which & ~self._known):  # a float order: Opacus's scalar branch
+                self._values[i] = compute_rdp(q=self.sample_rate, noise_multiplier=self.noise_multiplier,
+                                              steps=1, orders=float(self.orders[i]))
+                self._known[i] = True
+            return np.where(which, self._values, np.nan)
+
+    def known(self) -> np.ndarray:
+        """Which orders are computed (a new boolean array)."""
+        with self._lock:
+            return self._known.copy()
+
+
+def rdp_curve(sample_rate: float, noise_multiplier: float, orders: tuple[float, ...],
+              memo: Memo = RDP_CURVES) -> RdpCurve:
+    """The :class:`RdpCurve` of one round kind, from ``memo`` (by default the process-wide
+    :data:`RDP_CURVES`)."""
+    key = (float(sample_rate), float(noise_multiplier), orders)
+    return memo.get(key, lambda: RdpCurve(sample_rate, noise_multiplier, orders))
+
+
+def _epsilons(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarray:
+    """Opacus's ``get_privacy_spent`` conversion at every order, the same expression (Balle et al. 2020,
+    Theorem 21)."""
+    with np.errstate(invalid="ignore"):
+        return rdp - (np.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders)
+
+
+def rdp_epsilon(curves: Sequence[tuple[RdpCurve, int]], delta: float, *, within: float | None = None) -> float:
+    """Opacus's ``get_privacy_spent(orders, sum(count * curve), delta)`` epsilon, to the bit, from the
+    orders that can give its minimum. The integer orders up to 64 are computed first (finite series); an
+    other order alpha is computed only where its lower bound, ``sum(count * rdp(beta)) + g(alpha)`` for the
+    largest computed order beta <= alpha (0 below 2), is within 1e-6 (relative) of the smallest epsilon
+    found: Renyi divergence is nondecreasing in the order, so an order above that bound cannot be the
+    minimum, and skipping it changes neither the minimum nor where it is.
+
+    ``within``: when the epsilon at some computed order is already at most this, return that upper bound
+    instead (a caller that takes ``max(within, epsilon)`` gets the same number without the search).
+    """
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+
+    orders = np.asarray(curves[0][0].orders, dtype=float)
+    integer = (orders == np.floor(orders)) & (orders <= _CHEAP_ORDER)
+
+    def composed(which: np.ndarray) -> np.ndarray:
+        total = np.zeros(len(orders))
+        for curve, count in curves:
+            total += curve.values(which) * count  # c steps: c times the per-step curve
+        return total
+
+    first = composed(integer | np.logical_and.reduce([c.known() for c, _ in curves]))
+    eps = _epsilons(orders, first, delta)
+    smallest = np.nanmin(eps) if not np.isnan(eps).all() else np.inf
+    if within is not None and smallest <= within:
+        return float(smallest)
+    known = ~np.isnan(first)
+    below = np.zeros(len(orders))  # the composed RDP at the largest computed order below each order
+    for i in np.flatnonzero(~known):
+        lower = np.flatnonzero(known & (orders <= orders[i]))
+        if len(lower):
+            below[i] = first[lower[np.argmax(orders[lower])]]
+    bound = _epsilons(orders, below, delta)
+    needed = ~known & ~(bound > smallest + 1e-6 * (1.0 + abs(smallest)))  # NaN bounds are computed
+    rdp = composed(known | needed)
+    rdp[np.isnan(rdp)] = np.inf  # an order that cannot be the minimum
+    eps, _ = get_privacy_spent(orders=list(curves[0][0].orders), rdp=rdp, delta=delta)
+    return float(eps)
 
 
 def require_opacus(accountant: str) -> None:

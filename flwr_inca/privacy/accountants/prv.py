@@ -22,17 +22,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..._checks import check_bytes, check_delta, check_real
-from .base import PRV_MEANS, RDP_CURVES, Memo, RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
+from .base import (PRV_MEANS, RDP_CURVES, Memo, RoundAccountant, RoundCost, grouped, rdp_curve, rdp_epsilon,
+                   require_opacus)
 
 __all__ = ["OpacusPrvAccountant", "prv_epsilon"]
-
-
-def _rdp_epsilon(orders: tuple[float, ...], rdp: np.ndarray, delta: float) -> float:
-    """``RDPAccountant.get_epsilon`` from an RDP curve (Opacus's conversion)."""
-    from opacus.accountants.analysis.rdp import get_privacy_spent
-
-    eps, _ = get_privacy_spent(orders=list(orders), rdp=rdp, delta=delta)
-    return float(eps)
 
 
 def prv_epsilon(groups: Sequence[tuple[float, float, int]], delta: float, eps_error: float = 0.01,
@@ -51,13 +44,14 @@ def prv_epsilon(groups: Sequence[tuple[float, float, int]], delta: float, eps_er
     delta_error = delta / 1000  # PRVAccountant.get_epsilon's default
     counts = [count for _, _, count in groups]
     total = sum(counts)
-    per_step = [rdp_per_step(q, sigma, orders, memo["rdp"]) for sigma, q, _ in groups]
+    curves = [rdp_curve(q, sigma, orders, memo["rdp"]) for sigma, q, _ in groups]
 
     # compute_safe_domain_size (Gopi et al., Remark 5.6, as Opacus implements it): the RDP bound of
-    # the whole composition, and of each single round, at Opacus's deltas
-    L_max = _rdp_epsilon(orders, sum([rdp * count for rdp, count in zip(per_step, counts)]), delta_error / 4)
-    for rdp in per_step:
-        L_max = max(L_max, _rdp_epsilon(orders, rdp * 1, delta_error / (8 * total)))
+    # the whole composition, and of each single round, at Opacus's deltas (a single round whose bound is
+    # already below the largest so far cannot change the maximum)
+    L_max = rdp_epsilon(list(zip(curves, counts)), delta_error / 4)
+    for curve in curves:
+        L_max = max(L_max, rdp_epsilon([(curve, 1)], delta_error / (8 * total), within=L_max))
     L = max(L_max, eps_error) + 3
     mesh_size = eps_error / np.sqrt(total * np.log(12 / delta_error) / 2)
     # the grid has 2L / mesh_size points (grows with sqrt(rounds) / eps_error): a few float arrays of it per

@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from ..._checks import check_delta, check_real
-from .base import RoundAccountant, RoundCost, grouped, rdp_per_step, require_opacus
+from .base import RoundAccountant, RoundCost, grouped, rdp_curve, rdp_epsilon, require_opacus
 
 __all__ = ["OpacusRdpAccountant"]
 
@@ -37,17 +35,12 @@ class OpacusRdpAccountant(RoundAccountant):
             if orders is not None else list(ORDERS)
 
     def epsilon(self, rounds: Sequence[RoundCost], delta: float) -> float:
-        from opacus.accountants.analysis.rdp import get_privacy_spent
-
         delta = check_delta("delta", delta)
         groups = grouped(rounds)
         if any(r.mu == math.inf for r in rounds):
             return math.inf
         if not groups:
             return 0.0
-        rdp = np.zeros(len(self.orders))
         orders = tuple(self.orders)
-        for sigma, q, count in groups:  # = compute_rdp(q=q, noise_multiplier=sigma, steps=count, orders=...)
-            rdp += rdp_per_step(q, sigma, orders) * count  # c rounds: c times the per-step curve
-        eps, _ = get_privacy_spent(orders=self.orders, rdp=rdp, delta=delta)
-        return float(eps)
+        # = get_privacy_spent of sum(compute_rdp(q=q, noise_multiplier=sigma, steps=count, orders=...))
+        return rdp_epsilon([(rdp_curve(q, sigma, orders), count) for sigma, q, count in groups], delta)
