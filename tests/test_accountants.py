@@ -90,20 +90,19 @@ def test_a_rounds_rdp_curve_is_computed_once_per_process_unless_the_accountant_k
 
 
 def test_a_plans_noise_search_runs_once_per_process_and_a_refusal_is_not_remembered(monkeypatch):
-    """Opacus's noise-multiplier search (seconds) is a pure function of the budget: the example's plan, its
-    strategy's per-round target and the check before Flower starts ask it the same question, and get the
-    first answer again, to the bit, without a second search. A budget Opacus refuses is refused every time."""
+    """The noise-multiplier search is a pure function of the budget: the example's plan, its strategy's
+    per-round target and the check before Flower starts ask it the same question, and get the first answer
+    again, to the bit, without a second search. A budget that no noise reaches is refused every time."""
     pytest.importorskip("opacus")
-    import opacus.accountants.utils as opacus_utils
-
+    from flwr_inca.privacy import plan as plan_module
     from flwr_inca.privacy.plan import privacy_plan, round_mu
 
-    real = opacus_utils.get_noise_multiplier
+    real = plan_module.noise_multiplier
     searches = []
-    monkeypatch.setattr(opacus_utils, "get_noise_multiplier", lambda **kw: searches.append(kw) or real(**kw))
+    monkeypatch.setattr(plan_module, "noise_multiplier", lambda *a: searches.append(a) or real(*a))
     args = dict(epsilon=1.7321, delta=1e-5, rounds=3, clip_norm=1.0, lr=1.0, batch_size=10, local_size=10)
     plan = privacy_plan("record", accountant="opacus-rdp", **args)
-    assert len(searches) == 1 and searches[0]["steps"] == 3 and searches[0]["accountant"] == "rdp"
+    assert searches == [(1.7321, 1e-5, 1.0, 3, "opacus-rdp")]
     assert privacy_plan("record", accountant="opacus-rdp", **args).mu_round == plan.mu_round
     assert round_mu(1.7321, 1e-5, 3, 1.0, "opacus-rdp") == plan.mu_round
     assert len(searches) == 1
@@ -113,3 +112,25 @@ def test_a_plans_noise_search_runs_once_per_process_and_a_refusal_is_not_remembe
         with pytest.raises(ValueError, match="too low"):
             round_mu(1e-2, 1e-5, 3, 1.0, "opacus-rdp")
     assert len(searches) == 4
+
+
+@pytest.mark.parametrize("accountant", ["opacus-prv", "opacus-rdp"])
+def test_the_noise_search_is_opacus_get_noise_multiplier_to_the_bit(accountant):
+    """Against Opacus's own search (its accountants from scratch, every order): the same noise multiplier
+    for subsampled and full-batch rounds, and the same refusal of a budget no noise reaches."""
+    pytest.importorskip("opacus")
+    import warnings
+
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from flwr_inca.privacy.plan import noise_multiplier
+
+    name = accountant.removeprefix("opacus-")
+    for epsilon, q, rounds in [(2.0, 0.1399, 5), (1.0, 10 / 540, 40), (8.0, 1.0, 2)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = get_noise_multiplier(target_epsilon=epsilon, target_delta=1e-5, sample_rate=q, steps=rounds,
+                                          accountant=name, epsilon_tolerance=0.01)
+        assert noise_multiplier(epsilon, 1e-5, q, rounds, accountant) == theirs, (epsilon, q, rounds)
+    with pytest.raises(ValueError, match="The privacy budget is too low"):
+        noise_multiplier(1e-3, 1e-5, 1.0, 3, accountant)
