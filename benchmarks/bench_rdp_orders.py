@@ -72,8 +72,8 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=1.0)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print(f"epsilon {args.epsilon} over {args.rounds} rounds, delta 1e-5; each training its own rng seed and a "
-          "fresh memo; alternating every order / the orders that can be the minimum")
+    print(f"epsilon {args.epsilon} over {args.rounds} rounds, delta 1e-5; each training its own rng seed "
+          "and a fresh memo; alternating every order / the orders that can be the minimum")
     print("| accountant | q | training | every order: s | needed orders: s | ratio | epsilon spent (both) |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for accountant in args.accountants:
@@ -83,8 +83,8 @@ def main() -> None:
                     full, eps_full = train(accountant, args.rounds, q, args.epsilon, seed=t)
                 needed, eps_needed = train(accountant, args.rounds, q, args.epsilon, seed=t)
                 same = "same" if eps_full == eps_needed else f"DIFFER: {eps_full!r} / {eps_needed!r}"
-                print(f"| {accountant} | {q:.4g} | {t + 1} | {full:.1f} | {needed:.1f} | {full / needed:.2f}x | "
-                      f"{eps_needed:.6f} ({same}) |", flush=True)
+                print(f"| {accountant} | {q:.4g} | {t + 1} | {full:.1f} | {needed:.1f} | "
+                      f"{full / needed:.2f}x | {eps_needed:.6f} ({same}) |", flush=True)
 
 
 if __name__ == "__main__":

@@ -129,8 +129,8 @@ def test_the_noise_search_is_opacus_get_noise_multiplier_to_the_bit(accountant):
     for epsilon, q, rounds in [(2.0, 0.1399, 5), (1.0, 10 / 540, 40), (8.0, 1.0, 2)]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            theirs = get_noise_multiplier(target_epsilon=epsilon, target_delta=1e-5, sample_rate=q, steps=rounds,
-                                          accountant=name, epsilon_tolerance=0.01)
+            theirs = get_noise_multiplier(target_epsilon=epsilon, target_delta=1e-5, sample_rate=q,
+                                          steps=rounds, accountant=name, epsilon_tolerance=0.01)
         assert noise_multiplier(epsilon, 1e-5, q, rounds, accountant) == theirs, (epsilon, q, rounds)
     with pytest.raises(ValueError, match="The privacy budget is too low"):
         noise_multiplier(1e-3, 1e-5, 1.0, 3, accountant)

@@ -14,7 +14,8 @@ import numpy as np
 
 from ..._checks import check_real
 
-__all__ = ["Memo", "RdpCurve", "RoundAccountant", "RoundCost", "grouped", "rdp_curve", "rdp_epsilon", "require_opacus"]
+__all__ = ["Memo", "RdpCurve", "RoundAccountant", "RoundCost", "grouped", "rdp_curve", "rdp_epsilon",
+           "require_opacus"]
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,9 @@ _CHEAP_ORDER = 64
 class RdpCurve:
     """Opacus's per-step Renyi DP of the Poisson-subsampled Gaussian mechanism (``sample_rate``,
     ``noise_multiplier``) at ``orders``, each order computed the first time it is needed, by Opacus's
-    ``compute_rdp`` at that one order: the value its list of orders would give, to the bit. A fractional order's series costs up to tens of milliseconds, and most orders
-    never decide an epsilon (:func:`rdp_epsilon` computes the ones that can)."""
+    ``compute_rdp`` at that one order: the value its list of orders would give, to the bit. A fractional
+    order's series costs up to tens of milliseconds, and most orders never decide an epsilon
+    (:func:`rdp_epsilon` computes the ones that can)."""
 
     def __init__(self, sample_rate: float, noise_multiplier: float, orders: tuple[float, ...]) -> None:
         self.sample_rate, self.noise_multiplier = float(sample_rate), float(noise_multiplier)
@@ -161,7 +163,8 @@ def _epsilons(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarray:
         return rdp - (np.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders)
 
 
-def rdp_epsilon(curves: Sequence[tuple[RdpCurve, int]], delta: float, *, within: float | None = None) -> float:
+def rdp_epsilon(curves: Sequence[tuple[RdpCurve, int]], delta: float, *,
+                within: float | None = None) -> float:
     """Opacus's ``get_privacy_spent(orders, sum(count * curve), delta)`` epsilon, to the bit, from the
     orders that can give its minimum. The integer orders up to 64 are computed first (finite series); an
     other order alpha is computed only where its lower bound, ``sum(count * rdp(beta)) + g(alpha)`` for the
@@ -195,7 +198,8 @@ def rdp_epsilon(curves: Sequence[tuple[RdpCurve, int]], delta: float, *, within:
         if len(lower):
             below[i] = first[lower[np.argmax(orders[lower])]]
     bound = _epsilons(orders, below, delta)
-    needed = ~known & ~(bound > smallest + 1e-6 * (1.0 + abs(smallest)))  # NaN bounds are computed
+    # skipped only where the bound is finite and clearly above (an infinite or NaN one is computed)
+    needed = ~known & ~(np.isfinite(bound) & (bound > smallest + 1e-6 * (1.0 + abs(smallest))))
     rdp = composed(known | needed)
     rdp[np.isnan(rdp)] = np.inf  # an order that cannot be the minimum
     eps, _ = get_privacy_spent(orders=list(curves[0][0].orders), rdp=rdp, delta=delta)
