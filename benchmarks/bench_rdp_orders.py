@@ -16,7 +16,6 @@ the epsilon spent by both.
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 from contextlib import contextmanager
 
@@ -43,23 +42,14 @@ def every_order():
 
 def train(accountant: str, rounds: int, q: float, epsilon: float, seed: int) -> tuple[float, float]:
     """One training's ledger work with a fresh memo: ``(seconds, epsilon spent)``."""
-    from flwr_inca.privacy import PrivacyLedger
+    from bench_ledger_memo import replay  # this script's folder is on sys.path when it runs
+
     from flwr_inca.privacy.accountants import OpacusPrvAccountant, OpacusRdpAccountant
     from flwr_inca.privacy.accountants.base import RDP_CURVES
-    from flwr_inca.privacy.session import charge_resolution
-    from flwr_inca.rounds import budget_share
 
     RDP_CURVES.clear()  # the RDP accountant's curves are in the shared memo: every training starts without
     chosen = OpacusPrvAccountant(shared_memo=False) if accountant == "opacus-prv" else OpacusRdpAccountant()
-    ledger = PrivacyLedger(None, delta=1e-5, max_epsilon=epsilon, accountant=chosen)
-    rng, share = np.random.default_rng(seed), None
-    start = time.perf_counter()
-    for r in range(1, rounds + 1):
-        share = budget_share(ledger, rounds - r + 1, q, guess=share, resolution=0.005)
-        if share is None:
-            break
-        ledger.spend(charge_resolution(share * float(rng.uniform(0.9, 1.0)), 0.005), q)
-    return time.perf_counter() - start, ledger.epsilon()
+    return replay(chosen, rounds, q, epsilon, seed)
 
 
 def main() -> None:
@@ -72,6 +62,7 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=1.0)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
+    import opacus  # noqa: F401  (imported before any timing: the first training does not pay for it)
     print(f"epsilon {args.epsilon} over {args.rounds} rounds, delta 1e-5; each training its own rng seed "
           "and a fresh memo; alternating every order / the orders that can be the minimum")
     print("| accountant | q | training | every order: s | needed orders: s | ratio | epsilon spent (both) |")

@@ -29,7 +29,8 @@ from typing import Any
 
 from .._checks import check_delta, check_epsilon, check_int, check_real, check_rounds
 from .accountants import ACCOUNTANTS, resolve_accountant_name
-from .accountants.base import Memo
+from .accountants.base import Memo, rdp_curve, rdp_epsilon
+from .accountants.prv import prv_epsilon
 from .conversions import epsilon_for_delta, mu_for_epsilon
 
 __all__ = ["PRIVACY_UNITS", "PrivacyPlan", "privacy_plan", "record_sample_rate", "round_mu"]
@@ -186,9 +187,6 @@ def noise_multiplier(epsilon: float, delta: float, q: float, rounds: int, accoun
     Raises ``ValueError`` ("The privacy budget is too low.", Opacus's words) when no noise multiplier up to
     10^6 reaches ``epsilon``."""
     from opacus.accountants import RDPAccountant
-
-    from .accountants.base import rdp_curve, rdp_epsilon
-    from .accountants.prv import prv_epsilon
 
     orders = tuple(RDPAccountant.DEFAULT_ALPHAS)  # what Opacus's RDPAccountant.get_epsilon uses
 

@@ -177,7 +177,8 @@ def rdp_epsilon(curves: Sequence[tuple[RdpCurve, int]], delta: float, *,
     """
     from opacus.accountants.analysis.rdp import get_privacy_spent
 
-    orders = np.asarray(curves[0][0].orders, dtype=float)
+    listed = curves[0][0].orders
+    orders = np.asarray(listed, dtype=float)
     integer = (orders == np.floor(orders)) & (orders <= _CHEAP_ORDER)
 
     def composed(which: np.ndarray) -> np.ndarray:
@@ -202,7 +203,7 @@ def rdp_epsilon(curves: Sequence[tuple[RdpCurve, int]], delta: float, *,
     needed = ~known & ~(np.isfinite(bound) & (bound > smallest + 1e-6 * (1.0 + abs(smallest))))
     rdp = composed(known | needed)
     rdp[np.isnan(rdp)] = np.inf  # an order that cannot be the minimum
-    eps, _ = get_privacy_spent(orders=list(curves[0][0].orders), rdp=rdp, delta=delta)
+    eps, _ = get_privacy_spent(orders=list(listed), rdp=rdp, delta=delta)
     return float(eps)
 
 
