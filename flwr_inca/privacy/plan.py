@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -185,7 +186,8 @@ def noise_multiplier(epsilon: float, delta: float, q: float, rounds: int, accoun
     own, to the bit, from the Renyi orders that can be the minimum: several times faster).
 
     Raises ``ValueError`` ("The privacy budget is too low.", Opacus's words) when no noise multiplier up to
-    10^6 reaches ``epsilon``."""
+    10^6 reaches ``epsilon``, and one naming the sample rate when Opacus's PRV accountant cannot compute an
+    epsilon on the way (its grid collapses when ``q * rounds`` is below ``delta``)."""
     from opacus.accountants import RDPAccountant
 
     orders = tuple(RDPAccountant.DEFAULT_ALPHAS)  # what Opacus's RDPAccountant.get_epsilon uses
@@ -195,6 +197,24 @@ def noise_multiplier(epsilon: float, delta: float, q: float, rounds: int, accoun
             return prv_epsilon([(sigma, q, rounds)], delta)
         return rdp_epsilon([(rdp_curve(q, sigma, orders), rounds)], delta)
 
+    try:
+        return _bisect(epsilon_at, epsilon)
+    except RuntimeError as exc:  # Opacus's PRV: "Cannot compute epsilon", naming nothing
+        message = (f"the {accountant} accountant cannot calibrate sample rate q = {q:.3g} over {rounds} round(s) "
+                   f"at delta = {delta:g} ({exc})")
+        if q * rounds < delta:
+            # a record is in some round's sample with probability at most q * rounds < delta: (0, delta)-DP
+            # without noise, so the search drives the noise to 0, where the PRV grid is degenerate
+            raise ValueError(
+                f"{message}: q x rounds = {q * rounds:.3g} is below delta, so the budget holds without noise and "
+                "there is nothing to calibrate; take delta below 1 / (examples per client), or accountant "
+                "'opacus-rdp'") from None
+        raise ValueError(f"{message}; use accountant 'opacus-rdp'") from None
+
+
+def _bisect(epsilon_at: Callable[[float], float], epsilon: float) -> float:
+    """Opacus's get_noise_multiplier search: double from 20 until ``epsilon_at`` is at most ``epsilon``,
+    then bisect until it is within the tolerance below it; the upper end."""
     with warnings.catch_warnings():  # Opacus's RDP-order notice while it brackets the search
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", RuntimeWarning)  # log(1 - q) at q = 1 is harmless
