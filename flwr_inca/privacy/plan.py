@@ -187,7 +187,8 @@ def noise_multiplier(epsilon: float, delta: float, q: float, rounds: int, accoun
 
     Raises ``ValueError`` ("The privacy budget is too low.", Opacus's words) when no noise multiplier up to
     10^6 reaches ``epsilon``, and one naming the sample rate when Opacus's PRV accountant cannot compute an
-    epsilon on the way (its grid collapses when ``q * rounds`` is below ``delta``)."""
+    epsilon: at once where ``q * rounds`` is below ``delta`` (no noise is needed; Opacus's search would bisect
+    towards 0 and fail there), else where it fails on the way."""
     from opacus.accountants import RDPAccountant
 
     orders = tuple(RDPAccountant.DEFAULT_ALPHAS)  # what Opacus's RDPAccountant.get_epsilon uses
@@ -197,19 +198,20 @@ def noise_multiplier(epsilon: float, delta: float, q: float, rounds: int, accoun
             return prv_epsilon([(sigma, q, rounds)], delta)
         return rdp_epsilon([(rdp_curve(q, sigma, orders), rounds)], delta)
 
+    where = f"sample rate q = {q:.3g} over {rounds} round(s) at delta = {delta:g}"
+    if accountant == "opacus-prv" and q * rounds < delta * (1 - 1e-12):  # below by more than rounding
+        # a record is in some round's sample with probability at most q * rounds < delta: (0, delta)-DP without
+        # noise; the search drives the noise towards 0, where Opacus's PRV grid is degenerate and it raises a
+        # bare "Cannot compute epsilon" (after seconds of bisection)
+        raise ValueError(
+            f"the opacus-prv accountant cannot calibrate {where}: q x rounds = {q * rounds:.3g} is below delta, so "
+            "the budget holds without noise and there is nothing to calibrate; take delta below "
+            "1 / (examples per client), or accountant 'opacus-rdp'")
     try:
         return _bisect(epsilon_at, epsilon)
     except RuntimeError as exc:  # Opacus's PRV: "Cannot compute epsilon", naming nothing
-        message = (f"the {accountant} accountant cannot calibrate sample rate q = {q:.3g} over {rounds} round(s) "
-                   f"at delta = {delta:g} ({exc})")
-        if q * rounds < delta:
-            # a record is in some round's sample with probability at most q * rounds < delta: (0, delta)-DP
-            # without noise, so the search drives the noise to 0, where the PRV grid is degenerate
-            raise ValueError(
-                f"{message}: q x rounds = {q * rounds:.3g} is below delta, so the budget holds without noise and "
-                "there is nothing to calibrate; take delta below 1 / (examples per client), or accountant "
-                "'opacus-rdp'") from None
-        raise ValueError(f"{message}; use accountant 'opacus-rdp'") from None
+        raise ValueError(f"the {accountant} accountant cannot calibrate {where} ({exc}); use accountant "
+                         "'opacus-rdp'") from None
 
 
 def _bisect(epsilon_at: Callable[[float], float], epsilon: float) -> float:
