@@ -32,6 +32,10 @@ RAY_TEST_DEADLINE_S = 300
 ENGINE_GROUP = "engines"
 
 
+# tryfirst: the marker must be on the item before pytest-xdist's worker turns xdist_group markers into the
+# nodeid's "@group" suffix (its own pytest_collection_modifyitems), which is what groups tests;
+# test_session_setup.py checks that the grouping holds
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = getattr(item, "fixturenames", ())

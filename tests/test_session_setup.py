@@ -65,3 +65,18 @@ def test_tests_that_start_ray_get_the_longer_deadline(request):
     assert request.node.get_closest_marker("timeout").args[0] == RAY_TEST_DEADLINE_S
     # and run on the engines' worker, one after another (never two Ray clusters competing for the cores)
     assert request.node.get_closest_marker("xdist_group").args[0] == ENGINE_GROUP
+
+
+def test_the_engine_tests_are_grouped_on_one_worker(request):
+    """Under pytest-xdist's loadgroup (the default run) the group is the nodeid's "@group" suffix that xdist
+    writes from the marker: a marker it did not turn into a suffix (added too late, or a pytest whose
+    nodeids xdist cannot rewrite) leaves the engine tests spread over both workers, two engines at once."""
+    from conftest import ENGINE_GROUP
+
+    if not getattr(request.config.option, "loadgroup", False):  # set on xdist's workers
+        pytest.skip("not run by pytest-xdist's loadgroup (-n 2 --dist loadgroup, the default)")
+    grouped = [item for item in request.session.items if item.get_closest_marker("xdist_group")]
+    if not grouped:
+        pytest.skip("no engine test is selected")
+    ungrouped = [item.nodeid for item in grouped if not item.nodeid.endswith(f"@{ENGINE_GROUP}")]
+    assert not ungrouped, f"{len(ungrouped)} engine tests are not grouped, e.g. {ungrouped[0]}"
