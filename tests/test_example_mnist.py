@@ -220,10 +220,31 @@ def test_the_log_states_the_users_settings_and_explains_the_derived_ones():
     assert "lr * clip-norm / batch-size = 0.12" in line and "per round" in line.lower()
 
 
+NO_MNIST = pytest.mark.skipif(not MNIST.exists(), reason="MNIST IDX files not available: set FLWR_INCA_MNIST_DIR "
+                              "to the directory of the 4 IDX .gz files (default ../shared/data/mnist)")
+
+
+@NO_MNIST
+def test_the_example_reads_the_real_mnist_files_and_splits_them_for_its_nodes():
+    """What the example changes on MNIST is its data: the four IDX files read whole, standardized, every
+    class present, an IID split over the nodes that covers the training set (the run itself, on digits,
+    is test_example_runs_offline_on_digits_...; on MNIST, test_example_runs_on_mnist under -m slow)."""
+    task.load_data.cache_clear()
+    data = task.load_data(str(MNIST))
+    assert data.name.startswith("MNIST") and data.features == 784
+    assert data.x_train.shape == (60000, 784) and data.x_test.shape == (10000, 784)
+    assert data.y_train.shape == (60000,) and data.y_test.shape == (10000,)
+    assert abs(float(data.x_train.mean())) < 1e-3 and abs(float(data.x_train.std()) - 1.0) < 1e-2
+    assert np.isfinite(data.x_test).all() and data.x_train.dtype == np.float32
+    assert set(np.unique(data.y_train)) == set(range(10)) == set(np.unique(data.y_test))
+    sizes = [len(task.partition(data, i, 10)[1]) for i in range(10)]
+    assert sum(sizes) == 60000 and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.slow  # the run is the offline one's on other data (about a minute on a loaded 2-core machine)
 @pytest.mark.flower
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not MNIST.exists(), reason="MNIST IDX files not available: set FLWR_INCA_MNIST_DIR to the "
-                    "directory of the 4 IDX .gz files (default ../shared/data/mnist)")
+@NO_MNIST
 def test_example_runs_on_mnist(tmp_path, monkeypatch):
     _run_example(tmp_path, monkeypatch, **{"num-server-rounds": 2, "data-dir": MNIST,
                                            "privacy-unit": "party", "epsilon": 8.0})
