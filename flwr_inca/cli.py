@@ -13,7 +13,7 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from .protocol import (
 from .protocol.dropout import DropoutModel
 from .protocol.schedules import RECOMMENDED_SCHEDULE
 from .study import add_study_parser
+
+if TYPE_CHECKING:
+    from .rounds import IterationChoice
 
 
 def parse_dropout(spec: str) -> DropoutModel:
@@ -162,11 +165,13 @@ def _check_protocol(args: argparse.Namespace) -> None:
                dropout=args.dropout, schedule=args.schedule).check(args.parties)
 
 
-def _resolve_iterations(args: argparse.Namespace, value_sensitivity: float, *, noise_given: bool = False) -> None:
+def _resolve_iterations(args: argparse.Namespace, value_sensitivity: float, *,
+                        noise_given: bool = False) -> IterationChoice | None:
     """``--iterations auto``: choose T by the rule every driver uses (:func:`flwr_inca.rounds.choose_iterations`,
-    at the per-execution target --epsilon), note the choice on stderr and set ``args.iterations``."""
+    at the per-execution target --epsilon), note the choice on stderr and set ``args.iterations``; the choice
+    (its ``calibrator`` holds the chosen T's calibration, when one was made), or None for a given T."""
     if args.iterations != "auto":
-        return
+        return None
     from .privacy import mu_for_epsilon
     from .rounds import choose_iterations
     from .settings import MixingConfig, PrivacyTarget
@@ -183,6 +188,7 @@ def _resolve_iterations(args: argparse.Namespace, value_sensitivity: float, *, n
                                log=None if args.json else _status("choosing T"))
     print(f"note: {choice.describe(args.neighbors)}", file=sys.stderr)
     args.iterations = choice.iterations
+    return choice
 
 
 # ---------------------------------------------------------------------------------------- mean
@@ -199,12 +205,19 @@ def cmd_mean(args: argparse.Namespace) -> int:
     x *= (C * rng.random(n) ** (1.0 / d) / np.linalg.norm(x, axis=1))[:, None]
     sensitivity = 2 * C  # replace-one on an L2 ball of radius C
     noise_given = args.sigma_star is not None and args.sigma_delta is not None
-    _resolve_iterations(args, sensitivity, noise_given=noise_given)
+    choice = _resolve_iterations(args, sensitivity, noise_given=noise_given)
     if noise_given:
         s_star, s_delta, source = args.sigma_star, args.sigma_delta, "given"
     elif args.sigma_star is not None or args.sigma_delta is not None:
         print("error: give both --sigma-star and --sigma-delta, or neither to calibrate", file=sys.stderr)
         return 2
+    elif choice is not None and choice.calibrator is not None:
+        # the chosen T was calibrated in full for these n parties to make the choice (the drivers' calibrator,
+        # scale-free: the same runs serve this target and sensitivity): not simulated again
+        cal = choice.calibrator.calibration(n, mu_for_epsilon(args.epsilon, args.delta), args.delta, sensitivity)
+        s_star, s_delta, source = cal.sigma_star, cal.sigma_delta, f"calibrated over {args.runs} runs to choose T"
+        for note in cal.notes:
+            print(f"note: {note}", file=sys.stderr)
     else:
         cal = calibrate(args.epsilon, args.delta, n, iterations=args.iterations, neighbors=args.neighbors,
                         collusion=args.collusion, dropout=args.dropout, schedule=args.schedule, runs=args.runs,

@@ -105,6 +105,9 @@ def test_mean_and_calibrate_choose_iterations_by_the_drivers_rule(capsys):
                              mu_target=mu_for_epsilon(0.5, 1e-5), value_sensitivity=2.0, seed=0)
     assert chosen == rule.iterations > 10  # 10% dropouts at n = 40: T = 10 leaves too much noise
     assert f"chose T = {chosen} ({chosen + 1} messages per party per round)" in captured.err
+    # its noise is the chosen T's calibration the choice made (the drivers' calibrator), not a second one
+    sigmas = rule.calibrator.sigmas(40, mu_for_epsilon(0.5, 1e-5), 1e-5, 2.0)
+    assert (json.loads(captured.out)["sigma_star"], json.loads(captured.out)["sigma_delta"]) == sigmas
     # --max-iterations caps it; without dropouts, or with the noise given, the fewest (nothing calibrated)
     for extra, words in [(["--max-iterations", "10"], "chose T = 10 "),
                          (["--dropout", "none"], "no dropouts expected"),
@@ -119,6 +122,27 @@ def test_mean_and_calibrate_choose_iterations_by_the_drivers_rule(capsys):
     with pytest.raises(SystemExit) as info:
         main(["mean", "--iterations", "automatic"])
     assert info.value.code == 2 and "argument --iterations/-T: must be 'auto' or an integer" in capsys.readouterr().err
+
+
+def test_mean_simulates_the_runs_of_the_chosen_iterations_once(monkeypatch, capsys):
+    """--iterations auto calibrates the chosen T in full to choose it (the others at most on a screening
+    share of the runs); mean then takes that calibration: no run of the chosen T is simulated twice."""
+    from flwr_inca.privacy import calibration
+
+    real, simulated = calibration.simulate_runs, []
+
+    def counted(parties, base, seeds, **kwargs):
+        simulated.append((base.iterations, len(seeds)))
+        return real(parties, base, seeds, **kwargs)
+
+    monkeypatch.setattr(calibration, "simulate_runs", counted)
+    assert main(["mean", "-n", "40", "-d", "3", "--runs", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert simulated.count((out["iterations"], 5)) == 1 and out["sigmas"] == "calibrated over 5 runs to choose T"
+    simulated.clear()
+    assert main(["mean", "-n", "40", "-d", "3", "--runs", "5", "--json", "-T", str(out["iterations"])]) == 0
+    assert simulated == [(out["iterations"], 5)]  # a given T: calibrated once, by calibrate()
+    assert json.loads(capsys.readouterr().out)["sigmas"] == "calibrated over 5 runs"
 
 
 def test_parse_dropout():

@@ -401,7 +401,8 @@ def pick_alpha(
         else:
             best = max(rows, key=lambda row: (row["success_fraction"], -row["predicted_mse"]))
     if local_dp_sigma is not None and best["sigma_star"] >= 0.5 * local_dp_sigma:
-        notes.append(f"sigma_star = {best['sigma_star']:.4g} is at the local-DP level ({local_dp_sigma:.4g}): "
+        # as a ratio, so that the note holds when the calibration is rescaled (NoiseCalibrator)
+        notes.append(f"sigma_star is {best['sigma_star'] / local_dp_sigma:.2f} x the local-DP level: "
                      "some party's messages are (almost) all observed; more iterations, fewer neighbours "
                      "or a smaller collusion fraction help")
     return best, notes
