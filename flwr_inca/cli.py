@@ -206,24 +206,25 @@ def cmd_mean(args: argparse.Namespace) -> int:
     sensitivity = 2 * C  # replace-one on an L2 ball of radius C
     noise_given = args.sigma_star is not None and args.sigma_delta is not None
     choice = _resolve_iterations(args, sensitivity, noise_given=noise_given)
+    mu = mu_for_epsilon(args.epsilon, args.delta)  # the per-execution target, in GDP
     if noise_given:
         s_star, s_delta, source = args.sigma_star, args.sigma_delta, "given"
     elif args.sigma_star is not None or args.sigma_delta is not None:
         print("error: give both --sigma-star and --sigma-delta, or neither to calibrate", file=sys.stderr)
         return 2
-    elif choice is not None and choice.calibrator is not None:
-        # the chosen T was calibrated in full for these n parties to make the choice (the drivers' calibrator,
-        # scale-free: the same runs serve this target and sensitivity): not simulated again
-        cal = choice.calibrator.calibration(n, mu_for_epsilon(args.epsilon, args.delta), args.delta, sensitivity)
-        s_star, s_delta, source = cal.sigma_star, cal.sigma_delta, f"calibrated over {args.runs} runs to choose T"
-        for note in cal.notes:
-            print(f"note: {note}", file=sys.stderr)
     else:
-        cal = calibrate(args.epsilon, args.delta, n, iterations=args.iterations, neighbors=args.neighbors,
-                        collusion=args.collusion, dropout=args.dropout, schedule=args.schedule, runs=args.runs,
-                        seed=args.seed,
-                        value_sensitivity=sensitivity, progress=_progress("calibrating"))
-        s_star, s_delta, source = cal.sigma_star, cal.sigma_delta, f"calibrated over {args.runs} runs"
+        if choice is not None and choice.calibrator is not None:
+            # the chosen T was calibrated in full for these n parties to make the choice (the drivers'
+            # calibrator, scale-free: the same runs serve this target and sensitivity): not simulated again
+            cal = choice.calibrator.calibration(n, mu, args.delta, sensitivity)
+            source = f"calibrated over {args.runs} runs to choose T"
+        else:
+            cal = calibrate(args.epsilon, args.delta, n, iterations=args.iterations, neighbors=args.neighbors,
+                            collusion=args.collusion, dropout=args.dropout, schedule=args.schedule,
+                            runs=args.runs, seed=args.seed, value_sensitivity=sensitivity,
+                            progress=_progress("calibrating"))
+            source = f"calibrated over {args.runs} runs"
+        s_star, s_delta = cal.sigma_star, cal.sigma_delta
         for note in cal.notes:
             print(f"note: {note}", file=sys.stderr)
     config = IncaConfig(iterations=args.iterations, neighbors=args.neighbors, sigma_star=s_star,
@@ -232,7 +233,6 @@ def cmd_mean(args: argparse.Namespace) -> int:
     mse = float(np.mean((result.estimate - x.mean(axis=0)) ** 2))
     view = random_collusion(result.trace, args.collusion, seed=args.seed + 1)
     cert = certify(result.trace, view, value_sensitivity=sensitivity, delta=args.delta)
-    mu = mu_for_epsilon(args.epsilon, args.delta)
     central = (sensitivity / (n * mu)) ** 2  # Gaussian mechanism on the mean, tight calibration
     out = {
         "parties": n, "dim": d, "clip": C, "iterations": args.iterations, "neighbors": args.neighbors,

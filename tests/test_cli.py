@@ -99,7 +99,8 @@ def test_mean_and_calibrate_choose_iterations_by_the_drivers_rule(capsys):
 
     assert main(["mean", "-n", "40", "-d", "3", "--runs", "4", "--epsilon", "0.5", "--json"]) == 0
     captured = capsys.readouterr()
-    chosen = json.loads(captured.out)["iterations"]
+    out = json.loads(captured.out)
+    chosen = out["iterations"]
     rule = choose_iterations(PrivacyTarget(round_epsilon=0.5, calibration_runs=4),
                              MixingConfig(dropout=PermanentDropout(0.1)), 40,
                              mu_target=mu_for_epsilon(0.5, 1e-5), value_sensitivity=2.0, seed=0)
@@ -107,7 +108,7 @@ def test_mean_and_calibrate_choose_iterations_by_the_drivers_rule(capsys):
     assert f"chose T = {chosen} ({chosen + 1} messages per party per round)" in captured.err
     # its noise is the chosen T's calibration the choice made (the drivers' calibrator), not a second one
     sigmas = rule.calibrator.sigmas(40, mu_for_epsilon(0.5, 1e-5), 1e-5, 2.0)
-    assert (json.loads(captured.out)["sigma_star"], json.loads(captured.out)["sigma_delta"]) == sigmas
+    assert (out["sigma_star"], out["sigma_delta"]) == sigmas
     # --max-iterations caps it; without dropouts, or with the noise given, the fewest (nothing calibrated)
     for extra, words in [(["--max-iterations", "10"], "chose T = 10 "),
                          (["--dropout", "none"], "no dropouts expected"),
