@@ -178,7 +178,7 @@ def _resolve_iterations(args: argparse.Namespace, value_sensitivity: float, *,
 
     privacy = PrivacyTarget(round_epsilon=args.epsilon, delta=args.delta, collusion=args.collusion,
                             observed_fraction=getattr(args, "observed_fraction", None),
-                            calibration_runs=args.runs)
+                            calibration_runs=args.runs, calibration_success=getattr(args, "target_success", 1.0))
     # given sigmas: more iterations would not lower the noise, and the rule takes the fewest
     sigmas = {"sigma_star": 1.0, "sigma_delta": 1.0} if noise_given else {}
     mixing = MixingConfig(iterations="auto", neighbors=args.neighbors, schedule=args.schedule,
@@ -261,7 +261,7 @@ def cmd_mean(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------- calibrate
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .privacy import calibrate
+    from .privacy import calibrate, mu_for_epsilon
 
     _check_protocol(args)
     procedures = ["paper", "exact"] if args.procedure == "both" else [args.procedure]
@@ -269,11 +269,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"error: --procedure paper needs --epsilon < 1 (the paper's classic Gaussian bound), got "
               f"{args.epsilon:g}; use --procedure exact", file=sys.stderr)
         return 2
-    _resolve_iterations(args, args.value_sensitivity)
+    choice = _resolve_iterations(args, args.value_sensitivity)
     results = []
     for proc in procedures:
         if proc == "paper" and args.epsilon >= 1:
             print("note: the paper's procedure needs epsilon < 1 (classic bound); skipped", file=sys.stderr)
+            continue
+        if proc == "exact" and choice is not None and choice.calibrator is not None:
+            # the chosen T was calibrated in full with the exact procedure to choose it (scale-free): kept
+            cal = choice.calibrator.calibration(args.parties, mu_for_epsilon(args.epsilon, args.delta), args.delta,
+                                                args.value_sensitivity)
+            cal.notes.append("the calibration made to choose T (its runs are not simulated again)")
+            results.append(cal)
             continue
         results.append(calibrate(
             args.epsilon, args.delta, args.parties, iterations=args.iterations, neighbors=args.neighbors,

@@ -85,6 +85,42 @@ def test_predicted_mse_is_the_mean_of_closed_form_run_mse(calibrations):
     assert cal.predicted_mse == pytest.approx(np.mean(mses), rel=1e-9)
 
 
+def test_the_drivers_calibration_predicts_the_mse_of_its_own_sigmas_for_every_alpha():
+    """NoiseCalibrator calibrates at a reference target and unit sensitivity and scales the sigmas; the
+    predicted MSE of the chosen sigmas and of every alpha's row is the closed form's at the scaled sigmas on
+    the same runs (not the reference's), and at a nearby party count it stays near the closed form's mean
+    over executions of that count (extrapolated)."""
+    from flwr_inca.privacy.calibration import NoiseCalibrator
+
+    calibrator = NoiseCalibrator(iterations=12, neighbors=1, collusion=0.1, dropout=PermanentDropout(0.1),
+                                 runs=6, seed=3)
+    mu, sensitivity = 0.4, 2.0  # far from the reference (0.05, unit sensitivity): sigmas scaled 0.25 x
+    cal = calibrator.calibration(N, mu, DELTA, sensitivity)
+    assert cal.mu_target == mu and cal.value_sensitivity == sensitivity and cal.parties == N
+    traces = [_regenerate(cal, r)[0] for r in range(cal.runs)]
+    for row in [{"sigma_star": cal.sigma_star, "sigma_delta": cal.sigma_delta, "predicted_mse": cal.predicted_mse},
+                *cal.alternatives]:
+        brute = np.mean([expected_mse(t, row["sigma_star"], row["sigma_delta"]) for t in traces])
+        assert row["predicted_mse"] == pytest.approx(brute, rel=1e-9), row
+        assert cal.mse_at(row["sigma_star"], row["sigma_delta"]) == pytest.approx(brute, rel=1e-9)
+    assert len(cal.alternatives) > 3 and min(r["predicted_mse"] for r in cal.alternatives) <= cal.predicted_mse
+    # every row certifies what it says at the scaled sigmas (the selection is scale-free): the chosen one
+    for trace, r in zip(traces, range(cal.runs)):
+        view = _regenerate(cal, r)[1]
+        cert = certify(trace, view, sigma_star=cal.sigma_star, sigma_delta=cal.sigma_delta,
+                       value_sensitivity=sensitivity, method="dense")
+        assert cert.max_mu <= mu * (1 + 1e-9)
+    # a party count within reach reuses these runs; its predicted MSE is extrapolated, near the closed form
+    # over fresh executions of that count at its sigmas
+    near = calibrator.calibration(N + 10, mu, DELTA, sensitivity)
+    assert near.run_seeds == cal.run_seeds and any("scaled to 70" in note for note in near.notes)
+    config = IncaConfig(iterations=12, neighbors=1, sigma_star=near.sigma_star, sigma_delta=near.sigma_delta,
+                        dropout=PermanentDropout(0.1))
+    fresh = np.mean([expected_mse(sample_trace(N + 10, config, seed)) for seed in range(40)])
+    assert near.predicted_mse == pytest.approx(fresh, rel=0.15)
+    assert near.predicted_mse < cal.predicted_mse
+
+
 def test_calibration_config_and_dict(calibrations):
     cal = calibrations["exact"]
     cfg = cal.config(dropout=PermanentDropout(0.1))

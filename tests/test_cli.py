@@ -125,9 +125,10 @@ def test_mean_and_calibrate_choose_iterations_by_the_drivers_rule(capsys):
     assert info.value.code == 2 and "argument --iterations/-T: must be 'auto' or an integer" in capsys.readouterr().err
 
 
-def test_mean_simulates_the_runs_of_the_chosen_iterations_once(monkeypatch, capsys):
+def test_mean_and_calibrate_simulate_the_runs_of_the_chosen_iterations_once(monkeypatch, capsys):
     """--iterations auto calibrates the chosen T in full to choose it (the others at most on a screening
-    share of the runs); mean then takes that calibration: no run of the chosen T is simulated twice."""
+    share of the runs); mean and calibrate (its exact procedure) then take that calibration: no run of the
+    chosen T is simulated twice."""
     from flwr_inca.privacy import calibration
 
     real, simulated = calibration.simulate_runs, []
@@ -144,6 +145,15 @@ def test_mean_simulates_the_runs_of_the_chosen_iterations_once(monkeypatch, caps
     assert main(["mean", "-n", "40", "-d", "3", "--runs", "5", "--json", "-T", str(out["iterations"])]) == 0
     assert simulated == [(out["iterations"], 5)]  # a given T: calibrated once, by calibrate()
     assert json.loads(capsys.readouterr().out)["sigmas"] == "calibrated over 5 runs"
+    simulated.clear()
+    assert main(["calibrate", "-n", "40", "-T", "auto", "--runs", "5", "--procedure", "both", "--epsilon", "0.5",
+                 "--json"]) == 0
+    paper, exact = json.loads(capsys.readouterr().out)["calibrations"]
+    chosen = exact["iterations"]
+    assert paper["iterations"] == chosen and simulated.count((chosen, 5)) == 2  # the paper's own runs, and the choice's
+    assert exact["notes"][-1] == "the calibration made to choose T (its runs are not simulated again)"
+    assert exact["parties"] == 40 and exact["predicted_mse"] == pytest.approx(
+        min(r["predicted_mse"] for r in exact["alternatives"] if r["success_fraction"] == 1), rel=1e-12)
 
 
 def test_parse_dropout():

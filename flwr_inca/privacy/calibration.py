@@ -143,6 +143,17 @@ class Calibration:
     alternatives: list[dict[str, float]] = field(default_factory=list)
     run_seeds: list[tuple[int, int]] = field(default_factory=list)  # (trace seed, view seed) per run
     notes: list[str] = field(default_factory=list)
+    value_variance: float = 1.0 / 12.0
+    # the predicted MSE's terms, means over the runs: value_variance * lost + sigma_star^2 * star
+    # + sigma_delta^2 * delta (sigmas in value units; :meth:`mse_at`)
+    mse_terms: dict[str, float] = field(default_factory=dict)
+
+    def mse_at(self, sigma_star: float, sigma_delta: float) -> float:
+        """The predicted per-coordinate MSE over the same runs at other sigmas (value units), for values of
+        variance ``value_variance`` (``predicted_mse`` is its value at the calibrated sigmas)."""
+        if not self.mse_terms:
+            raise ValueError("this calibration has no mse_terms (made by calibrate() or NoiseCalibrator)")
+        return _mse(self.mse_terms, sigma_star, sigma_delta, self.value_variance)
 
     def config(self, **overrides: Any) -> IncaConfig:
         """An ``IncaConfig`` with these sigmas (pass topology, dropout, ... as overrides)."""
@@ -543,7 +554,24 @@ def calibrate(
         success_fraction=best["success_fraction"], predicted_mse=best["predicted_mse"], runs=runs,
         parties=int(parties), iterations=int(iterations), neighbors=int(neighbors), threat=threat,
         value_sensitivity=float(value_sensitivity), seconds=time.perf_counter() - start, alternatives=rows,
-        run_seeds=[(int(a), int(b)) for a, b in seeds], notes=notes)
+        run_seeds=[(int(a), int(b)) for a, b in seeds], notes=notes, value_variance=float(value_variance),
+        mse_terms=_mse_terms(sims))
+
+
+def _mse_terms(sims: Sequence[SimulatedRun]) -> dict[str, float]:
+    """The predicted MSE's terms (:attr:`Calibration.mse_terms`), each a mean over the runs: a run's closed
+    form is linear in the value variance and in the two noise variances."""
+    return {"lost": float(np.mean([s.expected_mse(0.0, 0.0, 1.0) for s in sims])),
+            "star": float(np.mean([s.expected_mse(1.0, 0.0, 0.0) for s in sims])),
+            "delta": float(np.mean([s.expected_mse(0.0, 1.0, 0.0) for s in sims]))}
+
+
+def _mse(terms: dict[str, float], sigma_star: float, sigma_delta: float, value_variance: float) -> float:
+    """:attr:`Calibration.mse_terms` at these sigmas and value variance; inf where a sigma or a term is."""
+    if not all(math.isfinite(v) for v in (sigma_star, sigma_delta, *terms.values())):
+        return math.inf
+    return (value_variance * terms["lost"] + sigma_star * sigma_star * terms["star"]
+            + sigma_delta * sigma_delta * terms["delta"])
 
 
 def _kept(run_cache: dict | None, key: tuple, simulate: Callable[[], list[_Run]]) -> list[_Run]:
@@ -658,6 +686,31 @@ def _dropout_fraction(dropout: DropoutModel | None, sims: list[_Run], n: int, rh
     return float(1.0 - np.mean([s.honest_outputs for s in sims]) / honest) if honest > 0 else 0.0
 
 
+def _rescaled(base: Calibration, n: int, scale: float, mu_target: float, delta: float,
+              value_sensitivity: float) -> Calibration:
+    """``base`` for ``n`` parties with both sigmas times ``scale`` (:class:`NoiseCalibrator`), sigma_star also
+    times ``sqrt(n_base / n)``, for ``mu_target`` and ``value_sensitivity``; every row's predicted MSE at its
+    new sigmas. At another party count each MSE term is extrapolated by ``n_base / n`` (each is a mean over
+    about n parties: 1/n of the central noise's variance, and of the dropouts' share)."""
+    ratio = base.parties / n
+    terms = {key: value * ratio for key, value in base.mse_terms.items()}
+
+    def row(r: dict[str, float]) -> dict[str, float]:
+        star, dlt = r["sigma_star"] * scale * math.sqrt(ratio), r["sigma_delta"] * scale
+        return {**r, "sigma_star": star, "sigma_delta": dlt,
+                "predicted_mse": _mse(terms, star, dlt, base.value_variance)}
+
+    best = row({"sigma_star": base.sigma_star, "sigma_delta": base.sigma_delta})
+    notes = list(base.notes)
+    if n != base.parties:
+        notes.append(f"calibrated for {base.parties} parties and scaled to {n}: sigma_star x sqrt({base.parties} / "
+                     f"{n}), the predicted MSE's terms x {base.parties} / {n}")
+    return replace(base, sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"],
+                   predicted_mse=best["predicted_mse"], mu_target=mu_target,
+                   epsilon=epsilon_for_delta(mu_target, delta), value_sensitivity=value_sensitivity, parties=n,
+                   alternatives=[row(r) for r in base.alternatives], mse_terms=terms, notes=notes)
+
+
 REUSE_WITHIN = 0.25  # a calibration serves every party count within 25% of the one it was made for
 
 
@@ -725,11 +778,7 @@ class NoiseCalibrator:
             n_cal = self._nearest(n)
             n_cal = n if n_cal is None else n_cal
             base = self._calibrate(n_cal, ref, delta)
-        scale = value_sensitivity * ref / mu_target
-        star = base.sigma_star * scale * math.sqrt(n_cal / n)
-        return replace(base, sigma_star=star, sigma_delta=base.sigma_delta * scale, mu_target=mu_target,
-                        epsilon=epsilon_for_delta(mu_target, delta), value_sensitivity=value_sensitivity,
-                        parties=n)
+        return _rescaled(base, n, value_sensitivity * ref / mu_target, mu_target, delta, value_sensitivity)
 
     def sigmas(self, n: int, mu_target: float, delta: float, value_sensitivity: float) -> tuple[float, float]:
         """``(sigma_star, sigma_delta)`` in value units of :meth:`calibration`."""
