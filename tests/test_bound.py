@@ -213,6 +213,8 @@ def test_auto_picks_exact_when_small_and_bound_beyond_the_threshold(monkeypatch)
     (1500, 40, 2, 10590, "bound"),    # bound 3x faster than exact, 4.4x than the cascade
     (1000, 60, 2, 10039, "bound"),    # 1.2x to 1.9x faster than exact, 5.6x than the cascade
     (1000, 80, 2, 13159, "bound"),    # 1.1x to 1.9x faster than exact, 8.4x than the cascade
+    (3000, 40, 2, 21124, "bound"),    # 1.9x faster than the cascade
+    (5000, 40, 2, 34849, "bound"),    # level with the cascade (266 s against 261 s): auto's switch
 ])
 def test_auto_takes_the_method_measured_fastest(monkeypatch, parties, iterations, neighbors, rows, expected):
     """Auto's choice on the benchmark's own executions (the same seeds: the same observed messages); with
