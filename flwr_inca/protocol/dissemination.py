@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import numpy as np
-import scipy.sparse as sp
 
 from .._checks import check_int
 
@@ -59,6 +58,8 @@ class PushSumGossip(Dissemination):
         y = final.astype(np.float64)
         w = omega.astype(np.float64).copy()
         if m > 1:
+            import scipy.sparse as sp  # here, not at import: a ClientApp process starts per message
+
             idx = np.arange(m)
             for _ in range(self.iterations):
                 target = (idx + rng.integers(1, m, size=m)) % m

@@ -8,6 +8,7 @@ noise it has injected and not yet cancelled (for D_Inc this is the single outsta
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .topology import Messages, check_column_stochastic
 from .trace import ExecutionTrace, TraceStep
 
 
+@functools.cache  # on first use, not at import: a ClientApp process (one per message) need not load SciPy
 def _private_csr_matvecs():
     """SciPy's private ``csr_matvecs`` kernel (``y += A @ X`` in place, saving a temporary (n, d) array
     per iteration), if this SciPy has it with the expected behaviour; None otherwise, and
@@ -47,8 +49,6 @@ def _private_csr_matvecs():
     except Exception:  # moved, renamed or changed: use the public API
         return None
 
-
-_csr_matvecs = _private_csr_matvecs()
 
 __all__ = ["IncaResult", "run_inca", "replay", "sample_trace"]
 
@@ -341,10 +341,11 @@ def _disseminate(mixing: _Mixing, finalists: np.ndarray, dissemination: Dissemin
 
 def _add_matvec(W, y: np.ndarray, out: np.ndarray) -> None:
     """``out += W @ y`` for a CSR matrix ``W`` and (n, d) arrays; without a temporary (n, d) array when
-    SciPy's kernel is available (see :data:`_csr_matvecs`)."""
-    if _csr_matvecs is not None:
+    SciPy's kernel is available (see :func:`_private_csr_matvecs`)."""
+    kernel = _private_csr_matvecs()
+    if kernel is not None:
         n, d = y.shape
-        _csr_matvecs(n, n, d, W.indptr, W.indices, W.data, y.reshape(-1), out.reshape(-1))
+        kernel(n, n, d, W.indptr, W.indices, W.data, y.reshape(-1), out.reshape(-1))
     else:
         out += W @ y
 

@@ -13,16 +13,18 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import scipy.sparse as sp
 
 from .._checks import MAX_PARTIES, check_bytes, check_iterations, check_parties, check_scale
 from .._io import atomic_write_text
 from .._json import loads
 from .schedules import InjectionSchedule
 from .topology import Messages, check_column_stochastic
+
+if TYPE_CHECKING:
+    import scipy.sparse as sp
 
 __all__ = ["TRACE_FORMAT", "MAX_TRACE_PARTIES", "TraceStep", "ExecutionTrace"]
 
@@ -52,6 +54,8 @@ class TraceStep:
 
     def matrix(self, n: int, dtype: Any = np.float64) -> sp.csr_matrix:
         """``W^O_t`` as a sparse (n, n) matrix: ``y^(t) = W^O_t y^(t-1) + z_t``."""
+        import scipy.sparse as sp  # here, not at import: a ClientApp process starts per message
+
         m = self.messages
         rows = np.concatenate([m.receivers, np.arange(n)])
         cols = np.concatenate([m.senders, np.arange(n)])
