@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +192,20 @@ def _resolve_iterations(args: argparse.Namespace, value_sensitivity: float, *,
     return choice
 
 
+def _chosen_calibration(choice: IterationChoice | None, args: argparse.Namespace,
+                        value_sensitivity: float):
+    """The calibration ``--iterations auto`` made of the chosen T for ``--parties`` at ``--epsilon`` (the
+    drivers' calibrator, exact procedure, scale-free: its runs serve any target and sensitivity), or None
+    when the choice calibrated nothing (a given T, fixed noise, no dropouts expected)."""
+    if choice is None or choice.calibrator is None:
+        return None
+    from .privacy import mu_for_epsilon
+
+    cal = choice.calibrator.calibration(args.parties, mu_for_epsilon(args.epsilon, args.delta), args.delta,
+                                        value_sensitivity)
+    return replace(cal, epsilon=args.epsilon)  # not its round trip through mu
+
+
 # ---------------------------------------------------------------------------------------- mean
 def cmd_mean(args: argparse.Namespace) -> int:
     from .privacy import calibrate, certify, mu_for_epsilon, random_collusion
@@ -213,10 +228,8 @@ def cmd_mean(args: argparse.Namespace) -> int:
         print("error: give both --sigma-star and --sigma-delta, or neither to calibrate", file=sys.stderr)
         return 2
     else:
-        if choice is not None and choice.calibrator is not None:
-            # the chosen T was calibrated in full for these n parties to make the choice (the drivers'
-            # calibrator, scale-free: the same runs serve this target and sensitivity): not simulated again
-            cal = choice.calibrator.calibration(n, mu, args.delta, sensitivity)
+        cal = _chosen_calibration(choice, args, sensitivity)
+        if cal is not None:
             source = f"calibrated over {args.runs} runs to choose T"
         else:
             cal = calibrate(args.epsilon, args.delta, n, iterations=args.iterations, neighbors=args.neighbors,
@@ -261,7 +274,7 @@ def cmd_mean(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------- calibrate
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .privacy import calibrate, mu_for_epsilon
+    from .privacy import calibrate
 
     _check_protocol(args)
     procedures = ["paper", "exact"] if args.procedure == "both" else [args.procedure]
@@ -270,22 +283,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"{args.epsilon:g}; use --procedure exact", file=sys.stderr)
         return 2
     choice = _resolve_iterations(args, args.value_sensitivity)
+    chosen = _chosen_calibration(choice, args, args.value_sensitivity)
+    # the runs: those of the choice's calibration where it made one (the paper's procedure on the same
+    # executions), else drawn from --seed
+    seed = args.seed if chosen is None else choice.calibrator.seed_for(args.parties)
     results = []
     for proc in procedures:
         if proc == "paper" and args.epsilon >= 1:
             print("note: the paper's procedure needs epsilon < 1 (classic bound); skipped", file=sys.stderr)
             continue
-        if proc == "exact" and choice is not None and choice.calibrator is not None:
-            # the chosen T was calibrated in full with the exact procedure to choose it (scale-free): kept
-            cal = choice.calibrator.calibration(args.parties, mu_for_epsilon(args.epsilon, args.delta), args.delta,
-                                                args.value_sensitivity)
-            cal.notes.append("the calibration made to choose T (its runs are not simulated again)")
-            results.append(cal)
+        if proc == "exact" and chosen is not None:
+            chosen.notes.append("the calibration made to choose T (its runs are not simulated again)")
+            results.append(chosen)
             continue
         results.append(calibrate(
             args.epsilon, args.delta, args.parties, iterations=args.iterations, neighbors=args.neighbors,
             collusion=args.collusion, observed_fraction=args.observed_fraction, dropout=args.dropout,
-            schedule=args.schedule, runs=args.runs, seed=args.seed, procedure=proc, value_sensitivity=args.value_sensitivity,
+            schedule=args.schedule, runs=args.runs, seed=seed, procedure=proc, value_sensitivity=args.value_sensitivity,
             target_success=args.target_success, progress=None if args.json else _progress(f"{proc} runs"),
         ))
     central = (args.value_sensitivity / (args.parties * results[-1].mu_target)) ** 2 if results else math.nan

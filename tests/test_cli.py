@@ -151,9 +151,16 @@ def test_mean_and_calibrate_simulate_the_runs_of_the_chosen_iterations_once(monk
     paper, exact = json.loads(capsys.readouterr().out)["calibrations"]
     chosen = exact["iterations"]
     assert paper["iterations"] == chosen and simulated.count((chosen, 5)) == 2  # the paper's own runs, and the choice's
+    assert paper["run_seeds"] == exact["run_seeds"]  # both procedures on the same executions
     assert exact["notes"][-1] == "the calibration made to choose T (its runs are not simulated again)"
-    assert exact["parties"] == 40 and exact["predicted_mse"] == pytest.approx(
+    assert exact["parties"] == 40 and exact["epsilon"] == 0.5 and exact["predicted_mse"] == pytest.approx(
         min(r["predicted_mse"] for r in exact["alternatives"] if r["success_fraction"] == 1), rel=1e-12)
+    # --target-success reaches the choice's calibration: its most accurate row certifying half the runs
+    assert main(["calibrate", "-n", "50", "-T", "auto", "--runs", "5", "--procedure", "exact", "--json",
+                 "--target-success", "0.5"]) == 0
+    (half,) = json.loads(capsys.readouterr().out)["calibrations"]
+    assert 0.5 <= half["success_fraction"] < 1 and half["predicted_mse"] == pytest.approx(
+        min(r["predicted_mse"] for r in half["alternatives"] if r["success_fraction"] >= 0.5), rel=1e-12)
 
 
 def test_parse_dropout():

@@ -31,7 +31,7 @@ def test_core_imports_without_flower_and_ray():
 def test_a_clientapp_loads_no_privacy_accounting():
     """The deployment engine starts a ClientApp process per message: ``IncaClient`` (and the wire format a
     ClientApp reads) come without the strategy's privacy accounting, Opacus, Ray or SciPy (its sparse
-    matrices alone took 0.23 of the 0.25 s that importing the client side took); the strategy's names
+    matrices added 0.19 s to the 0.05 s the client side takes now; benchmarks/bench_client_import.py); the strategy's names
     still import from the same package, and an unknown name is an AttributeError."""
     pytest.importorskip("flwr")
     code = (

@@ -121,7 +121,10 @@ class Calibration:
     ``sigma_star`` and ``sigma_delta`` are in value units (already multiplied by
     ``value_sensitivity``); ``success_fraction`` is the share of the simulated runs whose every honest
     party meets the target at these sigmas; ``predicted_mse`` is the mean, over the runs, of the
-    closed-form per-coordinate MSE for values with variance ``value_variance``.
+    closed-form per-coordinate MSE for values with variance ``value_variance``. A calibration that
+    :class:`NoiseCalibrator` made for ``calibrated_parties`` parties and serves to ``parties`` others
+    (within 25%) has its sigmas scaled and its MSE extrapolated (:attr:`mse_terms`); its runs
+    (``run_seeds``) are executions of ``calibrated_parties`` parties.
     """
 
     procedure: str
@@ -144,15 +147,15 @@ class Calibration:
     run_seeds: list[tuple[int, int]] = field(default_factory=list)  # (trace seed, view seed) per run
     notes: list[str] = field(default_factory=list)
     value_variance: float = 1.0 / 12.0
-    # the predicted MSE's terms, means over the runs: value_variance * lost + sigma_star^2 * star
-    # + sigma_delta^2 * delta (sigmas in value units; :meth:`mse_at`)
+    # the predicted MSE's terms, means over the runs (extrapolated to ``parties`` when they differ from
+    # ``calibrated_parties``): value_variance * lost + sigma_star^2 * star + sigma_delta^2 * delta (sigmas in
+    # value units; :meth:`mse_at`)
     mse_terms: dict[str, float] = field(default_factory=dict)
+    calibrated_parties: int | None = None  # the parties of the runs (None: ``parties``)
 
     def mse_at(self, sigma_star: float, sigma_delta: float) -> float:
-        """The predicted per-coordinate MSE over the same runs at other sigmas (value units), for values of
-        variance ``value_variance`` (``predicted_mse`` is its value at the calibrated sigmas)."""
-        if not self.mse_terms:
-            raise ValueError("this calibration has no mse_terms (made by calibrate() or NoiseCalibrator)")
+        """The predicted per-coordinate MSE at other sigmas (value units), for values of variance
+        ``value_variance``, from :attr:`mse_terms` (``predicted_mse`` is its value at the calibrated sigmas)."""
         return _mse(self.mse_terms, sigma_star, sigma_delta, self.value_variance)
 
     def config(self, **overrides: Any) -> IncaConfig:
@@ -567,11 +570,17 @@ def _mse_terms(sims: Sequence[SimulatedRun]) -> dict[str, float]:
 
 
 def _mse(terms: dict[str, float], sigma_star: float, sigma_delta: float, value_variance: float) -> float:
-    """:attr:`Calibration.mse_terms` at these sigmas and value variance; inf where a sigma or a term is."""
-    if not all(math.isfinite(v) for v in (sigma_star, sigma_delta, *terms.values())):
-        return math.inf
-    return (value_variance * terms["lost"] + sigma_star * sigma_star * terms["star"]
-            + sigma_delta * sigma_delta * terms["delta"])
+    """:attr:`Calibration.mse_terms` at these sigmas and value variance; inf where a sigma or a term is (a term
+    of coefficient 0, e.g. sigma_delta's without dropouts, adds nothing whatever its factor)."""
+    if set(terms) != {"lost", "star", "delta"}:
+        raise ValueError("this calibration has no mse_terms (lost, star, delta): only calibrate() and "
+                         "NoiseCalibrator make them")
+    total = 0.0
+    for factor, term in ((value_variance, terms["lost"]), (sigma_star * sigma_star, terms["star"]),
+                         (sigma_delta * sigma_delta, terms["delta"])):
+        if term != 0:
+            total += factor * term
+    return total if math.isfinite(total) else math.inf
 
 
 def _kept(run_cache: dict | None, key: tuple, simulate: Callable[[], list[_Run]]) -> list[_Run]:
@@ -691,7 +700,9 @@ def _rescaled(base: Calibration, n: int, scale: float, mu_target: float, delta: 
     """``base`` for ``n`` parties with both sigmas times ``scale`` (:class:`NoiseCalibrator`), sigma_star also
     times ``sqrt(n_base / n)``, for ``mu_target`` and ``value_sensitivity``; every row's predicted MSE at its
     new sigmas. At another party count each MSE term is extrapolated by ``n_base / n`` (each is a mean over
-    about n parties: 1/n of the central noise's variance, and of the dropouts' share)."""
+    about n parties: 1/n of the central noise's variance, and of the dropouts' share). The row chosen is
+    ``base``'s: at ``n_base`` still the most accurate (every noise term scales alike); at another count
+    not chosen again (the terms scale unlike there)."""
     ratio = base.parties / n
     terms = {key: value * ratio for key, value in base.mse_terms.items()}
 
@@ -706,9 +717,12 @@ def _rescaled(base: Calibration, n: int, scale: float, mu_target: float, delta: 
         notes.append(f"calibrated for {base.parties} parties and scaled to {n}: sigma_star x sqrt({base.parties} / "
                      f"{n}), the predicted MSE's terms x {base.parties} / {n}")
     return replace(base, sigma_star=best["sigma_star"], sigma_delta=best["sigma_delta"],
-                   predicted_mse=best["predicted_mse"], mu_target=mu_target,
+                   predicted_mse=best["predicted_mse"],
+                   # the paper's procedure calibrates for its classic mu (base's: at this target)
+                   mu_target=mu_target if base.procedure == "exact" else base.mu_target,
                    epsilon=epsilon_for_delta(mu_target, delta), value_sensitivity=value_sensitivity, parties=n,
-                   alternatives=[row(r) for r in base.alternatives], mse_terms=terms, notes=notes)
+                   alternatives=[row(r) for r in base.alternatives], mse_terms=terms, notes=notes,
+                   calibrated_parties=base.parties)
 
 
 REUSE_WITHIN = 0.25  # a calibration serves every party count within 25% of the one it was made for
@@ -809,12 +823,18 @@ class NoiseCalibrator:
                 if (ref is None or (r == ref and d == delta)) and abs(m - n) <= REUSE_WITHIN * m]
         return min(near)[1] if near else None
 
+    def seed_for(self, n: int) -> int:
+        """The seed of the simulated runs of ``n`` parties (each party count derives its own from ``seed``):
+        :func:`calibrate` with it simulates the same executions."""
+        return int(np.random.SeedSequence(self.seed, spawn_key=(check_int("parties", n, 2),))
+                   .generate_state(1, dtype=np.uint64)[0])
+
     def _calibrate(self, n: int, ref: float, delta: float) -> Calibration:
         if self.progress is not None:
             self.progress(f"calibrating the noise for n = {n} parties over {self.settings['runs']} simulated runs")
         start = time.perf_counter()
         s = self.settings
-        seed = int(np.random.SeedSequence(self.seed, spawn_key=(n,)).generate_state(1, dtype=np.uint64)[0])
+        seed = self.seed_for(n)
         cal = calibrate(epsilon_for_delta(ref, delta), delta, n, iterations=s["iterations"],
                         neighbors=min(s["neighbors"], n - 1), collusion=s["collusion"],
                         observed_fraction=s["observed_fraction"], dropout=s["dropout"], topology=s["topology"],
