@@ -48,7 +48,8 @@ def _njit(fn):
     """Compiled lazily, on first call (without numba the functions stay plain Python, which the public
     wrappers refuse to run: the NumPy engine is the fallback). The machine code is cached on disk where numba finds a writable place for it (next to
     this file or in the user's cache directory); elsewhere, e.g. a read-only install with no home
-    directory, each process compiles again (a few seconds) instead of failing at import."""
+    directory, each process compiles again (about 18 s on a 2-core machine,
+    benchmarks/bench_numba_compile.py) instead of failing at import."""
     if numba is None:
         return fn
     try:
