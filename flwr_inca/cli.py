@@ -53,6 +53,7 @@ from .protocol.schedules import RECOMMENDED_SCHEDULE
 from .study import add_study_parser
 
 if TYPE_CHECKING:
+    from .privacy.calibration import Calibration
     from .rounds import IterationChoice
 
 
@@ -193,7 +194,7 @@ def _resolve_iterations(args: argparse.Namespace, value_sensitivity: float, *,
 
 
 def _chosen_calibration(choice: IterationChoice | None, args: argparse.Namespace,
-                        value_sensitivity: float):
+                        value_sensitivity: float) -> Calibration | None:
     """The calibration ``--iterations auto`` made of the chosen T for ``--parties`` at ``--epsilon`` (the
     drivers' calibrator, exact procedure, scale-free: its runs serve any target and sensitivity), or None
     when the choice calibrated nothing (a given T, fixed noise, no dropouts expected)."""
