@@ -259,12 +259,12 @@ def _serverapp_pids(ancestor: int) -> list[int]:
 @pytest.mark.deployment
 @pytest.mark.flower
 @pytest.mark.timeout(1800)
-# slow only: a SuperLink, 4 SuperNodes and flwr run per kill (24 s for one); the default suite kills the
+# slow only: a SuperLink, 3 SuperNodes and flwr run per kill (35 s for one); the default suite kills the
 # ServerApp in process (the same session, ledger and recovery) and kills a SuperNode on the deployment engine
 @pytest.mark.slow
 @pytest.mark.parametrize("trials", [pytest.param(1, id="1"), pytest.param(20, id="20")])
 def test_kill_9_of_the_serverapp_on_the_deployment_engine(tmp_path, trials):
-    """A real SuperLink and four SuperNodes; ``flwr run`` of the test app, and the ServerApp process the
+    """A real SuperLink and three SuperNodes; ``flwr run`` of the test app, and the ServerApp process the
     SuperLink started killed with SIGKILL at a random moment of its rounds, ``trials`` times: every round whose
     requests had left is charged in the ledger as the next process reads it (the killed run's reservation at
     least the no-finals ceiling of what it delivered)."""

@@ -54,6 +54,33 @@ def test_a_clientapp_loads_no_privacy_accounting():
     _prints_ok(code)
 
 
+def test_a_ray_actor_loads_only_the_training_side():
+    """The simulator's Ray backend starts an actor process per cohort (and a fresh one for each that died);
+    Ray imports its class from ``flwr_inca.simulation.training``: that loads torch, not the accountant, the
+    baselines, the runner or SciPy (they added about 2 s per actor; benchmarks/bench_client_import.py
+    --side actor). The package's names still import from it, the registry with every baseline's mode."""
+    pytest.importorskip("torch")
+    code = (
+        "import sys\n"
+        "from flwr_inca.simulation.training import CohortTrainer\n"
+        "heavy = sorted({p for p in ('flwr_inca.privacy', 'flwr_inca.baselines', 'flwr_inca.simulation.runner', "
+        "'flwr_inca.simulation.mixers', 'scipy', 'numba', 'ray', 'flwr.') for m in sys.modules if m.startswith(p)})\n"
+        "assert not heavy, heavy\n"
+        "import flwr_inca.simulation as s\n"
+        "from flwr_inca.simulation import MIXERS, SimulationConfig, simulate\n"
+        "assert {'inca', 'gopa', 'muffliato', 'local-dp', 'dp-gossip', 'central-dp', 'fedavg'} <= set(MIXERS)\n"
+        "assert SimulationConfig(mode='gopa', max_epsilon=1.0).mode == 'gopa' and set(s.__all__) <= set(dir(s))\n"
+        "try:\n"
+        "    s.NoSuchThing\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchThing' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+        "print('ok')\n"
+    )
+    _prints_ok(code)
+
+
 # ---------------------------------------------------------------------------- one module, one owner
 import ast  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -48,6 +48,7 @@ SIGMAS = {"sigma_star": 1.0, "sigma_delta": 5.0, "ledger_path": None}
     ({"budget_check_runs": True}, "budget_check_runs"),
     ({"final_retries": -1}, "final_retries"),
     ({"poll_interval": 100.0}, "poll_interval"),
+    ({"poll_interval": 0.5, "max_poll_interval": 0.1}, r"max_poll_interval \(seconds\) must be in \[0.5, "),
     ({"seed": -3}, "seed"),
 ])
 def test_bad_parameters_are_named(kwargs, name):
@@ -394,12 +395,45 @@ def test_exchange_returns_at_the_deadline_without_the_silent_nodes(task_identity
     grid = FakeGrid(answer=answer)
     messages = [Message(RecordDict(), dst_node_id=node, message_type="train") for node in (1, 2, 3)]
     start = time.monotonic()
-    replies = send_and_receive(grid, messages, 0.2, 0.01)
+    replies = send_and_receive(grid, messages, 0.2, 0.01, 1.0)
     assert sorted(r.node for r in replies) == [1, 2]
     assert time.monotonic() - start >= 0.2  # it waited for node 3 until the deadline
     start = time.monotonic()  # when every node answers, it returns without waiting for the deadline
-    assert len(send_and_receive(FakeGrid(answer=reply), messages, 600.0, 0.01)) == 3
+    assert len(send_and_receive(FakeGrid(answer=reply), messages, 600.0, 0.01, 1.0)) == 3
     assert time.monotonic() - start < 300.0
+
+
+def test_a_slow_exchange_is_polled_with_a_backoff_and_still_ends_at_its_deadline(task_identity):
+    """A SuperLink is asked for replies every 0.01 s at first, then every tenth of the exchange's age (at
+    most every max_poll_interval): a 2-second exchange costs about 40 polls, not 200, and the last wait is
+    cut to the deadline."""
+    from types import SimpleNamespace
+
+    from flwr_inca.flower.transport import poll_wait, send_and_receive
+
+    assert poll_wait(0.0, 0.01, 1.0) == 0.01 and poll_wait(0.02, 0.01, 1.0) == 0.01
+    assert poll_wait(2.0, 0.01, 1.0) == pytest.approx(0.2) and poll_wait(100.0, 0.01, 1.0) == 1.0
+    assert poll_wait(100.0, 0.01, 0.01) == 0.01 and poll_wait(1.0, 2.0, 2.0) == 2.0  # a fixed interval
+
+    class Counting(FakeGrid):
+        pulls = 0
+
+        def pull_messages(self, ids):
+            Counting.pulls += 1
+            return super().pull_messages(ids)
+
+    def answer(msg, message_id):  # node 3 never answers
+        return None if msg.metadata.dst_node_id == 3 else SimpleNamespace(
+            node=msg.metadata.dst_node_id, metadata=SimpleNamespace(reply_to_message_id=message_id))
+
+    messages = [Message(RecordDict(), dst_node_id=node, message_type="train") for node in (1, 2, 3)]
+    start = time.monotonic()
+    replies = send_and_receive(Counting(answer=answer), messages, 2.0, 0.01, 1.0)
+    waited = time.monotonic() - start
+    assert sorted(r.node for r in replies) == [1, 2] and waited >= 2.0
+    # about log(2 / 0.1) / log(1.1) + 10 = 41 polls when each sleep lasts as asked; fewer when it oversleeps
+    assert 2 <= Counting.pulls <= 50, Counting.pulls
+    assert waited < 2.0 + 1.0 + 60.0  # the last wait was cut to the deadline (slack for a loaded machine)
 
 
 # ------------------------------------------------------------------------------ client side

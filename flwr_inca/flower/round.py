@@ -89,7 +89,8 @@ class RelayedRound:
         self.relay = RoundRelay(n, mixing.iterations, d, inca.schedule, s_star, s_delta, mixing.precision,
                                 neighbors=self.params.neighbors, roster=roster)
         self.exchange = MixingExchange(grid, self.params, timeout=relay.exchange_timeout,
-                                       poll_interval=relay.poll_interval, payload_hook=payload_hook)
+                                       poll_interval=relay.poll_interval,
+                                       max_poll_interval=relay.max_poll_interval, payload_hook=payload_hook)
         self.privacy: IncaRound | None = None
         self.stopped = self.error = ""
 

@@ -279,7 +279,8 @@ class IncaStrategy(FedAvg):
                 answering[node] = True  # it replied to the join
         nodes = sorted(node for node, ok in answering.items() if ok and node not in self._ended)
         self._ended.update(nodes)
-        end_run(grid, nodes, min(self.relay.exchange_timeout, 15.0), self.relay.poll_interval)
+        end_run(grid, nodes, min(self.relay.exchange_timeout, 15.0), self.relay.poll_interval,
+                self.relay.max_poll_interval)
 
     def privacy_spent(self) -> PrivacySpent:
         """Privacy spent so far (reservations of rounds in progress included), at the target's delta, as

@@ -28,19 +28,33 @@ __all__ = ["Joined", "MixingExchange", "end_run", "error_summary", "join_round",
 PayloadHook = Callable[[int, int, int, int, bytes], bytes]  # (round, sender, receiver, iteration, payload)
 
 
-def send_and_receive(grid: Grid, messages: list[Message], timeout: float, poll_interval: float) -> list[Message]:
-    """``Grid.send_and_receive`` with a poll interval (same semantics: replies in arrival order; nodes that
-    did not answer within ``timeout`` seconds are simply absent)."""
+# an exchange's next poll waits this share of the time the exchange has taken so far (at least the relay's
+# poll_interval, at most its max_poll_interval): a reply is seen at most this share late, and an exchange of
+# duration D polls about log(D / poll_interval) / log(1 + share) times instead of D / poll_interval
+POLL_BACKOFF_SHARE = 0.1
+
+
+def poll_wait(elapsed: float, poll_interval: float, max_poll_interval: float) -> float:
+    """Seconds to wait before the next poll of an exchange that started ``elapsed`` seconds ago."""
+    return max(poll_interval, min(max_poll_interval, POLL_BACKOFF_SHARE * elapsed))
+
+
+def send_and_receive(grid: Grid, messages: list[Message], timeout: float, poll_interval: float,
+                     max_poll_interval: float) -> list[Message]:
+    """``Grid.send_and_receive`` polling with a backoff (:func:`poll_wait`; same semantics: replies in
+    arrival order; nodes that did not answer within ``timeout`` seconds are simply absent)."""
     pending = set(grid.push_messages(messages))
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     replies: list[Message] = []
     while pending:
         got = list(grid.pull_messages(pending))
         replies.extend(got)
         pending.difference_update(m.metadata.reply_to_message_id for m in got)
-        if not pending or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if not pending or now >= deadline:
             break
-        time.sleep(poll_interval)
+        time.sleep(min(poll_wait(now - started, poll_interval, max_poll_interval), deadline - now))
     return replies
 
 
@@ -102,9 +116,9 @@ class MixingExchange:
     in time, by party index. ``counters`` counts errors, malformed replies and timeouts."""
 
     def __init__(self, grid: Grid, params: RoundParams, *, timeout: float, poll_interval: float,
-                 payload_hook: PayloadHook | None = None) -> None:
+                 max_poll_interval: float, payload_hook: PayloadHook | None = None) -> None:
         self.grid, self.params = grid, params
-        self.timeout, self.poll_interval = timeout, poll_interval
+        self.timeout, self.poll_interval, self.max_poll_interval = timeout, poll_interval, max_poll_interval
         self.payload_hook = payload_hook
         self.counters = {"errors": 0, "malformed": 0, "timeouts": 0}
         self.has_roster: set[int] = set()  # nodes that keep the roster: their requests omit it
@@ -114,7 +128,8 @@ class MixingExchange:
         messages = [self._message(req) for req in requests]
         replies: dict[int, Reply] = {}
         arrived = 0
-        for msg in send_and_receive(self.grid, messages, self.timeout, self.poll_interval):
+        for msg in send_and_receive(self.grid, messages, self.timeout, self.poll_interval,
+                                    self.max_poll_interval):
             i = self.index.get(int(msg.metadata.src_node_id))
             if i is None:
                 continue
@@ -149,7 +164,7 @@ class MixingExchange:
                        message_type=f"{MessageType.TRAIN}.{MIX_ACTION}")
 
 
-def end_run(grid: Grid, nodes: list[int], timeout: float, poll_interval: float) -> None:
+def end_run(grid: Grid, nodes: list[int], timeout: float, poll_interval: float, max_poll_interval: float) -> None:
     """Tell ``nodes`` that the run is over, so that they remove its data. Best effort: a node that does not
     answer removes the data later (``IncaClient(stale_after=...)``)."""
     if not nodes:
@@ -158,7 +173,7 @@ def end_run(grid: Grid, nodes: list[int], timeout: float, poll_interval: float) 
     messages = [Message(content, dst_node_id=node, message_type=f"{MessageType.QUERY}.{END_ACTION}")
                 for node in nodes]
     try:
-        replies = send_and_receive(grid, messages, timeout, poll_interval)
+        replies = send_and_receive(grid, messages, timeout, poll_interval, max_poll_interval)
     except Exception as exc:  # noqa: BLE001 - the run is over; the nodes clean up later instead
         log(WARNING, "IncA: could not tell the nodes that the run is over: %s", exc)
         return

@@ -72,6 +72,7 @@ __all__ = [
     "RoundPlan",
     "create_mixer",
     "register_mixer",
+    "registered_mixers",
 ]
 
 
@@ -194,13 +195,22 @@ def register_mixer(cls: type[Mixer]) -> type[Mixer]:
     return cls
 
 
+def registered_mixers() -> dict[str, type[Mixer]]:
+    """:data:`MIXERS`, with the baselines' modes (local-dp, dp-gossip, muffliato, gopa) registered: their
+    module imports this one, so it is imported here, on first use."""
+    from . import baseline_mixers  # noqa: F401
+
+    return MIXERS
+
+
 def create_mixer(config: SimulationConfig) -> Mixer:
     """A new mixer of ``config.mode`` with its ``from_config``; ``ValueError`` naming ``mixer_options``
     for an option the mechanism does not take."""
+    mixers = registered_mixers()
     try:
-        cls = MIXERS[config.mode]
+        cls = mixers[config.mode]
     except KeyError:
-        raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {config.mode!r}") from None
+        raise ValueError(f"mode must be one of {sorted(mixers)}, got {config.mode!r}") from None
     try:
         return cls.from_config(config)
     except TypeError as exc:  # an unknown or missing keyword argument
