@@ -81,6 +81,30 @@ def test_a_ray_actor_loads_only_the_training_side():
     _prints_ok(code)
 
 
+def test_the_ledger_and_the_cli_load_no_solver():
+    """``flwr_inca.privacy`` imports each name when first used: a process that only keeps the ledger (the
+    processes that share one, the conversions) or builds the command line's parsers loads neither numba
+    (the compiled cascade) nor SciPy's sparse matrices (the certificates); every public name still resolves."""
+    code = (
+        "import sys\n"
+        "from flwr_inca.privacy import PrivacyLedger, epsilon_for_delta\n"
+        "import flwr_inca.cli, flwr_inca.study\n"
+        "heavy = sorted({p for p in ('numba', 'scipy.sparse', 'flwr_inca.privacy.certificate', 'torch') "
+        "for m in sys.modules if m.startswith(p)})\n"
+        "assert not heavy, heavy\n"
+        "import flwr_inca.privacy as p\n"
+        "assert all(getattr(p, name) is not None for name in p.__all__) and set(p.__all__) <= set(dir(p))\n"
+        "try:\n"
+        "    p.NoSuchThing\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchThing' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+        "print('ok')\n"
+    )
+    _prints_ok(code)
+
+
 # ---------------------------------------------------------------------------- one module, one owner
 import ast  # noqa: E402
 from pathlib import Path  # noqa: E402

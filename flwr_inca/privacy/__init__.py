@@ -6,84 +6,69 @@ Typical use::
     from flwr_inca.privacy import random_collusion, certify
     cert = certify(result.trace, random_collusion(result.trace, 0.1, seed=0), delta=1e-5)
     cert.max_mu, cert.epsilon, cert.weakest[:3]
+
+Each name is imported when first used: a process that needs only the ledger (or the conversions) does
+not load the certificates' solvers, SciPy's sparse matrices or numba.
 """
 
-from .accountants import (
-    ACCOUNTANTS,
-    ExactAccountant,
-    OpacusPrvAccountant,
-    OpacusRdpAccountant,
-    RoundAccountant,
-    RoundCost,
-    create_accountant,
-)
-from .adversary import AdversarialResult, adversarial_collusion
-from .attack import AttackAudit, attack_audit, attack_baseline
-from .bound import BoundSettings, SensitivityBound, bound_profile
-from .calibration import Calibration, calibrate
-from .certificate import Certificate, SensitivityProfile, certify, choose_solver, profile
-from .conversions import (
-    classic_epsilon,
-    classic_mu,
-    delta_for_epsilon,
-    epsilon_for_delta,
-    mu_for_epsilon,
-)
-from .ledger import BudgetExceededError, PrivacyLedger
-from .rounds import RoundCertificate, certification_seeds, certification_views, certify_round
-from .structure import StructureReport, analyze_structure
-from .views import (
-    AdversaryView,
-    collusion_view,
-    eavesdrop_view,
-    random_collusion,
-    random_eavesdrop,
-    recorded_finals,
-    with_finals,
-)
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "ACCOUNTANTS",
-    "AdversarialResult",
-    "AdversaryView",
-    "AttackAudit",
-    "BoundSettings",
-    "BudgetExceededError",
-    "Calibration",
-    "Certificate",
-    "ExactAccountant",
-    "OpacusPrvAccountant",
-    "OpacusRdpAccountant",
-    "PrivacyLedger",
-    "RoundAccountant",
-    "RoundCertificate",
-    "RoundCost",
-    "SensitivityBound",
-    "SensitivityProfile",
-    "StructureReport",
-    "adversarial_collusion",
-    "analyze_structure",
-    "attack_audit",
-    "attack_baseline",
-    "bound_profile",
-    "calibrate",
-    "certification_seeds",
-    "certification_views",
-    "certify",
-    "certify_round",
-    "choose_solver",
-    "classic_epsilon",
-    "classic_mu",
-    "collusion_view",
-    "create_accountant",
-    "delta_for_epsilon",
-    "eavesdrop_view",
-    "epsilon_for_delta",
-    "mu_for_epsilon",
-    "profile",
-    "random_collusion",
-    "random_eavesdrop",
-    "recorded_finals",
-    "with_finals",
-]
+_WHERE = {
+    "ACCOUNTANTS": ".accountants",
+    "AdversarialResult": ".adversary",
+    "AdversaryView": ".views",
+    "AttackAudit": ".attack",
+    "BoundSettings": ".bound",
+    "BudgetExceededError": ".ledger",
+    "Calibration": ".calibration",
+    "Certificate": ".certificate",
+    "ExactAccountant": ".accountants",
+    "OpacusPrvAccountant": ".accountants",
+    "OpacusRdpAccountant": ".accountants",
+    "PrivacyLedger": ".ledger",
+    "RoundAccountant": ".accountants",
+    "RoundCertificate": ".rounds",
+    "RoundCost": ".accountants",
+    "SensitivityBound": ".bound",
+    "SensitivityProfile": ".certificate",
+    "StructureReport": ".structure",
+    "adversarial_collusion": ".adversary",
+    "analyze_structure": ".structure",
+    "attack_audit": ".attack",
+    "attack_baseline": ".attack",
+    "bound_profile": ".bound",
+    "calibrate": ".calibration",
+    "certification_seeds": ".rounds",
+    "certification_views": ".rounds",
+    "certify": ".certificate",
+    "certify_round": ".rounds",
+    "choose_solver": ".certificate",
+    "classic_epsilon": ".conversions",
+    "classic_mu": ".conversions",
+    "collusion_view": ".views",
+    "create_accountant": ".accountants",
+    "delta_for_epsilon": ".conversions",
+    "eavesdrop_view": ".views",
+    "epsilon_for_delta": ".conversions",
+    "mu_for_epsilon": ".conversions",
+    "profile": ".certificate",
+    "random_collusion": ".views",
+    "random_eavesdrop": ".views",
+    "recorded_finals": ".views",
+    "with_finals": ".views",
+}
 
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name], __name__), name)
+    globals()[name] = value  # later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -36,16 +36,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._io import atomic_write_text
 from .._progress import ProgressBar
-from ..privacy.calibration import NoiseCalibrator
 from .grid import DEFAULT_GRID, StudyGrid, partition_alpha
 from .report import plot, summarise, write_table
 from .runs import RunResult, append_row, check_output, finish_runs, read_rows, run_key, skipped_note
+
+if TYPE_CHECKING:  # imported where used: `flwr-inca --help` and the study's parser load no solver
+    from ..privacy.calibration import NoiseCalibrator
 
 __all__ = ["CalibrationCache", "Study", "StudyData", "accuracies", "run_one", "run_study", "split_data", "worst_node"]
 
@@ -122,6 +124,7 @@ class CalibrationCache:
     def calibrator(self, procedure: str, gamma: float, clients: int, iterations: int) -> NoiseCalibrator:
         """The calibrator of ``procedure`` at dropout rate ``gamma`` and ``iterations`` T for a study of
         ``clients`` clients (whose size picks the runs and success share, :meth:`StudyGrid.inca_settings`)."""
+        from ..privacy.calibration import NoiseCalibrator
         from ..protocol.dropout import PermanentDropout
 
         runs, success, _ = self.grid.inca_settings(clients)
