@@ -63,15 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    VARIANTS = SIDES[args.side]
-    floor, measured, before = VARIANTS
+    variants = SIDES[args.side]
+    floor, measured, before = variants
     loaded = subprocess.run(
-        [sys.executable, "-c", VARIANTS[measured] + "; import sys; print(' '.join(sorted({m for m in sys.modules "
+        [sys.executable, "-c", variants[measured] + "; import sys; print(' '.join(sorted({m for m in sys.modules "
          f"if m in {HEAVY!r}}})))"], check=True, env=env,
         capture_output=True, text=True).stdout.split()
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.repeats):
-        for name, code in VARIANTS.items():
+        for name, code in variants.items():
             times[name].append(_time(code, env))
         print(f"\rrepeat {r + 1}/{args.repeats}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)

@@ -28,81 +28,62 @@ def test_core_imports_without_flower_and_ray():
     _prints_ok(code)
 
 
+def _loads_only_what_it_needs(first: str, forbidden: tuple[str, ...], package: str, then: str = "") -> None:
+    """In a fresh interpreter, the imports ``first`` load no module under any prefix of ``forbidden``; then
+    every public name of ``package`` (imported on first use) resolves, ``then``'s checks hold, and an
+    unknown name is an AttributeError."""
+    _prints_ok(
+        "import sys\n" + first
+        + f"heavy = sorted({{p for p in {forbidden!r} for m in sys.modules if m.startswith(p)}})\n"
+        "assert not heavy, heavy\n"
+        f"import {package} as package\n"
+        "assert all(getattr(package, name) is not None for name in package.__all__)\n"
+        "assert set(package.__all__) <= set(dir(package))\n" + then
+        + "try:\n"
+        "    package.NoSuchThing\n"
+        "except AttributeError as e:\n"
+        "    assert 'NoSuchThing' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+        "print('ok')\n"
+    )
+
+
 def test_a_clientapp_loads_no_privacy_accounting():
     """The deployment engine starts a ClientApp process per message: ``IncaClient`` (and the wire format a
     ClientApp reads) come without the strategy's privacy accounting, Opacus, Ray or SciPy (its sparse
     matrices added 0.19 s to the 0.05 s the client side takes now; benchmarks/bench_client_import.py); the strategy's names
     still import from the same package, and an unknown name is an AttributeError."""
     pytest.importorskip("flwr")
-    code = (
-        "import sys\n"
-        "from flwr_inca.flower import IncaClient\n"
-        "from flwr_inca.flower.wire import peek_request\n"
-        "heavy = sorted(m for m in sys.modules if m.startswith(('flwr_inca.privacy', 'opacus', 'ray', 'torch', 'scipy')))\n"
-        "assert not heavy, heavy\n"
-        "import flwr_inca.flower as f\n"
+    _loads_only_what_it_needs(
+        "from flwr_inca.flower import IncaClient\nfrom flwr_inca.flower.wire import peek_request\n",
+        ("flwr_inca.privacy", "opacus", "ray", "torch", "scipy"), "flwr_inca.flower",
         "from flwr_inca.flower import IncaStrategy, IncaBudgetExhausted, PrivacyTarget\n"
-        "assert IncaStrategy.__name__ == 'IncaStrategy' and set(f.__all__) <= set(dir(f))\n"
-        "try:\n"
-        "    f.NoSuchThing\n"
-        "except AttributeError as e:\n"
-        "    assert 'NoSuchThing' in str(e)\n"
-        "else:\n"
-        "    raise SystemExit('no AttributeError')\n"
-        "print('ok')\n"
-    )
-    _prints_ok(code)
+        "assert IncaStrategy.__name__ == 'IncaStrategy'\n")
 
 
 def test_a_ray_actor_loads_only_the_training_side():
     """The simulator's Ray backend starts an actor process per cohort (and a fresh one for each that died);
     Ray imports its class from ``flwr_inca.simulation.training``: that loads torch, not the accountant, the
-    baselines, the runner or SciPy (they added about 2 s per actor; benchmarks/bench_client_import.py
+    baselines, the runner or SciPy (they added about 1.3 s per actor; benchmarks/bench_client_import.py
     --side actor). The package's names still import from it, the registry with every baseline's mode."""
     pytest.importorskip("torch")
-    code = (
-        "import sys\n"
-        "from flwr_inca.simulation.training import CohortTrainer\n"
-        "heavy = sorted({p for p in ('flwr_inca.privacy', 'flwr_inca.baselines', 'flwr_inca.simulation.runner', "
-        "'flwr_inca.simulation.mixers', 'scipy', 'numba', 'ray', 'flwr.') for m in sys.modules if m.startswith(p)})\n"
-        "assert not heavy, heavy\n"
-        "import flwr_inca.simulation as s\n"
-        "from flwr_inca.simulation import MIXERS, SimulationConfig, simulate\n"
+    _loads_only_what_it_needs(
+        "from flwr_inca.simulation.training import CohortTrainer\n",
+        ("flwr_inca.privacy", "flwr_inca.baselines", "flwr_inca.simulation.runner", "flwr_inca.simulation.mixers",
+         "scipy", "numba", "ray", "flwr."), "flwr_inca.simulation",
+        "from flwr_inca.simulation import MIXERS, SimulationConfig\n"
         "assert {'inca', 'gopa', 'muffliato', 'local-dp', 'dp-gossip', 'central-dp', 'fedavg'} <= set(MIXERS)\n"
-        "assert SimulationConfig(mode='gopa', max_epsilon=1.0).mode == 'gopa' and set(s.__all__) <= set(dir(s))\n"
-        "try:\n"
-        "    s.NoSuchThing\n"
-        "except AttributeError as e:\n"
-        "    assert 'NoSuchThing' in str(e)\n"
-        "else:\n"
-        "    raise SystemExit('no AttributeError')\n"
-        "print('ok')\n"
-    )
-    _prints_ok(code)
+        "assert SimulationConfig(mode='gopa', max_epsilon=1.0).mode == 'gopa'\n")
 
 
 def test_the_ledger_and_the_cli_load_no_solver():
     """``flwr_inca.privacy`` imports each name when first used: a process that only keeps the ledger (the
     processes that share one, the conversions) or builds the command line's parsers loads neither numba
     (the compiled cascade) nor SciPy's sparse matrices (the certificates); every public name still resolves."""
-    code = (
-        "import sys\n"
-        "from flwr_inca.privacy import PrivacyLedger, epsilon_for_delta\n"
-        "import flwr_inca.cli, flwr_inca.study\n"
-        "heavy = sorted({p for p in ('numba', 'scipy.sparse', 'flwr_inca.privacy.certificate', 'torch') "
-        "for m in sys.modules if m.startswith(p)})\n"
-        "assert not heavy, heavy\n"
-        "import flwr_inca.privacy as p\n"
-        "assert all(getattr(p, name) is not None for name in p.__all__) and set(p.__all__) <= set(dir(p))\n"
-        "try:\n"
-        "    p.NoSuchThing\n"
-        "except AttributeError as e:\n"
-        "    assert 'NoSuchThing' in str(e)\n"
-        "else:\n"
-        "    raise SystemExit('no AttributeError')\n"
-        "print('ok')\n"
-    )
-    _prints_ok(code)
+    _loads_only_what_it_needs(
+        "from flwr_inca.privacy import PrivacyLedger, epsilon_for_delta\nimport flwr_inca.cli, flwr_inca.study\n",
+        ("numba", "scipy.sparse", "flwr_inca.privacy.certificate", "torch"), "flwr_inca.privacy")
 
 
 # ---------------------------------------------------------------------------- one module, one owner

@@ -6,8 +6,7 @@ Each name is imported when first used: a ClientApp process (the deployment engin
 that needs only ``IncaClient`` does not load the strategy's privacy accounting.
 """
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_exports
 
 _WHERE = {"IncaClient": ".client", "IncaStrategy": ".strategy", "IncaBudgetExhausted": ".strategy",
           "Offenders": ".offenders", "RoundRecord": ".round", "PrivacyTarget": ".config", "MixingConfig": ".config",
@@ -16,14 +15,4 @@ _WHERE = {"IncaClient": ".client", "IncaStrategy": ".strategy", "IncaBudgetExhau
 __all__ = ["IncaStrategy", "IncaClient", "IncaBudgetExhausted", "Offenders", "RoundRecord", "PrivacyTarget",
            "MixingConfig", "RelayConfig", "PersistenceConfig"]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_WHERE[name], __name__), name)
-    globals()[name] = value  # later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -11,8 +11,7 @@ Each name is imported when first used: a process that needs only the ledger (or 
 not load the certificates' solvers, SciPy's sparse matrices or numba.
 """
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_exports
 
 _WHERE = {
     "ACCOUNTANTS": ".accountants",
@@ -61,14 +60,4 @@ _WHERE = {
 
 __all__ = list(_WHERE)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_WHERE[name], __name__), name)
-    globals()[name] = value  # later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

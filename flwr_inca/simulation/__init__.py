@@ -13,73 +13,36 @@ The names below are loaded on first use: a process that needs only a part (a Ray
 ``training`` and torch) does not import the accountant, the baselines and the runner.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+from .._lazy import lazy_exports
 
 # name -> the submodule that defines it
 _EXPORTS = {
-    "simulate": "runner",
-    "RoundContext": "runner",
-    "SimulationConfig": "config",
-    "History": "history",
-    "RoundRecord": "history",
-    "Partitions": "partitions",
-    "iid": "partitions",
-    "dirichlet": "partitions",
-    "from_indices": "partitions",
-    "Availability": "availability",
-    "AlwaysAvailable": "availability",
-    "MarkovAvailability": "availability",
-    "AvailabilityTable": "availability",
-    "Mixer": "mixers",
-    "MixContext": "mixers",
-    "RoundPlan": "mixers",
-    "IncaMixer": "mixers",
-    "FedAvgMixer": "mixers",
-    "CentralDPMixer": "mixers",
-    "MIXERS": "mixers",
-    "register_mixer": "mixers",
-    "create_mixer": "mixers",
-    "Dataset": "data",
-    "load_mnist": "data",
+    "simulate": ".runner",
+    "RoundContext": ".runner",
+    "SimulationConfig": ".config",
+    "History": ".history",
+    "RoundRecord": ".history",
+    "Partitions": ".partitions",
+    "iid": ".partitions",
+    "dirichlet": ".partitions",
+    "from_indices": ".partitions",
+    "Availability": ".availability",
+    "AlwaysAvailable": ".availability",
+    "MarkovAvailability": ".availability",
+    "AvailabilityTable": ".availability",
+    "Mixer": ".mixers",
+    "MixContext": ".mixers",
+    "RoundPlan": ".mixers",
+    "IncaMixer": ".mixers",
+    "FedAvgMixer": ".mixers",
+    "CentralDPMixer": ".mixers",
+    "MIXERS": ".mixers",
+    "register_mixer": ".mixers",
+    "create_mixer": ".mixers",
+    "Dataset": ".data",
+    "load_mnist": ".data",
 }
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name == "MIXERS":  # the registry with the baselines' modes (local-dp, dp-gossip, muffliato, gopa)
-        value: Any = importlib.import_module(".mixers", __name__).registered_mixers()
-    else:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
-    from .availability import AlwaysAvailable, Availability, AvailabilityTable, MarkovAvailability
-    from .config import SimulationConfig
-    from .data import Dataset, load_mnist
-    from .history import History, RoundRecord
-    from .mixers import (
-        MIXERS,
-        CentralDPMixer,
-        FedAvgMixer,
-        IncaMixer,
-        MixContext,
-        Mixer,
-        RoundPlan,
-        create_mixer,
-        register_mixer,
-    )
-    from .partitions import Partitions, dirichlet, from_indices, iid
-    from .runner import RoundContext, simulate
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

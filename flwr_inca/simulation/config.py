@@ -116,12 +116,11 @@ class SimulationConfig:
         self._validate()
 
     def _validate(self) -> None:
-        from .mixers import registered_mixers
+        from .mixers import MIXERS
 
-        mixers = registered_mixers()
         check_rounds("rounds", self.rounds)
-        if not isinstance(self.mode, str) or self.mode not in mixers:
-            raise ValueError(f"mode must be one of {sorted(mixers)}, got {self.mode!r}")
+        if not isinstance(self.mode, str) or self.mode not in MIXERS:
+            raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {self.mode!r}")
         check_probability("fraction (of available clients per round)", self.fraction, zero=False)
         check_parties("min_clients", self.min_clients)
         if self.availability is not None and not isinstance(self.availability, Availability):
@@ -156,7 +155,7 @@ class SimulationConfig:
         check_rounds("eval_every", self.eval_every)
         if self.backend != "ray" and (self.num_actors is not None or self.ray_address is not None):
             raise ValueError("num_actors and ray_address need backend='ray' (the inline backend has no actors)")
-        self._validate_privacy(mixers[self.mode].private)
+        self._validate_privacy(MIXERS[self.mode].private)
         if self.mode == "inca" or self.mixer_options:  # the mixer validates its own parameters
             from .mixers import create_mixer
 

@@ -72,7 +72,6 @@ __all__ = [
     "RoundPlan",
     "create_mixer",
     "register_mixer",
-    "registered_mixers",
 ]
 
 
@@ -195,22 +194,13 @@ def register_mixer(cls: type[Mixer]) -> type[Mixer]:
     return cls
 
 
-def registered_mixers() -> dict[str, type[Mixer]]:
-    """:data:`MIXERS`, with the baselines' modes (local-dp, dp-gossip, muffliato, gopa) registered: their
-    module imports this one, so it is imported here, on first use."""
-    from . import baseline_mixers  # noqa: F401
-
-    return MIXERS
-
-
 def create_mixer(config: SimulationConfig) -> Mixer:
     """A new mixer of ``config.mode`` with its ``from_config``; ``ValueError`` naming ``mixer_options``
     for an option the mechanism does not take."""
-    mixers = registered_mixers()
     try:
-        cls = mixers[config.mode]
+        cls = MIXERS[config.mode]
     except KeyError:
-        raise ValueError(f"mode must be one of {sorted(mixers)}, got {config.mode!r}") from None
+        raise ValueError(f"mode must be one of {sorted(MIXERS)}, got {config.mode!r}") from None
     try:
         return cls.from_config(config)
     except TypeError as exc:  # an unknown or missing keyword argument
@@ -491,3 +481,8 @@ class IncaMixer(Mixer):
         ahead = plan.info.pop("noise_ahead", None)
         if ahead is not None:
             ahead.close()
+
+
+# the baselines' modes (local-dp, dp-gossip, muffliato, gopa) register when the registry is imported; their
+# module imports this one's names, so it comes last
+from . import baseline_mixers  # noqa: E402, F401
