@@ -768,7 +768,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
-    from .privacy.certificate import EXACT_LONG_MAX_ROWS, EXACT_LONG_MIN_ITERATIONS, EXACT_MAX_ROWS, SOLVERS
+    from .privacy.methods import EXACT_LONG_MAX_ROWS, EXACT_LONG_MIN_ITERATIONS, EXACT_MAX_ROWS, SOLVERS
     from .reproduce import DEFAULT_RUNS
 
     r = sub.add_parser(

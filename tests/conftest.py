@@ -1,5 +1,10 @@
 import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 # Pin BLAS/OpenMP threads for the whole test session, before NumPy (or torch, or SciPy) is imported:
@@ -39,10 +44,10 @@ ENGINE_GROUP = "engines"
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        starts_ray = item.get_closest_marker("flower") is not None or "local_ray" in fixtures
+        starts_ray = item.get_closest_marker("flower") is not None or "ray_cluster" in fixtures
         if starts_ray and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(RAY_TEST_DEADLINE_S))
-        if starts_ray or "ray_cluster" in fixtures or item.get_closest_marker("deployment") is not None:
+        if starts_ray or item.get_closest_marker("deployment") is not None:
             item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
 
 
@@ -97,3 +102,68 @@ def task_identity(monkeypatch):
     flwr = pytest.importorskip("flwr.supercore.task_identity")
     for name, value in (("_run_id", 1), ("_node_id", 5), ("_task_id", 1)):
         monkeypatch.setattr(flwr.TaskIdentity, name, value)
+
+
+# ------------------------------------------------------------------------------ one Ray cluster
+def _free_port_block(size: int) -> int:
+    """A base port with ``size`` free ports above it (checked by binding each)."""
+    rng = np.random.default_rng()
+    for _ in range(50):
+        base = int(rng.integers(20_000, 60_000 - size))
+        try:
+            for p in range(base, base + size):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free block of ports")
+
+
+def _wait_for_head(port: int, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    """Until the head's GCS accepts connections (the event), or ``ray start`` exits; ``timeout`` is only
+    a generous deadline for a machine under load."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"the Ray head did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real Ray cluster, ``ray start --head --num-cpus 2`` as a separate process (non-default ports, its own
+    temp dir), shared by every test that runs Ray: the simulator's Ray backend and Flower's simulation engine
+    join it (``address``) instead of each starting and stopping a local Ray (about 10 s each on these
+    machines, joining about 1 s); a run's actors and workers end when its driver disconnects. Yields
+    ``("127.0.0.1:<port>", temp_dir)``. Stopped through its process group (all of its processes were
+    started by it), also when a test fails. The tests that use it all run on one pytest-xdist worker
+    (``ENGINE_GROUP``), so one session starts one cluster."""
+    pytest.importorskip("ray")
+    base = _free_port_block(80)
+    temp = tempfile.mkdtemp(prefix="rw10-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    ports = ("--port", "--node-manager-port", "--object-manager-port", "--ray-client-server-port",
+             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+             "--metrics-export-port", "--dashboard-port")
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus", "2",
+           "--node-ip-address", "127.0.0.1", *[a for i, flag in enumerate(ports) for a in (flag, str(base + i))],
+           "--min-worker-port", str(base + 20), "--max-worker-port", str(base + 79),
+           "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp]
+    log_path = Path(temp) / "ray-start.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_head(base, proc, log_path)
+        yield f"127.0.0.1:{base}", temp
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the session ray start leads: only its processes
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

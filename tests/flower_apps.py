@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -18,6 +19,20 @@ FAULTS_ENV = "INCA_TEST_FAULTS"  # "party:round:commit;..." mixing exchanges at 
 # a JSON file (written by the test's ServerApp, read at every message) of how nodes misbehave:
 # {"join": {"<partition>": kind}, "nan": [partitions], "final": {"<round>:<partition>": kind}}
 HOSTILE_ENV = "INCA_TEST_HOSTILE"
+
+
+def on_the_session_cluster(ray_address: str) -> dict:
+    """Joins this process to the test session's Ray cluster (conftest's ``ray_cluster``, 2 CPUs) and returns
+    the ``backend_config`` of a ``run_simulation`` that uses it: Flower's Ray backend then runs its actors
+    there (one per CPU) instead of starting and stopping a Ray of its own, and disconnects at the end. The
+    cluster's workers were not started from this process, so the job passes them what they would otherwise
+    inherit: ``sys.path`` (these apps) and the nodes' settings (``INCA_TEST_*``, ``FLWR_INCA_*``)."""
+    import ray
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(("INCA_TEST_", "FLWR_INCA_"))}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    ray.init(address=ray_address, runtime_env={"env_vars": env}, logging_level="WARNING")
+    return {"client_resources": {"num_cpus": 1}}
 
 
 def local_update(arrays: list[np.ndarray], pid: int, rnd: int) -> list[np.ndarray]:

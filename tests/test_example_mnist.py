@@ -154,6 +154,43 @@ def test_example_runs_offline_on_digits_and_a_spent_budget_keeps_earlier_results
     assert _results(tmp_path)[0] == runs and (runs[0] / "results.json").read_bytes() == before
 
 
+def test_an_unreachable_ray_address_exits_2_in_one_line_before_flower_starts(tmp_path, monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setitem(sys.modules, "datasets", None)
+
+    def not_started(**_):
+        raise AssertionError("Flower's simulation engine started without a Ray cluster")
+
+    monkeypatch.setattr("flwr.simulation.run_simulation", not_started)
+    _run_example(tmp_path, monkeypatch, expect=2, **{"num-server-rounds": 1})
+    err = [line for line in capsys.readouterr().err.splitlines() if "falling back" not in line]
+    assert err == [f"error: RAY_ADDRESS='127.0.0.1:{port}': no Ray cluster answers there ([Errno 111] Connection "
+                   "refused); start one with `ray start --head` or unset RAY_ADDRESS for a local Ray"]
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+
+
+@pytest.mark.slow  # a second run of Flower's simulation engine (30 s); the default run starts a local Ray
+@pytest.mark.flower
+@pytest.mark.timeout(300)
+def test_example_runs_on_the_ray_cluster_that_ray_address_names(ray_cluster, tmp_path, monkeypatch, capsys):
+    """``RAY_ADDRESS`` set: Flower's engine runs on that cluster (Ray refuses the CPU count a local Ray is
+    started with), and the run's settings reach the cluster's workers, which were not started from here."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster[0])
+    monkeypatch.delenv("FLWR_INCA_MNIST_DIR", raising=False)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    _run_example(tmp_path, monkeypatch, **{"num-server-rounds": 2, "epsilon": 3.0, "batch-size": 20})
+    err = capsys.readouterr().err
+    assert "round 2/2" in err
+    _, (out,) = _results(tmp_path)
+    assert out["config"]["epsilon"] == 3.0 and len(out["history"]) == 3
+    assert 0 < out["history"][-1]["epsilon"] <= 3.0 + 0.02
+
+
 @pytest.mark.parametrize("args, message", [
     (["--epsilon", "0"], "epsilon must be a number > 0, got 0.0"),
     (["--collusion", "-0.5"], "collusion must be in [0, 1), got -0.5"),

@@ -119,15 +119,15 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _simulate(server_app, client_app, nodes=NODES):
+def _simulate(server_app, client_app, ray_address, nodes=NODES):
     from flwr.simulation import run_simulation
 
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
-                   backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+                   backend_config=flower_apps.on_the_session_cluster(ray_address))
 
 
 @pytest.fixture(scope="module")
-def faulty_run(tmp_path_factory):
+def faulty_run(tmp_path_factory, ray_cluster):
     tmp = tmp_path_factory.mktemp("e2e")
     client_faults = ERRORS + [(LOST_FINAL[0], LOST_FINAL[1], T + 1)]
     os.environ[flower_apps.FAULTS_ENV] = ";".join(f"{p}:{r}:{c}" for p, r, c in client_faults)
@@ -156,7 +156,7 @@ def faulty_run(tmp_path_factory):
         out.update(strategy=strategy, result=result, globals=globals_, seen=recording.seen)
 
     try:
-        _simulate(app, flower_apps.client)
+        _simulate(app, flower_apps.client, ray_cluster[0])
     finally:
         os.environ.pop(flower_apps.FAULTS_ENV, None)
         logging.getLogger("flwr").removeHandler(log)
@@ -304,7 +304,7 @@ OMIT_NUM_EXAMPLES = 7  # the partition whose train metrics lack "num-examples" i
 
 
 @pytest.fixture(scope="module")
-def scenarios(tmp_path_factory):
+def scenarios(tmp_path_factory, ray_cluster):
     tmp = tmp_path_factory.mktemp("scenarios")
     out: dict = {}
     app = ServerApp()
@@ -404,7 +404,7 @@ def scenarios(tmp_path_factory):
         _run(out, "no_training", no_training)
 
     try:
-        _simulate(app, flower_apps.secure_client)
+        _simulate(app, flower_apps.secure_client, ray_cluster[0])
     finally:
         os.environ.pop(flower_apps.HOSTILE_ENV, None)
         if before is None:

@@ -596,12 +596,13 @@ hostile_client = _hostile_client_app()  # at module level: the simulation's work
 
 
 @pytest.mark.flower
-def test_one_hostile_node_in_a_flower_simulation_is_barred_and_every_round_trains(tmp_path):
+def test_one_hostile_node_in_a_flower_simulation_is_barred_and_every_round_trains(tmp_path, ray_cluster):
     pytest.importorskip("ray")
     import logging
 
     from flwr.app import ArrayRecord, Context
     from flwr.serverapp import Grid, ServerApp
+    from flower_apps import on_the_session_cluster
     from flwr.simulation import run_simulation
 
     from flwr_inca.flower import IncaStrategy
@@ -635,7 +636,7 @@ def test_one_hostile_node_in_a_flower_simulation_is_barred_and_every_round_train
 
     try:
         run_simulation(server_app=app, client_app=hostile_client, num_supernodes=E2E_NODES,
-                       backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}})
+                       backend_config=on_the_session_cluster(ray_cluster[0]))
     finally:
         os.environ.pop(HOSTILE_ENV, None)
         logging.getLogger("flwr").removeHandler(handler)

@@ -78,12 +78,19 @@ def test_a_ray_actor_loads_only_the_training_side():
 
 
 def test_the_ledger_and_the_cli_load_no_solver():
-    """``flwr_inca.privacy`` imports each name when first used: a process that only keeps the ledger (the
-    processes that share one, the conversions) or builds the command line's parsers loads neither numba
-    (the compiled cascade) nor SciPy's sparse matrices (the certificates); every public name still resolves."""
+    """``flwr_inca.privacy`` (and its attack package) imports each name when first used: a process that only
+    keeps the ledger (the processes that share one, the conversions) or builds the command line's parsers
+    (``flwr-inca --help``: every subcommand's options, the solvers' names and limits, the figures' default
+    runs) loads neither numba (the compiled cascade), SciPy's sparse matrices (the certificates) nor a
+    figure's module; every public name still resolves."""
     _loads_only_what_it_needs(
-        "from flwr_inca.privacy import PrivacyLedger, epsilon_for_delta\nimport flwr_inca.cli, flwr_inca.study\n",
-        ("numba", "scipy.sparse", "flwr_inca.privacy.certificate", "torch"), "flwr_inca.privacy")
+        "from flwr_inca.privacy import PrivacyLedger, epsilon_for_delta\nimport flwr_inca.cli, flwr_inca.study\n"
+        "flwr_inca.cli.build_parser()\n",
+        ("numba", "scipy.sparse", "flwr_inca.privacy.certificate", "flwr_inca.privacy.attack.audit",
+         "flwr_inca.reproduce.fig", "flwr_inca.reproduce.frontier", "torch"), "flwr_inca.privacy",
+        "import flwr_inca.privacy.attack as attack\n"
+        "assert all(getattr(attack, name) is not None for name in attack.__all__)\n"
+        "assert attack.audit.DEFAULT_RUNS == attack.DEFAULT_RUNS\n")
 
 
 # ---------------------------------------------------------------------------- one module, one owner

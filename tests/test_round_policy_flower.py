@@ -100,7 +100,7 @@ class CommitGrid(RecordingGrid):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ray_cluster):
     """One ServerApp running several strategies in a row, each recorded as (strategy, the exception that
     stopped it or Flower's Result, its CommitGrid, the ledger's entries afterwards)."""
     base = tmp_path_factory.mktemp("round-policy")
@@ -131,7 +131,7 @@ def runs(tmp_path_factory):
                                        ledger_path=base / "guard.json", seed=seed, predicted=0.0)
             run(name, guarded, "guard.json")
 
-    _simulate(app, flower_apps.client)
+    _simulate(app, flower_apps.client, ray_cluster[0])
     assert "guarded-restart" in out, "the ServerApp failed: see the log above"
     return out
 

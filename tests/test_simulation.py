@@ -58,11 +58,13 @@ def run(config=None, parts=PARTS, progress=False, **kw):
 
 
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(ray_cluster):
+    """This process joined to the session's Ray cluster (2 CPUs); the simulator's Ray backend uses the Ray
+    it finds initialized."""
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(address=ray_cluster[0], logging_level="WARNING")
     yield ray
     if started:
         ray.shutdown()

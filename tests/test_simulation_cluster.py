@@ -1,19 +1,15 @@
-"""A real Ray cluster: ``ray start --head --num-cpus 2`` as a separate process (non-default ports, its
-own temp dir), shared by the tests of this module: a simulation that joins it with ``ray_address="auto"``
-from another process gives the same history as the run in this process, and ``flwr-inca simulate`` joins
-the cluster that ``RAY_ADDRESS`` names, as ``ray.init`` does. The cluster is stopped through its process
-group (all of its processes were started by it), also when a test fails."""
+"""A real Ray cluster, ``ray start --head --num-cpus 2`` as a separate process (conftest's ``ray_cluster``):
+a simulation that joins it with ``ray_address="auto"`` from another process gives the same history as the
+run in this process, and ``flwr-inca simulate`` joins the cluster that ``RAY_ADDRESS`` names, as
+``ray.init`` does."""
 
 import gzip
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,92 +23,6 @@ import test_simulation as sim  # noqa: E402  (its synthetic data and model)
 from flwr_inca.simulation import SimulationConfig, simulate  # noqa: E402
 
 CONFIG = dict(rounds=2, max_epsilon=2.0, calibration_runs=2, iterations=5, lr=2.0, fraction=0.75)
-
-
-def _free_port_block(size: int) -> int:
-    """A base port with ``size`` free ports above it (checked by binding each)."""
-    rng = np.random.default_rng()
-    for _ in range(50):
-        base = int(rng.integers(20_000, 60_000 - size))
-        try:
-            for p in range(base, base + size):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free block of ports")
-
-
-def _wait_for(port: int, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
-    """Until the head's GCS accepts connections (the event), or ``ray start`` exits; ``timeout`` is only
-    a generous deadline for a machine under load."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"the Ray head did not come up in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    base = _free_port_block(80)
-    temp = tempfile.mkdtemp(prefix="rw10-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    cmd = [
-        ray_bin,
-        "start",
-        "--head",
-        "--block",
-        "--num-cpus",
-        "2",
-        "--node-ip-address",
-        "127.0.0.1",
-        "--port",
-        str(base),
-        "--node-manager-port",
-        str(base + 1),
-        "--object-manager-port",
-        str(base + 2),
-        "--ray-client-server-port",
-        str(base + 3),
-        "--dashboard-agent-listen-port",
-        str(base + 4),
-        "--dashboard-agent-grpc-port",
-        str(base + 5),
-        "--runtime-env-agent-port",
-        str(base + 6),
-        "--metrics-export-port",
-        str(base + 7),
-        "--dashboard-port",
-        str(base + 8),
-        "--min-worker-port",
-        str(base + 20),
-        "--max-worker-port",
-        str(base + 79),
-        "--include-dashboard=false",
-        "--disable-usage-stats",
-        "--temp-dir",
-        temp,
-    ]
-    log_path = Path(temp) / "ray-start.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_for(base, proc, log_path)
-        yield f"127.0.0.1:{base}", temp
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # the session ray start leads: only its processes
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 SCRIPT = textwrap.dedent("""

@@ -32,7 +32,7 @@ SEED = 0  # the simulation's seed; the strategy certifies with the simulator's t
 
 
 @pytest.fixture(scope="module")
-def flower_rounds():
+def flower_rounds(ray_cluster):
     from flwr.simulation import run_simulation
 
     out: dict = {}
@@ -66,7 +66,7 @@ def flower_rounds():
         server_app=app,
         client_app=flower_apps.client,
         num_supernodes=NODES,
-        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2}},
+        backend_config=flower_apps.on_the_session_cluster(ray_cluster[0]),
     )
     return out
 

@@ -40,6 +40,15 @@ from ..protocol.trace import ExecutionTrace
 from .bound import BoundSettings, SensitivityBound, bound_bytes, bound_profile
 from .conversions import epsilon_for_delta
 from .linear_system import ObservationModel, build_model, lower_norm1
+from .methods import (
+    CASCADE_MAX_STEPS,
+    CASCADE_MIN_ROWS,
+    EXACT_LONG_MAX_ROWS,
+    EXACT_LONG_MIN_ITERATIONS,
+    EXACT_MAX_PARTIES,
+    EXACT_MAX_ROWS,
+    SOLVERS,
+)
 from .views import AdversaryView
 
 __all__ = [
@@ -61,35 +70,10 @@ __all__ = [
 ]
 
 _SNAP = 1e-9
-SOLVERS = ("auto", "exact", "bound", "cascade")
-# The automatic choice (auto_solver), measured side by side: benchmarks/RESULTS.md, "Which method auto takes".
-# Exact up to this many observed honest messages: up to 8000 it was the faster method in every setting
-# (1.6-3.3x at 7000-7350: n = 1000 with T = 80 or k = 2, T = 40; n = 3000, T = 20) and 0.1-6% tighter.
-EXACT_MAX_ROWS = 8000
-# ... and, with one neighbour and at least this many iterations, up to EXACT_LONG_MAX_ROWS: the bound's search
-# is slow there and the cascade's local tier slower (T = 60, n = 2000, 11,454 messages: exact 47 s, bound and
-# cascade 71 s; T = 80, up to 14,768 messages: 1.8x to 2.5x faster than the bound, 1.8x to 3.7x than the
-# cascade, 4-8% tighter). The memory limit still applies (6.9 GB at 14,768 messages).
-EXACT_LONG_MIN_ITERATIONS = 60
-EXACT_LONG_MAX_ROWS = 15000
-# beyond this many observed honest messages auto uses the charge-aware cascade instead of the global
-# bound (both sound, their maxima within about 1-4% of each other): bound 66 s / cascade 46 s at 9,732
-# messages (n = 4000, T = 20), 167 s / 71 s at 14,652 (n = 6000), on a busy machine; 32 s / 26 s at n = 2500,
-# T = 40 ...
-CASCADE_MIN_ROWS = 9500
-# ... as long as T * k is at most CASCADE_MAX_STEPS: the cascade's local tier covers the neighbourhood a party's
-# messages reach, which grows with T and k. Beyond, up to EXACT_MAX_PARTIES parties (the range measured), the
-# global bound is faster: k = 2, T = 40 (n = 1500): 12 s against 55 s; k = 2, T = 80 (n = 1000): 42 s against
-# 358 s.
-CASCADE_MAX_STEPS = 40
 # the exact method refuses views whose dense matrices would not fit: it peaks at about 44 bytes per
 # squared observed message (4.2 GB at 9732 messages)
 EXACT_HARD_ROWS = 16000
 _EXACT_BYTES_PER_ROW2 = 44
-# the exact method also keeps dense (n, n) and (n, n_H) matrices (the structured builder's state covariance,
-# B_V's recursion), whatever the number of observed messages: beyond this many parties auto uses the bound
-# (a trace of 30,000 parties and no message asked the exact method for 6 GiB, 10^7 parties for 655 TiB)
-EXACT_MAX_PARTIES = 5000
 # a Certificate's {party: mu} dict: about 100 bytes of Python objects per party, with room
 _CERTIFICATE_BYTES_PER_PARTY = 200
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import TextIO
 
 from .._checks import check_bool, check_int, check_runs
 from .._plots import have_matplotlib
-from . import fig1, fig2, fig3, fig5, frontier
 from .common import Check, FigureResult, ProgressBar, single_blas_thread, write_csv
 
 __all__ = ["DEFAULT_RUNS", "FIGURES", "Check", "FigureResult", "reproduce"]
@@ -33,32 +33,45 @@ __all__ = ["DEFAULT_RUNS", "FIGURES", "Check", "FigureResult", "reproduce"]
 
 @dataclass(frozen=True)
 class _Figure:
-    run: Callable[..., FigureResult]
-    work: Callable[[int], int]
-    default_runs: int
+    """One figure: the module of this package that measures it, imported when the figure runs (naming the
+    figures and their default runs, as the command line's help does, imports none)."""
+
+    module: str
+    runner: str  # the module's function (runs, seed, bar, **kwargs) -> FigureResult
+    default_runs: int  # simulated runs per point when --runs is not given
     display: tuple[str, ...]
     shares_cache: bool = False
     in_all: bool = True  # run by "all" (the paper's figures)
     settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors, solver)
+    work_name: str | None = None  # the name the module's work() takes first (one module, two figures)
+
+    def run(self, runs: int, seed: int, bar: ProgressBar, **kwargs) -> FigureResult:
+        return getattr(import_module(f"{__name__}.{self.module}"), self.runner)(runs, seed, bar, **kwargs)
+
+    def work(self, runs: int, **kwargs) -> int:
+        work = import_module(f"{__name__}.{self.module}").work
+        return work(self.work_name, runs, **kwargs) if self.work_name else work(runs, **kwargs)
 
 
 FIGURES: dict[str, _Figure] = {
-    "fig1": _Figure(fig1.run, fig1.work, fig1.DEFAULT_RUNS,
+    "fig1": _Figure("fig1", "run", 3,
                     ("rho", "n_honest", "cdp_classic", "ldp_classic", "muffliato_pndp_T8", "muffliato_pndp_T17",
                      "inca_formula_classic", "inca_formula_exact", "inca_paper_mse", "inca_exact_mse",
                      "inca_exact_alpha")),
-    "fig2": _Figure(fig2.run, fig2.work, fig2.DEFAULT_RUNS,
+    "fig2": _Figure("fig2", "run", 500,
                     ("n", "rho", "runs", "min_T_all_runs", "median_T", "p99_T", "T_estimate_these_runs",
                      "T_for_1e5_runs")),
-    "fig3a": _Figure(fig3.run_3a, lambda r: fig3.work("fig3a", r), fig3.DEFAULT_RUNS["fig3a"],
+    "fig3a": _Figure("fig3", "run_3a", 50,
                      ("protocol", "gamma", "procedure", "sigma_star", "sigma_delta", "alpha", "success_fraction",
-                      "mse", "mse_stderr"), shares_cache=True),
-    "fig3b": _Figure(fig3.run_3b, lambda r: fig3.work("fig3b", r), fig3.DEFAULT_RUNS["fig3b"],
+                      "mse", "mse_stderr"), shares_cache=True, work_name="fig3a"),
+    "fig3b": _Figure("fig3", "run_3b", 100,
                      ("protocol", "gamma", "procedure", "sigma_star", "sigma_delta", "alpha", "success_fraction",
-                      "mse", "mse_stderr", "noise_lower_bound"), shares_cache=True),
-    "fig5": _Figure(fig5.run, fig5.work, fig5.DEFAULT_RUNS,
+                      "mse", "mse_stderr", "noise_lower_bound"), shares_cache=True, work_name="fig3b"),
+    "fig5": _Figure("fig5", "run", 100,
                     ("threat", "k", "T", "messages", "precondition_success", "exact_floor_success")),
-    "frontier": _Figure(frontier.run, frontier.work, frontier.DEFAULT_RUNS,
+    # calibration runs: at n = 200 (T in {10, 20, 40}, gamma = 0.1) the worst-case sigma_delta over the first 400
+    # runs is within 5% of that over 800 (benchmarks/bench_schedules.py "stability")
+    "frontier": _Figure("frontier", "run", 400,
                         ("n", "epsilon", "gamma", "protocol", "T", "k_PR", "messages_per_party", "rounds",
                          "sigma_star", "sigma_delta", "alpha", "predicted_mse"), in_all=False, settings=True),
 }
@@ -108,7 +121,9 @@ def reproduce(
         if fixed:
             raise ValueError(f"--{', --'.join(settings)}: only the frontier takes these settings, not "
                              f"{', '.join(fixed)}")
-        frontier.Grid.of(**settings)  # raises naming a bad setting before anything runs
+        from .frontier import Grid
+
+        Grid.of(**settings)  # raises naming a bad setting before anything runs
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out (--out) must be a directory, got the file {out}")
@@ -119,7 +134,9 @@ def reproduce(
     stream = stream if stream is not None else sys.stdout
     plots = plots and _have_matplotlib(stream)
     if merge is not None:
-        result = frontier.merged(merge)
+        from .frontier import merged
+
+        result = merged(merge)
         _write(result, FIGURES["frontier"].display, out, plots, stream)
         return [result]
     cache: dict = {}

@@ -33,7 +33,6 @@ ITERATIONS, NEIGHBORS = 20, 1
 RHOS = tuple(round(0.05 * i, 2) for i in range(15))  # 0 .. 0.7
 MEASURED_RHOS = (0.0, 0.1, 0.3, 0.5, 0.7)
 DIM = 32  # coordinates per measured run
-DEFAULT_RUNS = 3
 PAPER = {"cdp": 0.002238, "inca_0.7": 0.00747, "ldp": 2.292, "muffliato": 0.1764}
 
 COLUMNS = [

@@ -32,7 +32,6 @@ from .common import Check, FigureResult, ProgressBar, reproduces
 PARTIES = (100, 500, 1000, 5000)
 RHOS = tuple(round(0.05 * i, 2) for i in range(1, 11))  # 0.05 .. 0.5
 PAPER_RUNS = 100_000
-DEFAULT_RUNS = 500
 T_START = 32
 
 COLUMNS = ["n", "rho", "runs", "min_T_all_runs", "median_T", "p99_T", "T_estimate_these_runs", "T_for_1e5_runs",

@@ -33,7 +33,6 @@ TOPOLOGIES_3A = tuple(product((1, 3, 5), (10, 20)))  # (k, T)
 GOPA_NEIGHBORS = 20
 GOPA_SPLITS = ("gamma/2", "gamma/4", "1/n")
 DIM = 8
-DEFAULT_RUNS = {"fig3a": 50, "fig3b": 100}
 
 COLUMNS = ["figure", "protocol", "gamma", "k", "T", "gamma_2", "procedure", "sigma_star", "sigma_delta",
            "alpha", "success_fraction", "predicted_mse", "mse", "mse_stderr", "noise_lower_bound", "runs"]

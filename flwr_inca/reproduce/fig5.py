@@ -32,7 +32,6 @@ KS = (1, 2, 3, 4, 5)
 TS = (2, 4, 6, 8, 10)
 THREATS = ("eavesdrop", "collusion", "eavesdrop-copies")
 OBSERVED, CORRUPTED = 0.5, 0.3
-DEFAULT_RUNS = 100
 FLOOR_TOL = 1e-4  # relative; the certificate's limit is accurate to a few 1e-6 at n = 100
 
 COLUMNS = ["threat", "k", "T", "messages", "runs", "precondition_success", "precondition_success_stderr",

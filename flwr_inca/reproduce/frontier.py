@@ -45,7 +45,7 @@ from ..baselines.calibration import calibrate_samples, sample_views
 from ..baselines.gaussian import gaussian_mu
 from ..baselines.pairwise import GOPA, CorDPDME
 from ..privacy.calibration import BOUND_NOMINAL_RATIO, AlphaSelection, simulate_runs, simulation_seeds
-from ..privacy.certificate import SOLVERS
+from ..privacy.methods import SOLVERS
 from ..privacy.conversions import mu_for_epsilon
 from ..protocol.config import IncaConfig
 from ..protocol.dropout import PermanentDropout
@@ -53,7 +53,7 @@ from ..protocol.schedules import InjectionSchedule
 from .._plots import new_figure, paper_style, save_figure
 from .common import Check, FigureResult, ProgressBar
 
-__all__ = ["DEFAULT_RUNS", "Grid", "central_mse", "checks", "inca_cost", "inca_units", "markdown", "merged",
+__all__ = ["Grid", "central_mse", "checks", "inca_cost", "inca_units", "markdown", "merged",
            "pairwise_cost", "plot", "run", "work"]
 
 PARTIES = (200, 1000)
@@ -78,10 +78,6 @@ def inca_units(T: int, k: int) -> int:
     """Progress units of one IncA execution with T iterations and k neighbours (a GOPA execution: 1)."""
     return max(1, round(INCA_UNITS_AT_10 * (T * k / 10) ** INCA_UNITS_EXPONENT))
 
-
-# calibration runs: at n = 200 (T in {10, 20, 40}, gamma = 0.1) the worst-case sigma_delta over the first 400 runs
-# is within 5% of that over 800 (benchmarks/bench_schedules.py "stability")
-DEFAULT_RUNS = 400
 
 COLUMNS = ["n", "epsilon", "gamma", "protocol", "schedule", "k", "T", "k_PR", "gamma_2", "messages_per_party",
            "bytes_per_party", "rounds", "sigma_star", "sigma_delta", "alpha", "success_fraction", "predicted_mse",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -193,10 +193,14 @@ def _check_reachable(address: str, name: str = "ray_address") -> None:
         ) from None
 
 
-def connect_ray(address: str | None, num_cpus: int | None = None):
+def connect_ray(address: str | None, num_cpus: int | None = None, env_vars: Mapping[str, str] | None = None):
     """Ray, initialized: reuses a running session, else starts a local one (``address`` None and no
     ``RAY_ADDRESS``) or joins the cluster at ``address`` (else at ``RAY_ADDRESS``, as ``ray.init``
-    does: then Ray's resources are the cluster's and ``num_cpus`` is not used)."""
+    does: then Ray's resources are the cluster's and ``num_cpus`` is not used). ``env_vars``: environment
+    variables every worker of this session gets (a cluster's workers were not started from this process, so
+    they do not inherit its environment); not applied to a session that was already running.
+
+    Raises ``ConnectionError`` naming the address (or ``RAY_ADDRESS``) when no cluster answers there."""
     # Ray >= 2.50 warns about a future change of its GPU-visibility default; we use no accelerator
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     ray = _import_ray()
@@ -215,6 +219,8 @@ def connect_ray(address: str | None, num_cpus: int | None = None):
         kwargs["num_cpus"] = num_cpus or os.cpu_count() or 1
     else:
         kwargs["address"] = address
+    if env_vars:
+        kwargs["runtime_env"] = {"env_vars": dict(env_vars)}
     try:
         ray.init(**kwargs)
     except (ConnectionError, RuntimeError) as exc:

@@ -3,8 +3,11 @@
 Exit status: 0 when every round ran, 1 when training stopped because the privacy budget in the
 ledger is spent (the message names the ledger and how to start afresh; a ledger with no room for the
 first round is refused before Flower and Ray start), 2 for a bad setting (the message names the key and
-its allowed range) or a ledger file that cannot be read (the message names it); both checked before Flower
-and Ray start.
+its allowed range), a ledger file that cannot be read (the message names it) or a ``RAY_ADDRESS`` at which
+no Ray cluster answers; all checked before Flower's engine starts.
+
+Flower's simulation engine runs on a local Ray, or on the Ray cluster that ``RAY_ADDRESS`` names
+(``ray start --head`` on one machine, ``ray start --address ...`` on the others).
 """
 
 from __future__ import annotations
@@ -89,6 +92,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     os.environ[ENV_CONFIG] = json.dumps(config)  # read by the apps (also in Ray workers)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    from flwr_inca.simulation.backend import connect_ray
+
+    # the workers of a cluster do not inherit this process's environment: the job passes them the run's
+    # settings (ENV_CONFIG, FLWR_INCA_MNIST_DIR, FLWR_INCA_STATE_DIR, ...) and this process's sys.path
+    settings = {k: v for k, v in os.environ.items() if k.startswith("FLWR_INCA_")}
+    settings[ENV_CONFIG] = os.environ[ENV_CONFIG]
+    try:  # a local Ray, or the cluster RAY_ADDRESS names; Flower's engine then runs on it
+        connect_ray(None, num_cpus=os.cpu_count() or 2,
+                    env_vars={**settings, "PYTHONPATH": os.pathsep.join(sys.path)})
+    except (ConnectionError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from flwr.simulation import run_simulation
 
     from .client_app import app as client_app
@@ -101,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     BUDGET_STOPS.clear()
     try:
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=nodes,
-                       backend_config={"client_resources": {"num_cpus": 1},
-                                       "init_args": {"num_cpus": os.cpu_count() or 2}})
+                       backend_config={"client_resources": {"num_cpus": 1}})
     finally:
         flwr_logger.removeFilter(quiet)
     for message in BUDGET_STOPS:  # the budget stopped training early: a script can tell by the exit status

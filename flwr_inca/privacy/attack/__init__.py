@@ -16,30 +16,27 @@ what the certificate allows::
 attack"). GOPA, CorDP-DME and local DP are audited the same way with :func:`attack_baseline`.
 """
 
-from .audit import (
-    DEFAULT_RUNS,
-    MAX_MESSAGES,
-    AttackAudit,
-    TargetAudit,
-    attack_audit,
-    attack_baseline,
-    check_attack_size,
-    default_targets,
-)
-from .mechanisms import IncaMechanism, LinearMechanism, baseline_mechanism
-from .plot import plot_attack
+from ..._lazy import lazy_exports
 
-__all__ = [
-    "DEFAULT_RUNS",
-    "MAX_MESSAGES",
-    "AttackAudit",
-    "IncaMechanism",
-    "LinearMechanism",
-    "TargetAudit",
-    "attack_audit",
-    "attack_baseline",
-    "baseline_mechanism",
-    "check_attack_size",
-    "default_targets",
-    "plot_attack",
-]
+# simulated runs of an audit when not given (the command line's --runs): names no solver, so the command
+# line's help imports none
+DEFAULT_RUNS = 40_000
+
+# each other name is imported when first used
+_WHERE = {
+    "MAX_MESSAGES": ".audit",
+    "AttackAudit": ".audit",
+    "TargetAudit": ".audit",
+    "attack_audit": ".audit",
+    "attack_baseline": ".audit",
+    "check_attack_size": ".audit",
+    "default_targets": ".audit",
+    "IncaMechanism": ".mechanisms",
+    "LinearMechanism": ".mechanisms",
+    "baseline_mechanism": ".mechanisms",
+    "plot_attack": ".plot",
+}
+
+__all__ = ["DEFAULT_RUNS", *_WHERE]
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -35,12 +35,12 @@ from ...protocol.trace import ExecutionTrace
 from ..certificate import Certificate, certify
 from ..conversions import epsilon_for_delta
 from ..views import AdversaryView
+from . import DEFAULT_RUNS
 from .attacker import LinearAttacker, build_attacker
 from .mechanisms import IncaMechanism, LinearMechanism, baseline_mechanism
 from .stats import Rates, choose_threshold, std_interval
 
 __all__ = [
-    "DEFAULT_RUNS",
     "MAX_MESSAGES",
     "MAX_STATISTICS",
     "AttackAudit",
@@ -51,7 +51,6 @@ __all__ = [
     "default_targets",
 ]
 
-DEFAULT_RUNS = 40_000
 _CHECKS = 3  # reconstruction ratio, empirical mu, empirical epsilon: the intervals of one target
 _ROC_POINTS = 400
 # the attacker's covariance is a dense (m, m) matrix over the observed messages, held a few times while it is
