@@ -16,12 +16,21 @@ actor that died); Ray imports the actor's class, ``flwr_inca.simulation.training
 * ``actor+runner``: the same and the runner, the mixers and the baselines' mixers (what an actor loaded
   while the package imported every module at its import).
 
+``--side cli``: ``flwr-inca --help`` (and any command) first builds the command line's parsers.
+
+* ``numpy``: ``import numpy`` (the floor: the core needs it);
+* ``cli``: ``import flwr_inca.cli`` and ``build_parser()`` (what ``flwr-inca --help`` loads);
+* ``cli+solvers``: the same and the certificate's solvers, the attack audit and every figure's module (what
+  building the parsers loaded while they imported those for the solvers' names and limits and the default
+  run counts).
+
 Fresh interpreters, interleaved so that a change in the machine's load hits every variant alike. It prints
 each variant's median wall time, the difference to the floor, and the heavy packages the measured variant
 loaded.
 
     python benchmarks/bench_client_import.py              # 10 interpreters per variant
     python benchmarks/bench_client_import.py --side actor --repeats 10
+    python benchmarks/bench_client_import.py --side cli --repeats 10
 """
 
 from __future__ import annotations
@@ -45,8 +54,16 @@ SIDES = {
         "actor+runner": "import flwr_inca.simulation.training, flwr_inca.simulation.runner, "
                         "flwr_inca.simulation.baseline_mixers",
     },
+    "cli": {
+        "numpy": "import numpy",
+        "cli": "import flwr_inca.cli as cli; cli.build_parser()",
+        "cli+solvers": "import flwr_inca.cli as cli; cli.build_parser(); import flwr_inca.privacy.certificate, "
+                       "flwr_inca.privacy.attack.audit, flwr_inca.reproduce.fig1, flwr_inca.reproduce.fig2, "
+                       "flwr_inca.reproduce.fig3, flwr_inca.reproduce.fig5, flwr_inca.reproduce.frontier",
+    },
 }
-HEAVY = ("scipy", "torch", "opacus", "ray", "numba", "flwr_inca.privacy", "flwr_inca.baselines")
+HEAVY = ("scipy", "torch", "opacus", "ray", "numba", "flwr_inca.privacy", "flwr_inca.baselines",
+         "flwr_inca.privacy.certificate", "flwr_inca.reproduce.fig1")
 
 
 def _time(code: str, env: dict[str, str]) -> float:

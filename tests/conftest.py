@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 RAY_TEST_DEADLINE_S = 300
 
 
-# the suite runs on two pytest-xdist workers (pyproject.toml: -n 2 --dist loadgroup); the tests that start
+# the suite runs on two pytest-xdist workers (pyproject.toml: -n 2 --dist loadgroup); the tests that run
 # Ray, Flower's engines or a deployment (several processes each) all go to one worker, one after another,
 # as in a serial run, and the other worker takes the rest: two engines never compete for the two cores,
-# and no test meets another's Ray cluster
+# and the session's one Ray cluster (``ray_cluster``) is started once and used by one test at a time
 ENGINE_GROUP = "engines"
 
 
