@@ -31,6 +31,8 @@ def on_the_session_cluster(ray_address: str) -> dict:
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("INCA_TEST_", "FLWR_INCA_"))}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    if ray.is_initialized():  # left connected by a test that failed: its job's settings are not this run's
+        ray.shutdown()
     ray.init(address=ray_address, runtime_env={"env_vars": env}, logging_level="WARNING")
     return {"client_resources": {"num_cpus": 1}}
 
