@@ -29,11 +29,13 @@ def on_the_session_cluster(ray_address: str) -> dict:
     inherit: ``sys.path`` (these apps) and the nodes' settings (``INCA_TEST_*``, ``FLWR_INCA_*``)."""
     import ray
 
+    from flwr_inca.simulation.backend import connect_ray
+
     env = {k: v for k, v in os.environ.items() if k.startswith(("INCA_TEST_", "FLWR_INCA_"))}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     if ray.is_initialized():  # left connected by a test that failed: its job's settings are not this run's
         ray.shutdown()
-    ray.init(address=ray_address, runtime_env={"env_vars": env}, logging_level="WARNING")
+    connect_ray(ray_address, env_vars=env)
     return {"client_resources": {"num_cpus": 1}}
 
 

@@ -62,9 +62,11 @@ def local_ray(ray_cluster):
     """This process joined to the session's Ray cluster (2 CPUs); the simulator's Ray backend uses the Ray
     it finds initialized."""
     ray = pytest.importorskip("ray")
+    from flwr_inca.simulation.backend import connect_ray
+
     started = not ray.is_initialized()
     if started:
-        ray.init(address=ray_cluster[0], logging_level="WARNING")
+        connect_ray(ray_cluster[0])
     yield ray
     if started:
         ray.shutdown()

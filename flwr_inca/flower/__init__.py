@@ -12,7 +12,6 @@ _WHERE = {"IncaClient": ".client", "IncaStrategy": ".strategy", "IncaBudgetExhau
           "Offenders": ".offenders", "RoundRecord": ".round", "PrivacyTarget": ".config", "MixingConfig": ".config",
           "RelayConfig": ".config", "PersistenceConfig": ".config"}
 
-__all__ = ["IncaStrategy", "IncaClient", "IncaBudgetExhausted", "Offenders", "RoundRecord", "PrivacyTarget",
-           "MixingConfig", "RelayConfig", "PersistenceConfig"]
+__all__ = list(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())

@@ -45,11 +45,14 @@ class _Figure:
     settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors, solver)
     work_name: str | None = None  # the name the module's work() takes first (one module, two figures)
 
+    def _measures(self):
+        return import_module(f"{__name__}.{self.module}")
+
     def run(self, runs: int, seed: int, bar: ProgressBar, **kwargs) -> FigureResult:
-        return getattr(import_module(f"{__name__}.{self.module}"), self.runner)(runs, seed, bar, **kwargs)
+        return getattr(self._measures(), self.runner)(runs, seed, bar, **kwargs)
 
     def work(self, runs: int, **kwargs) -> int:
-        work = import_module(f"{__name__}.{self.module}").work
+        work = self._measures().work
         return work(self.work_name, runs, **kwargs) if self.work_name else work(runs, **kwargs)
 
 

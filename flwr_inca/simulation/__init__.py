@@ -16,7 +16,7 @@ The names below are loaded on first use: a process that needs only a part (a Ray
 from .._lazy import lazy_exports
 
 # name -> the submodule that defines it
-_EXPORTS = {
+_WHERE = {
     "simulate": ".runner",
     "RoundContext": ".runner",
     "SimulationConfig": ".config",
@@ -43,6 +43,6 @@ _EXPORTS = {
     "load_mnist": ".data",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = list(_WHERE)
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, globals())
