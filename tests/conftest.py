@@ -18,6 +18,19 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"
 for _name in THREAD_VARIABLES:
     os.environ[_name] = TEST_THREADS
 
+# With PYTHONDONTWRITEBYTECODE set (as on machines that keep checkouts free of bytecode), every process the
+# suite starts (the xdist workers, CLI and crash-test subprocesses, Ray workers, Flower's app processes)
+# would compile flwr_inca's sources, the tests' helpers and the example app again. They are compiled once
+# here instead, into the __pycache__ folders Python itself writes without that setting (git ignores them).
+# Installed packages are left alone: pip compiled them.
+if sys.flags.dont_write_bytecode:
+    import compileall
+
+    _ROOT = Path(__file__).resolve().parent.parent
+    for _folder in (_ROOT / "flwr_inca", _ROOT / "tests", _ROOT / "examples"):
+        if _folder.is_dir():
+            compileall.compile_dir(_folder, quiet=2)
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

@@ -223,10 +223,12 @@ def test_plots_need_no_matplotlib_to_import_and_reproduce_writes_the_csv_without
 
 
 def test_reproduction_is_deterministic(tiny, tmp_path):
-    a = reproduce(["fig3b"], runs=2, out=tmp_path / "a", seed=5, progress=False, stream=io.StringIO())
-    b = reproduce(["fig3b"], runs=2, out=tmp_path / "b", seed=5, progress=False, stream=io.StringIO())
+    # the numbers, not the plots (test_every_figure_pipeline_writes_csv_png_svg_and_table draws them)
+    quiet = {"runs": 2, "progress": False, "plots": False}
+    a = reproduce(["fig3b"], out=tmp_path / "a", seed=5, stream=io.StringIO(), **quiet)
+    b = reproduce(["fig3b"], out=tmp_path / "b", seed=5, stream=io.StringIO(), **quiet)
     assert (tmp_path / "a" / "fig3b.csv").read_text() == (tmp_path / "b" / "fig3b.csv").read_text()
-    c = reproduce(["fig3b"], runs=2, out=tmp_path / "c", seed=6, progress=False, stream=io.StringIO())
+    c = reproduce(["fig3b"], out=tmp_path / "c", seed=6, stream=io.StringIO(), **quiet)
     assert [r["mse"] for r in a[0].rows] == [r["mse"] for r in b[0].rows] != [r["mse"] for r in c[0].rows]
 
 
@@ -235,7 +237,8 @@ def test_figures_3a_and_3b_share_the_inca_runs(monkeypatch, tiny, tmp_path):
     calls = []
     original = fig3.calibrate_and_measure
     monkeypatch.setattr(fig3, "calibrate_and_measure", lambda *a, **k: calls.append(a[0].name) or original(*a, **k))
-    results = reproduce(["fig3a", "fig3b"], runs=2, out=tmp_path, progress=False, stream=io.StringIO())
+    results = reproduce(["fig3a", "fig3b"], runs=2, out=tmp_path, progress=False, stream=io.StringIO(),
+                        plots=False)
     assert calls.count("IncA") == 2  # one per gamma, not two
     inca = [[r["mse"] for r in res.rows if r.get("protocol", "").startswith("IncA k=1 T=20")] for res in results]
     assert inca[0] == inca[1]

@@ -532,14 +532,14 @@ def test_results_are_identical_for_any_number_of_actors():
     common = dict(
         rounds=2, max_epsilon=2.0, calibration_runs=2, iterations=5, dropout=PermanentDropout(0.1), fraction=0.75
     )
+    # one actor here and two for party-level training below; two at record level in
+    # test_a_killed_ray_actor_is_replaced_and_training_goes_on and test_simulation_cluster.py
     inline = run(backend="inline", **common)
     one = run(backend="ray", num_actors=1, **common)
-    two = run(backend="ray", num_actors=2, **common)
-    assert "2 actor(s)" in two.backend and "1 actor(s)" in one.backend
-    for other in (one, two):
-        assert np.array_equal(other.parameters, inline.parameters)
-        assert other.column("accuracy") == inline.column("accuracy")
-        assert other.column("mu") == inline.column("mu")
+    assert "1 actor(s)" in one.backend
+    assert np.array_equal(one.parameters, inline.parameters)
+    assert one.column("accuracy") == inline.column("accuracy")
+    assert one.column("mu") == inline.column("mu")
     party = dict(rounds=2, max_epsilon=None, mode="fedavg", privacy_unit="party", local_epochs=2, batch_size=7)
     assert np.array_equal(
         run(backend="ray", num_actors=2, **party).parameters, run(backend="inline", **party).parameters

@@ -1,7 +1,7 @@
 """A real Ray cluster, ``ray start --head --num-cpus 2`` as a separate process (conftest's ``ray_cluster``):
-a simulation that joins it with ``ray_address="auto"`` from another process gives the same history as the
-run in this process, and ``flwr-inca simulate`` joins the cluster that ``RAY_ADDRESS`` names, as
-``ray.init`` does."""
+``flwr-inca simulate``, run in another process with ``RAY_ADDRESS`` naming the cluster (no --ray-address),
+joins it, as ``ray.init`` does, and its run there gives the same model and history as the same command run
+inline in this process."""
 
 import gzip
 import json
@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -18,46 +17,8 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-import test_simulation as sim  # noqa: E402  (its synthetic data and model)
-
-from flwr_inca.simulation import SimulationConfig, simulate  # noqa: E402
-
-CONFIG = dict(rounds=2, max_epsilon=2.0, calibration_runs=2, iterations=5, lr=2.0, fraction=0.75)
-
-
-SCRIPT = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    sys.path.insert(0, {tests!r})
-    import ray
-    import test_simulation as sim
-    from flwr_inca.simulation import SimulationConfig, simulate
-    hist = simulate(sim.MODEL, sim.PARTS, (sim.XT, sim.YT),
-                    SimulationConfig(backend="ray", ray_address="auto", num_actors=2, **{config!r}),
-                    progress=False)
-    out = {{"gcs": ray.get_runtime_context().gcs_address, "backend": hist.backend,
-            "params": hist.parameters.tolist(), "accuracy": hist.column("accuracy"),
-            "mu": hist.column("mu"), "epsilon": hist.column("epsilon")}}
-    print("RESULT" + json.dumps(out))
-""")
-
-
-@pytest.mark.timeout(300)
-def test_cluster_run_matches_the_in_process_run(ray_cluster):
-    address, _ = ray_cluster
-    env = dict(os.environ, RAY_ADDRESS=address)  # what "auto" finds (not a cluster of someone else)
-    code = SCRIPT.format(tests=str(Path(__file__).parent), config=CONFIG)
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    remote = json.loads(run.stdout.split("RESULT", 1)[1])
-    assert remote["gcs"].rsplit(":", 1)[1] == address.rsplit(":", 1)[1]  # it ran on that cluster
-    assert "2 actor(s)" in remote["backend"]
-    local = simulate(
-        sim.MODEL, sim.PARTS, (sim.XT, sim.YT), SimulationConfig(backend="inline", **CONFIG), progress=False
-    )
-    assert np.array_equal(np.array(remote["params"], dtype=np.float32), local.parameters)
-    assert remote["accuracy"] == local.column("accuracy")
-    assert remote["mu"] == local.column("mu") and remote["epsilon"] == local.column("epsilon")
+from flwr_inca import cli  # noqa: E402
+from flwr_inca.simulation.backend import ray_address_to_join  # noqa: E402
 
 
 def _write_idx(directory: Path, rng: np.random.Generator) -> None:
@@ -72,24 +33,49 @@ def _write_idx(directory: Path, rng: np.random.Generator) -> None:
             fh.write((2049).to_bytes(4, "big") + n.to_bytes(4, "big") + labels.tobytes())
 
 
+def _outcome(out: Path) -> tuple[np.ndarray, list]:
+    history = json.loads((out / "history.json").read_text())
+    rounds = [(r["round"], r["accuracy"], r["mu"], r["epsilon"]) for r in history["rounds"]]
+    return np.load(out / "model.npy"), rounds
+
+
 @pytest.mark.timeout(300)
-def test_simulate_joins_the_cluster_that_RAY_ADDRESS_names(ray_cluster, tmp_path):
+def test_simulate_joins_the_cluster_that_RAY_ADDRESS_names_and_runs_as_inline(ray_cluster, tmp_path, capsys):
     """``RAY_ADDRESS=host:port flwr-inca simulate`` (no --ray-address) joins that cluster, as ``ray.init``
-    does, instead of asking Ray for a local one of --num-actors CPUs (which Ray refuses)."""
+    does, instead of asking Ray for a local one of --num-actors CPUs (which Ray refuses); two actors there,
+    driven from another process, give the model and the rounds of the same command run inline here."""
     address, _ = ray_cluster
-    data, out = tmp_path / "mnist", tmp_path / "out"
+    data = tmp_path / "mnist"
     data.mkdir()
     _write_idx(data, np.random.default_rng(0))
+    command = ["simulate", "--clients", "4", "--rounds", "2", "--data-dir", str(data), "--sigma-star", "0.5",
+               "--sigma-delta", "2", "--max-epsilon", "none", "--iterations", "3",
+               "--json"]
     env = dict(os.environ, RAY_ADDRESS=address)
-    command = ["simulate", "--clients", "4", "--rounds", "1", "--data-dir", str(data), "--sigma-star", "0.5",
-               "--sigma-delta", "2", "--max-epsilon", "none", "--iterations", "3", "--num-actors", "2",
-               "--out", str(out), "--json"]
-    run = subprocess.run([str(Path(sys.executable).parent / "flwr-inca"), *command], env=env,
-                         capture_output=True, text=True, timeout=280, check=False)
+    run = subprocess.run([str(Path(sys.executable).parent / "flwr-inca"), *command, "--num-actors", "2",
+                          "--out", str(tmp_path / "cluster")], env=env, capture_output=True, text=True,
+                         timeout=280, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
-    history = json.loads((out / "history.json").read_text())
+    history = json.loads((tmp_path / "cluster" / "history.json").read_text())
     port = address.rsplit(":", 1)[1]
     assert history["backend"].endswith(f":{port})"), history["backend"]  # it ran on that cluster
+    assert "2 actor(s)" in history["backend"]
+    assert cli.main([*command, "--backend", "inline", "--out", str(tmp_path / "inline")]) == 0
+    capsys.readouterr()
+    (cluster_model, cluster_rounds), (inline_model, inline_rounds) = (
+        _outcome(tmp_path / "cluster"), _outcome(tmp_path / "inline"))
+    assert np.array_equal(cluster_model, inline_model) and cluster_rounds == inline_rounds
+    assert [r[0] for r in cluster_rounds] == [0, 1, 2] and all(r[2] > 0 for r in cluster_rounds[1:])
+
+
+def test_ray_address_auto_or_none_joins_what_RAY_ADDRESS_names(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    for given in (None, "auto"):
+        assert ray_address_to_join(given) == ("10.0.0.1:6379", "RAY_ADDRESS")
+    assert ray_address_to_join("10.0.0.2:1") == ("10.0.0.2:1", "ray_address")
+    assert ray_address_to_join("local") == (None, "ray_address")
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert ray_address_to_join("auto") == ("auto", "ray_address") and ray_address_to_join(None) == (None, "ray_address")
 
 
 def test_an_unreachable_RAY_ADDRESS_is_named_before_ray_starts(monkeypatch):
