@@ -532,8 +532,8 @@ def test_results_are_identical_for_any_number_of_actors():
     common = dict(
         rounds=2, max_epsilon=2.0, calibration_runs=2, iterations=5, dropout=PermanentDropout(0.1), fraction=0.75
     )
-    # one actor here and two for party-level training below; two at record level in
-    # test_a_killed_ray_actor_is_replaced_and_training_goes_on and test_simulation_cluster.py
+    # one actor here and two for party-level training below; two at record level, with client sampling and
+    # a dropout model, in test_simulation_cluster.py (its run on the session's cluster against the same run inline)
     inline = run(backend="inline", **common)
     one = run(backend="ray", num_actors=1, **common)
     assert "1 actor(s)" in one.backend

@@ -43,14 +43,15 @@ def _outcome(out: Path) -> tuple[np.ndarray, list]:
 def test_simulate_joins_the_cluster_that_RAY_ADDRESS_names_and_runs_as_inline(ray_cluster, tmp_path, capsys):
     """``RAY_ADDRESS=host:port flwr-inca simulate`` (no --ray-address) joins that cluster, as ``ray.init``
     does, instead of asking Ray for a local one of --num-actors CPUs (which Ray refuses); two actors there,
-    driven from another process, give the model and the rounds of the same command run inline here."""
+    driven from another process, give the model and the rounds of the same command run inline here (3 of the 4
+    clients sampled each round, under a permanent-dropout model)."""
     address, _ = ray_cluster
     data = tmp_path / "mnist"
     data.mkdir()
     _write_idx(data, np.random.default_rng(0))
     command = ["simulate", "--clients", "4", "--rounds", "2", "--data-dir", str(data), "--sigma-star", "0.5",
                "--sigma-delta", "2", "--max-epsilon", "none", "--iterations", "3",
-               "--json"]
+               "--fraction", "0.75", "--dropout", "permanent:0.1", "--json"]
     env = dict(os.environ, RAY_ADDRESS=address)
     run = subprocess.run([str(Path(sys.executable).parent / "flwr-inca"), *command, "--num-actors", "2",
                           "--out", str(tmp_path / "cluster")], env=env, capture_output=True, text=True,
