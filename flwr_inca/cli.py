@@ -758,7 +758,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
     try:
         settings = {"parties": args.parties, "epsilons": args.epsilons, "gammas": args.gammas,
-                    "iterations": args.iterations, "neighbors": args.neighbors, "solver": args.solver}
+                    "iterations": args.iterations, "neighbors": args.neighbors, "solver": args.solver,
+                    "protocols": args.protocols}
         reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress,
                   settings=settings, merge=args.merge)
     except OSError as exc:  # e.g. the disk filled up while writing a figure
@@ -769,7 +770,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
     from .privacy.methods import EXACT_LONG_MAX_ROWS, EXACT_LONG_MIN_ITERATIONS, EXACT_MAX_ROWS, SOLVERS
-    from .reproduce import DEFAULT_RUNS
+    from .reproduce import DEFAULT_RUNS, FRONTIER_PROTOCOLS
 
     r = sub.add_parser(
         "reproduce", help="re-measure the paper's figures: CSV, PNG and a table per figure",
@@ -802,6 +803,10 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                                f"{EXACT_MAX_ROWS} observed honest messages, {EXACT_LONG_MAX_ROWS} with k = 1 and T >= "
                                f"{EXACT_LONG_MIN_ITERATIONS}, where it fits in memory; else a sound bound), exact, "
                                "bound or cascade; GOPA's and CorDP-DME's are always exact")
+    frontier.add_argument("--protocols", choices=FRONTIER_PROTOCOLS, nargs="+", default=None, metavar="NAME",
+                          help=f"which protocols run ({', '.join(FRONTIER_PROTOCOLS)}): IncA with D_Inc, IncA with "
+                               "the value-free tail, GOPA (every k_PR and gamma_2), CorDP-DME, the central-DP lines; "
+                               "pieces of the grid run apart are joined by --merge")
     frontier.add_argument("--merge", nargs="+", default=None, metavar="CSV",
                           help="run nothing: join the frontier.csv files of earlier runs (pieces of the grid; a "
                                "point in several files is taken from the last) and write the frontier's CSV, "

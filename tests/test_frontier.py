@@ -238,3 +238,28 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
     monkeypatch.setattr(frontier, "MERGE_MAX_ROWS", 3)  # a huge file is refused, not read into memory
     with pytest.raises(ValueError, match="more than 3 rows"):
         frontier.merged([paths[0]])
+
+
+def test_protocols_setting_runs_only_the_protocols_named(tiny, tmp_path, capsys):
+    """``--protocols inca-tail`` runs IncA's tail schedule alone (no baseline, no D_Inc), its points equal to those
+    of the whole grid on the same seed, and the progress plan counts only what runs; a bad name is refused."""
+    grid = {"gammas": [0.2], "iterations": [5], "neighbors": [1], "epsilons": [1.0]}
+    common = dict(runs=2, seed=0, progress=False, stream=io.StringIO(), plots=False)
+    (whole,) = reproduce(["frontier"], out=tmp_path / "whole", settings=grid, **common)
+    (tail,) = reproduce(["frontier"], out=tmp_path / "tail", settings={**grid, "protocols": ["inca-tail"]}, **common)
+    assert [r["protocol"] for r in tail.rows] == ["IncA k=1 tail"]
+    assert tail.params["protocols"] == ("inca-tail",)
+    (same,) = [r for r in whole.rows if r["protocol"] == "IncA k=1 tail"]
+    assert {c: tail.rows[0][c] for c in ("sigma_star", "sigma_delta", "alpha", "predicted_mse")} == \
+        {c: same[c] for c in ("sigma_star", "sigma_delta", "alpha", "predicted_mse")}
+    bar = ProgressBar(frontier.work(2, **grid, protocols=["gopa", "central-dp"]), "t", enabled=False)
+    rows = frontier.run(2, 0, bar, **grid, protocols=["gopa", "central-dp"]).rows
+    assert bar.done == bar.total > 0
+    assert {r["protocol"] for r in rows} == {"GOPA gamma_2=1/n", "GOPA gamma_2=gamma/4", "central DP",
+                                             "central DP (stayers)"}
+    with pytest.raises(ValueError, match="--protocols must name some of inca, inca-tail, gopa, cordp-dme, "
+                                         "central-dp, got 'muffliato'"):
+        reproduce(["frontier"], runs=1, out=tmp_path, settings={"protocols": ["muffliato"]})
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["reproduce", "frontier", "--protocols", "gossip", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "invalid choice: 'gossip'" in capsys.readouterr().err

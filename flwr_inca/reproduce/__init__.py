@@ -28,7 +28,7 @@ from .._checks import check_bool, check_int, check_runs
 from .._plots import have_matplotlib
 from .common import Check, FigureResult, ProgressBar, single_blas_thread, write_csv
 
-__all__ = ["DEFAULT_RUNS", "FIGURES", "Check", "FigureResult", "reproduce"]
+__all__ = ["DEFAULT_RUNS", "FIGURES", "FRONTIER_PROTOCOLS", "Check", "FigureResult", "reproduce"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class _Figure:
     display: tuple[str, ...]
     shares_cache: bool = False
     in_all: bool = True  # run by "all" (the paper's figures)
-    settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors, solver)
+    settings: bool = False  # takes settings (the frontier's grid: parties, epsilons, gammas, iterations, neighbors,
+    # solver, protocols)
     work_name: str | None = None  # the name the module's work() takes first (one module, two figures)
 
     def _measures(self):
@@ -79,6 +80,9 @@ FIGURES: dict[str, _Figure] = {
                          "sigma_star", "sigma_delta", "alpha", "predicted_mse"), in_all=False, settings=True),
 }
 DEFAULT_RUNS = {name: f.default_runs for name, f in FIGURES.items()}
+# the frontier's protocols, as its --protocols names them: IncA with D_Inc, IncA with the value-free tail, GOPA
+# (every k_PR and gamma_2), CorDP-DME, and the two central-DP lines (closed form)
+FRONTIER_PROTOCOLS = ("inca", "inca-tail", "gopa", "cordp-dme", "central-dp")
 
 
 def reproduce(
@@ -97,7 +101,8 @@ def reproduce(
     frontier); see the module docstring.
 
     ``settings`` narrow the frontier's grid (:class:`flwr_inca.reproduce.frontier.Grid`: ``parties``,
-    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``, and ``solver``, how IncA's runs are certified);
+    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``, ``solver``, how IncA's runs are certified, and
+    ``protocols``, which of :data:`FRONTIER_PROTOCOLS` run);
     the paper's figures take none. ``merge``: the
     frontier only, runs nothing: joins the ``frontier.csv`` files of earlier runs (pieces of its grid) and
     writes the frontier's outputs for all their points (:func:`flwr_inca.reproduce.frontier.merged`).

@@ -30,6 +30,7 @@ per gamma) and ``frontier.md`` (the markdown table).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -51,6 +52,7 @@ from ..protocol.config import IncaConfig
 from ..protocol.dropout import PermanentDropout
 from ..protocol.schedules import InjectionSchedule
 from .._plots import new_figure, paper_style, save_figure
+from . import FRONTIER_PROTOCOLS
 from .common import Check, FigureResult, ProgressBar
 
 __all__ = ["Grid", "central_mse", "checks", "inca_cost", "inca_units", "markdown", "merged",
@@ -66,6 +68,7 @@ INCA_NEIGHBORS = (1, 2)
 TAIL = {1: 3, 2: 2}
 GOPA_NEIGHBORS = (5, 10, 20, 40)
 GOPA_SPLITS = ("1/n", "gamma/4")
+PROTOCOLS = FRONTIER_PROTOCOLS  # what --protocols names (defined where the command line reads it without this module)
 VALUE_VARIANCE = 1.0 / 12.0  # U[0, 1]
 FLOAT_BYTES = 8
 # progress units of one simulated execution: a pairwise baseline's is 1; IncA's certificate costs about 4 of
@@ -199,11 +202,13 @@ class Grid:
     iterations: tuple[int, ...]
     neighbors: tuple[int, ...]
     solver: str = "auto"
+    protocols: tuple[str, ...] = PROTOCOLS
 
     @classmethod
     def of(cls, parties: Sequence[int] | None = None, epsilons: Sequence[float] | None = None,
            gammas: Sequence[float] | None = None, iterations: Sequence[int] | None = None,
-           neighbors: Sequence[int] | None = None, solver: str | None = None) -> Grid:
+           neighbors: Sequence[int] | None = None, solver: str | None = None,
+           protocols: Sequence[str] | None = None) -> Grid:
         """Raises ``ValueError`` naming the setting (as its command-line option) and its range."""
         def values(name: str, given, default, check) -> tuple:
             got = tuple(default if given is None else given)
@@ -219,17 +224,28 @@ class Grid:
                    "auto" if solver is None else solver)
         if grid.solver not in SOLVERS:
             raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {grid.solver!r}")
-        return grid
+        chosen = values("--protocols", protocols, PROTOCOLS, lambda n, v: v)
+        unknown = [p for p in chosen if p not in PROTOCOLS]
+        if unknown:
+            raise ValueError(f"--protocols must name some of {', '.join(PROTOCOLS)}, got {unknown[0]!r}")
+        return dataclasses.replace(grid, protocols=tuple(p for p in PROTOCOLS if p in chosen))
 
     def inca_settings(self) -> list[tuple[int, int, int]]:
-        """(T, k, tail) of every IncA point: D_Inc and the value-free tail (where T > L)."""
-        return [(T, k, tail) for k in self.neighbors for tail in (0, TAIL[k]) for T in self.iterations if tail < T]
+        """(T, k, tail) of every IncA point: D_Inc and the value-free tail (where T > L), those of
+        :attr:`protocols`."""
+        return [(T, k, tail) for k in self.neighbors
+                for tail, name in ((0, "inca"), (TAIL[k], "inca-tail")) if name in self.protocols
+                for T in self.iterations if tail < T]
+
+    def pairwise(self) -> int:
+        """How many pairwise-baseline points per (n, gamma): GOPA's k_PR x gamma_2, CorDP-DME's one."""
+        return (len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) * ("gopa" in self.protocols)
+                + ("cordp-dme" in self.protocols))
 
     def work(self, runs: int) -> int:
         """Progress units: every simulated execution (IncA's weighted by :func:`inca_units`, the pairwise
         baselines' 1), counted once per epsilon it is calibrated for."""
-        pairwise = len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) + 1
-        units = sum(inca_units(T, k) for T, k, _ in self.inca_settings()) + pairwise
+        units = sum(inca_units(T, k) for T, k, _ in self.inca_settings()) + self.pairwise()
         return len(self.parties) * len(self.gammas) * runs * units * len(self.epsilons)
 
 
@@ -238,23 +254,26 @@ def work(runs: int, **settings: Sequence) -> int:
 
 
 def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureResult:
-    """The frontier over :class:`Grid` ``.of(**settings)`` (parties, epsilons, gammas, iterations, neighbors)."""
+    """The frontier over :class:`Grid` ``.of(**settings)`` (parties, epsilons, gammas, iterations, neighbors,
+    solver, protocols)."""
     grid = Grid.of(**settings)
     eps = grid.epsilons
     rows: list[dict] = []
     for n in grid.parties:
         for gamma in grid.gammas:
-            rows += central_rows(n, gamma, eps)
+            if "central-dp" in grid.protocols:
+                rows += central_rows(n, gamma, eps)
             for T, k, tail in grid.inca_settings():
                 rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps, grid.solver)
-            for k_pr in GOPA_NEIGHBORS:
+            for k_pr in GOPA_NEIGHBORS if "gopa" in grid.protocols else ():
                 for split in GOPA_SPLITS:
                     g2 = _gamma_2(split, gamma, n)
                     gopa = GOPA(1.0, 1.0, neighbors=min(k_pr, n - 1), gamma=gamma, gamma_rollback=g2)
                     rows += pairwise_rows(gopa, f"GOPA gamma_2={split}", n, gamma, runs, seed, bar, eps,
                                           k_PR=min(k_pr, n - 1), gamma_2=g2)
-            rows += pairwise_rows(CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", n, gamma, runs, seed, bar, eps,
-                                  k_PR=n - 1)
+            if "cordp-dme" in grid.protocols:
+                rows += pairwise_rows(CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", n, gamma, runs, seed, bar, eps,
+                                      k_PR=n - 1)
     result = FigureResult(
         "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
         "exactly", COLUMNS, rows, plot=plot, params=_params(grid, runs, seed), write_extra=write_extra,
@@ -349,7 +368,8 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
 
 def _params(grid: Grid, runs: int, seed: int) -> dict:
     return {"n": grid.parties, "epsilon": grid.epsilons, "gamma": grid.gammas, "T": grid.iterations,
-            "k": grid.neighbors, "delta": DELTA, "rho": RHO, "runs": runs, "seed": seed, "solver": grid.solver}
+            "k": grid.neighbors, "delta": DELTA, "rho": RHO, "runs": runs, "seed": seed, "solver": grid.solver,
+            "protocols": grid.protocols}
 
 
 # ---------------------------------------------------------------------------------------------- checks
