@@ -263,3 +263,12 @@ def test_protocols_setting_runs_only_the_protocols_named(tiny, tmp_path, capsys)
     with pytest.raises(SystemExit) as exc:
         cli.main(["reproduce", "frontier", "--protocols", "gossip", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "invalid choice: 'gossip'" in capsys.readouterr().err
+
+
+def test_a_piece_without_comparable_points_says_so_instead_of_an_empty_table(tiny, tmp_path):
+    out = io.StringIO()
+    reproduce(["frontier"], runs=1, out=tmp_path, seed=0, progress=False, stream=out, plots=False,
+              settings={"gammas": [0.2], "protocols": ["central-dp"]})
+    text = (tmp_path / "frontier.txt").read_text()
+    assert "(none: these settings hold no points the statements compare)" in text and text in out.getvalue() + "\n"
+    assert "paper states  paper  measured" not in text  # no empty table header

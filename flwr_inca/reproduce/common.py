@@ -60,6 +60,8 @@ class FigureResult:
         return format_table([[r.get(c, "") for c in cols] for r in self.rows], cols)
 
     def checks_table(self) -> str:
+        if not self.checks:  # e.g. a frontier piece without the points a statement compares
+            return "(none: these settings hold no points the statements compare)"
         rows = [[c.claim, c.paper, c.measured, {True: "yes", False: "NO", None: "-"}[c.holds], c.note]
                 for c in self.checks]
         return format_table(rows, ["paper states", "paper", "measured", "holds", "note"])
