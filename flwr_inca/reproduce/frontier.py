@@ -18,6 +18,9 @@ party sends per round:
 * **central DP**: the Gaussian mechanism on the mean of all n values (one message each), and on the
   n - round(gamma n) values that stay (what a trusted curator could do with the same dropouts).
 
+``--protocols`` (names in :data:`PROTOCOLS`) runs some of them only, e.g. one IncA configuration as a piece of
+the grid, without repeating the baselines; ``--merge`` joins the pieces.
+
 Bytes per party are for scalar values (d = 1) and 8-byte floats: an IncA message carries (y, omega),
 a pairwise term, a published value and a rolled-back term one float each (a roll-back message carries
 one term per dropped neighbour). With d-dimensional values every count of floats but IncA's omega
@@ -224,6 +227,8 @@ class Grid:
                    "auto" if solver is None else solver)
         if grid.solver not in SOLVERS:
             raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {grid.solver!r}")
+        if isinstance(protocols, str):  # one name, not its letters
+            protocols = (protocols,)
         chosen = values("--protocols", protocols, PROTOCOLS, lambda n, v: v)
         unknown = [p for p in chosen if p not in PROTOCOLS]
         if unknown:
