@@ -250,6 +250,7 @@ def test_protocols_setting_runs_only_the_protocols_named(tiny, tmp_path, capsys)
     assert [r["protocol"] for r in tail.rows] == ["IncA k=1 tail"]
     assert tail.params["protocols"] == ("inca-tail",)
     assert frontier.Grid.of(protocols="gopa").protocols == ("gopa",)  # one name as a string
+    assert frontier.Grid.of(parties=200, gammas=0.1).parties == (200,)  # one number
     (same,) = [r for r in whole.rows if r["protocol"] == "IncA k=1 tail"]
     assert {c: tail.rows[0][c] for c in ("sigma_star", "sigma_delta", "alpha", "predicted_mse")} == \
         {c: same[c] for c in ("sigma_star", "sigma_delta", "alpha", "predicted_mse")}

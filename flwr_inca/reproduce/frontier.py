@@ -33,11 +33,10 @@ per gamma) and ``frontier.md`` (the markdown table).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +193,17 @@ def central_rows(n: int, gamma: float, epsilons: tuple[float, ...]) -> list[dict
 
 
 # ---------------------------------------------------------------------------------------------- run
+def _check_protocol(name: str, value) -> str:
+    if value not in PROTOCOLS:
+        raise ValueError(f"{name} must name some of {', '.join(PROTOCOLS)}, got {value!r}")
+    return value
+
+
+def _in_order(protocols: tuple[str, ...]) -> tuple[str, ...]:
+    """``protocols`` once each, in :data:`PROTOCOLS`' order."""
+    return tuple(p for p in PROTOCOLS if p in protocols)
+
+
 @dataclass(frozen=True)
 class Grid:
     """The settings a frontier covers; :meth:`of` fills what is not given from the module's constants.
@@ -214,7 +224,9 @@ class Grid:
            protocols: Sequence[str] | None = None) -> Grid:
         """Raises ``ValueError`` naming the setting (as its command-line option) and its range."""
         def values(name: str, given, default, check) -> tuple:
-            got = tuple(default if given is None else given)
+            # one value (a number, or a name given as a string rather than its letters) is a list of one
+            single = isinstance(given, str) or not isinstance(given, Iterable)
+            got = tuple(default if given is None else (given,) if single else given)
             if not got:
                 raise ValueError(f"{name} must list at least one value")
             return tuple(check(name, v) for v in got)
@@ -224,16 +236,11 @@ class Grid:
                    values("--gammas", gammas, GAMMAS, lambda n, v: check_real(n, v, 0.0, 0.8, high_open=True)),
                    values("--iterations", iterations, INCA_ITERATIONS, lambda n, v: check_int(n, v, 1, 1000)),
                    values("--neighbors", neighbors, INCA_NEIGHBORS, lambda n, v: check_int(n, v, 1, 2)),
-                   "auto" if solver is None else solver)
+                   "auto" if solver is None else solver,
+                   _in_order(values("--protocols", protocols, PROTOCOLS, _check_protocol)))
         if grid.solver not in SOLVERS:
             raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {grid.solver!r}")
-        if isinstance(protocols, str):  # one name, not its letters
-            protocols = (protocols,)
-        chosen = values("--protocols", protocols, PROTOCOLS, lambda n, v: v)
-        unknown = [p for p in chosen if p not in PROTOCOLS]
-        if unknown:
-            raise ValueError(f"--protocols must name some of {', '.join(PROTOCOLS)}, got {unknown[0]!r}")
-        return dataclasses.replace(grid, protocols=tuple(p for p in PROTOCOLS if p in chosen))
+        return grid
 
     def inca_settings(self) -> list[tuple[int, int, int]]:
         """(T, k, tail) of every IncA point: D_Inc and the value-free tail (where T > L), those of
