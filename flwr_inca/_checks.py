@@ -26,8 +26,9 @@ limit                       value        why
 :data:`MAX_LOCAL_STEPS`     10^5         local SGD steps or epochs per round (each one is a pass of work)
 :data:`MAX_BATCH_SIZE`      10^6         examples in a client's batch
 :data:`MAX_WORKERS`         10^4         actors, threads, threat draws per round
-:func:`memory_limit`        half the     the bytes one dense computation (a certificate's matrices, a
-                            memory       demo's values) may take; ``FLWR_INCA_MAX_BYTES`` sets it
+:func:`memory_limit`        half the     the bytes one dense computation (a certificate's matrices,
+                            memory       IncA's or a baseline's; a complete graph's pairs; a demo's
+                                         values) may take; ``FLWR_INCA_MAX_BYTES`` sets it
 ==========================  ===========  =============================================================
 """
 

@@ -202,6 +202,13 @@ BAD_COMMAND_LINES = [
     (["reproduce", "fig1", "--seed", "-1"], "--seed"),
     (["reproduce", "fig9"], "figure"),
     (["reproduce", "fig1", "--out", "{file}"], "out (--out) must be a directory"),
+    # the frontier at a size whose certificates would not fit: refused before the first run is certified
+    (["reproduce", "frontier", "--parties", "20000", "--protocols", "gopa", "--gammas", "0.1", "--runs", "1",
+      "--out", "{dir}"], "the exact certificate of one GOPA run (16202 observed values of 18000 honest parties)"),
+    (["reproduce", "frontier", "--parties", "20000", "--protocols", "cordp-dme", "--gammas", "0.1", "--runs", "1",
+      "--out", "{dir}"], "the complete graph of 20000 parties (199990000 pairs) would need about 8.94 GiB"),
+    (["reproduce", "frontier", "--parties", "1000000", "--protocols", "inca", "--runs", "1", "--out", "{dir}"],
+     "the bound on the certificate of a simulated run of 1000000 parties over 10 iterations"),
     # study
     (["study", "mnist", "--clients", "2", "--out", "{dir}"], "clients (each) must be an integer in [3, 10000000]"),
     (["study", "mnist", "--clients", "x"], "--clients"),
@@ -320,8 +327,36 @@ BAD_API_CALLS = [
     (lambda: BoundSettings(iterations=-1), "BoundSettings.iterations"),
     (lambda: BoundSettings(tolerance=math.nan), "BoundSettings.tolerance"),
     (lambda: _round_cost(-1.0), "mu must be >= 0"),
+    # the baselines' exact certificates and executions, refused before they are built
+    (lambda: _baseline_model("GOPA", 20000), "the exact certificate of one GOPA run"),
+    (lambda: _baseline_model("local DP", 20000), "the exact certificate of one local DP run"),
+    (lambda: _baseline_model("DP gossip", 3000), "the exact certificate of one DP gossip run"),
+    (lambda: _baseline_model("IncA", 20000), "the exact certificate of one IncA run"),
+    (lambda: _baseline_model("CorDP-DME", 20000), "the complete graph of 20000 parties"),
+    (lambda: _baseline_run("CorDP-DME", 2000, 200), "the pairwise terms of CorDP-DME's 1999000 edges x 200 coordinates"),
     (lambda: _round_cost(0.1, 1.5), "sample_rate must be in (0, 1]"),
 ]
+
+
+def _baseline(name: str):
+    from flwr_inca.baselines import GOPA, CorDPDME, DPGossip, IncaBaseline, LocalDP
+
+    return {"GOPA": lambda: GOPA(1.0, 1.0, 0.1), "CorDP-DME": lambda: CorDPDME(1.0, 1.0, 0.1),
+            "local DP": lambda: LocalDP(1.0), "DP gossip": lambda: DPGossip(1.0, iterations=20),
+            "IncA": lambda: IncaBaseline(_config())}[name]()
+
+
+def _baseline_model(name: str, n: int):
+    from flwr_inca.baselines import Threat
+
+    baseline = _baseline(name)
+    execution = baseline.sample_execution(n, 0)
+    return baseline.observation_model(execution, baseline.adversary(execution, Threat.collusion(0.1), 1))
+
+
+def _baseline_run(name: str, n: int, dim: int):
+    baseline = _baseline(name)
+    return baseline.execute(np.zeros((n, dim)), baseline.sample_execution(n, 0), seed=0)
 
 
 def _round_cost(mu: float, sample_rate: float = 1.0):

@@ -517,3 +517,58 @@ def test_baseline_inputs_are_checked_like_run_incas():
     assert scalar and values.dtype == np.float64 and values[:, 0].tolist() == [0.5, 0.25, 1.0]
     values, scalar = as_values(np.ones((3, 2), dtype=np.float32))
     assert not scalar and values.dtype == np.float64 and values.flags.c_contiguous
+
+
+MEMORY_CASES = {  # baseline, n, threat: views of every kind, rows ~ honest (pairwise, local DP) and rows >> honest
+    "GOPA": (lambda: GOPA(1.0, 1.0, 0.1, neighbors=5), 400, Threat.collusion(0.1)),
+    "CorDP-DME": (lambda: CorDPDME(1.0, 1.0, gamma=0.1), 400, Threat.collusion(0.1)),
+    "local DP": (lambda: LocalDP(1.0), 400, Threat.collusion(0.1)),
+    "DP gossip": (lambda: DPGossip(1.0, iterations=8), 120, Threat.collusion(0.1)),
+    "Muffliato": (lambda: Muffliato(1.0, "hypercube", 6), 128, Threat.collusion(0.1)),
+    "IncA": (lambda: IncaBaseline(IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=6, neighbors=2,
+                                             dropout=PermanentDropout(0.1))), 150, Threat.collusion(0.1)),
+    "IncA eavesdropped": (lambda: IncaBaseline(IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=6)), 150,
+                          Threat.eavesdrop(0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(MEMORY_CASES))
+def test_the_memory_a_view_is_refused_at_bounds_what_its_certificate_allocates(name, monkeypatch):
+    """The size check of ``observation_model`` (before anything is built) estimates at least the peak that
+    building the view and its exact certificate allocates (NumPy's allocations, traced), and not more than
+    twice it: too low would let a view that does not fit through, too high would refuse views that fit."""
+    import tracemalloc
+
+    from threadpoolctl import threadpool_limits
+
+    make, n, threat = MEMORY_CASES[name]
+    baseline = make()
+    execution = baseline.sample_execution(n, 1)
+    view = baseline.adversary(execution, threat, 2)
+    with threadpool_limits(1):
+        tracemalloc.start()
+        try:
+            SensitivityProfile.from_model(baseline.observation_model(execution, view))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    # the estimate is what the check compares with the limit: a limit just below it refuses the view
+    estimate = _refused_above(baseline, execution, view, monkeypatch)
+    assert peak <= estimate <= 2 * peak, (peak, estimate)
+
+
+def _refused_above(baseline, execution, view, monkeypatch) -> float:
+    """The smallest memory limit (bytes, to 1%) under which ``observation_model`` is not refused."""
+    from flwr_inca._checks import MEMORY_ENV
+
+    low, high = 1.0, 1e12
+    while high > 1.01 * low:
+        mid = math.sqrt(low * high)
+        monkeypatch.setenv(MEMORY_ENV, str(int(mid)))
+        try:
+            baseline.observation_model(execution, view)
+            high = mid
+        except ValueError as exc:
+            assert f"the exact certificate of one {baseline.name} run" in str(exc)
+            low = mid
+    return high

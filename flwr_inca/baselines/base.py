@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import check_bytes
 from ..privacy.certificate import SensitivityProfile
 from ..privacy.linear_system import ObservationModel
 from ..privacy.views import coalition_size
@@ -46,6 +47,7 @@ __all__ = [
     "OutputWeights",
     "Threat",
     "as_values",
+    "exact_model_bytes",
     "noise_rng",
     "random_corrupted",
 ]
@@ -155,8 +157,10 @@ class LinearGaussianBaseline(Baseline):
     """A baseline whose adversary's view is linear-Gaussian (see the module docstring).
 
     Subclasses have ``sigma_star`` (std of the independent noise on each value) and ``sigma_delta``
-    (std of every other noise term; 0 if there is none) in value units, and implement the four
-    methods below; ``run`` is ``execute(x, sample_execution(n, seed), seed)``.
+    (std of every other noise term; 0 if there is none) in value units, and implement the abstract
+    methods below (``_view_size`` says how large a view is before ``_observation_model`` builds it, so
+    that an execution too large to certify is refused, not allocated); ``run`` is
+    ``execute(x, sample_execution(n, seed), seed)``.
     """
 
     sigma_star: float
@@ -174,9 +178,33 @@ class LinearGaussianBaseline(Baseline):
     def adversary(self, execution: Any, threat: Threat, seed: int | None = None) -> Any:
         """A random adversary of the given threat for this execution (e.g. the corrupted set)."""
 
-    @abstractmethod
     def observation_model(self, execution: Any, view: Any) -> ObservationModel:
-        """The adversary's view of the honest parties, for unit noise variances."""
+        """The adversary's view of the honest parties, for unit noise variances.
+
+        Refused (:meth:`check_size`) before anything is built when it does not fit in memory."""
+        self.check_size(execution, view)
+        return self._observation_model(execution, view)
+
+    def check_size(self, execution: Any, view: Any) -> None:
+        """Raise ``ValueError`` (one line) if the view of ``execution`` and its exact certificate would need
+        more memory than :func:`~flwr_inca._checks.memory_limit` allows; builds nothing."""
+        rows, honest = self._view_size(execution, view)
+        check_bytes(f"the exact certificate of one {self.name} run ({rows} observed values of {honest} honest "
+                    "parties)", max(exact_model_bytes(rows, honest), self._builder_bytes(execution, view)),
+                    "fewer parties")
+
+    @abstractmethod
+    def _observation_model(self, execution: Any, view: Any) -> ObservationModel:
+        """:meth:`observation_model` once its size has been checked."""
+
+    @abstractmethod
+    def _view_size(self, execution: Any, view: Any) -> tuple[int, int]:
+        """``(rows, honest)``: the values the adversary observes and the honest parties of the view,
+        without building it."""
+
+    def _builder_bytes(self, execution: Any, view: Any) -> float:
+        """Peak bytes of building the view, where it needs more than its certificate (default: 0)."""
+        return 0.0
 
     def sensitivity_profile(self, execution: Any, view: Any) -> SensitivityProfile:
         """The exact certificate of every honest party of ``execution`` against ``view`` (unit value
@@ -204,6 +232,15 @@ class LinearGaussianBaseline(Baseline):
 
 
 # ------------------------------------------------------------------------------------------- helpers
+def exact_model_bytes(rows: int, honest: int) -> float:
+    """Estimated peak bytes of a view of ``rows`` observed values of ``honest`` honest parties and its exact
+    certificate (:meth:`SensitivityProfile.from_model`), all dense float64: the (rows, rows) Grams (one of
+    them first built sparse), their sum and factor, the (rows, honest) observation and whitened targets,
+    the (honest, honest) eigenbasis. Measured peaks are 0.6 to 0.95 times it (tests/test_baselines.py)."""
+    m, h = float(rows), float(honest)
+    return 8.0 * (6.0 * m * m + 5.0 * m * h + 3.0 * h * h)
+
+
 def as_values(x: Any) -> tuple[np.ndarray, bool]:
     """(n, d) float64 values and whether the input was (n,) scalars: the checks (and errors) of
     :func:`flwr_inca.run_inca`'s input, then float64, which every baseline computes in."""

@@ -126,7 +126,11 @@ class LocalDP(LinearGaussianBaseline):
             return random_corrupted(execution, threat.fraction, seed)
         return np.zeros(0, dtype=np.int64)  # an eavesdropper sees what everybody sees
 
-    def observation_model(self, execution: int, view: np.ndarray) -> ObservationModel:
+    def _view_size(self, execution: int, view: np.ndarray) -> tuple[int, int]:
+        honest = int(honest_mask(execution, view).sum())
+        return honest, honest
+
+    def _observation_model(self, execution: int, view: np.ndarray) -> ObservationModel:
         honest = np.flatnonzero(honest_mask(execution, view))
         eye = np.eye(honest.size)
         rows = np.stack([honest, np.zeros_like(honest)], axis=1)

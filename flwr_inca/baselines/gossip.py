@@ -366,7 +366,17 @@ class _GossipBaseline(LinearGaussianBaseline):
             observed[t, coo.row[pick]] = True
         return GossipView(np.zeros(0, dtype=np.int64), observed)
 
-    def observation_model(self, execution: GossipExecution, view: GossipView) -> ObservationModel:
+    def _view_size(self, execution: GossipExecution, view: GossipView) -> tuple[int, int]:
+        is_h = honest_mask(execution.parties, view.corrupted)
+        return int(view.observed[:, is_h].sum()), int(is_h.sum())
+
+    def _builder_bytes(self, execution: GossipExecution, view: GossipView) -> float:
+        # the dense polynomials P_0(W), ..., P_T(W) (n x n each) next to the observation and its Gram
+        rows, honest = self._view_size(execution, view)
+        n = float(execution.parties)
+        return 8.0 * ((execution.iterations + 2) * n * n + rows * honest + rows * float(rows))
+
+    def _observation_model(self, execution: GossipExecution, view: GossipView) -> ObservationModel:
         n = execution.parties
         honest = np.flatnonzero(honest_mask(n, view.corrupted))
         polys = gossip_polynomials(execution.W, execution.iterations, execution.chebyshev)

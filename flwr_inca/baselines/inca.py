@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..privacy.certificate import exact_bytes
 from ..privacy.linear_system import ObservationModel, build_model
 from ..privacy.views import AdversaryView, random_collusion, random_eavesdrop
 from ..protocol.config import IncaConfig
@@ -61,7 +62,14 @@ class IncaBaseline(LinearGaussianBaseline):
             return random_collusion(execution, threat.fraction, seed)
         return random_eavesdrop(execution, threat.fraction, seed)
 
-    def observation_model(self, execution: ExecutionTrace, view: AdversaryView) -> ObservationModel:
+    def _view_size(self, execution: ExecutionTrace, view: AdversaryView) -> tuple[int, int]:
+        return int(view.honest_observed().sum()), int(view.honest.size)
+
+    def _builder_bytes(self, execution: ExecutionTrace, view: AdversaryView) -> float:
+        rows, honest = self._view_size(execution, view)
+        return exact_bytes(execution.parties, honest, rows, execution.iterations)
+
+    def _observation_model(self, execution: ExecutionTrace, view: AdversaryView) -> ObservationModel:
         return build_model(execution, view)
 
     def output_weights(self, execution: ExecutionTrace) -> OutputWeights:

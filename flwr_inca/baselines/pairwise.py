@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import numpy as np
 import scipy.sparse as sp
 
+from .._checks import check_bytes
 from ..privacy.linear_system import ObservationModel
 from ..protocol.topology import RandomNeighbors
 from .base import (
@@ -133,6 +134,9 @@ def k_out_edges(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def complete_edges(n: int) -> np.ndarray:
+    pairs = n * (n - 1) // 2
+    # the two index arrays, their stack and its copy: 48 bytes a pair at the peak
+    check_bytes(f"the complete graph of {n} parties ({pairs} pairs)", 48.0 * pairs, "fewer parties")
     i, j = np.triu_indices(n, k=1)
     return np.stack([i, j], axis=1).astype(np.int64)
 
@@ -252,6 +256,10 @@ class _PairwiseBaseline(LinearGaussianBaseline):
         n, d = values.shape
         if n != execution.parties:
             raise ValueError(f"x has {n} rows but the execution has {execution.parties} parties")
+        edges = execution.edges.shape[0]
+        # every term drawn (one per edge and coordinate), scaled, and the rolled-back ones selected
+        check_bytes(f"the pairwise terms of {self.name}'s {edges} edges x {d} coordinates", 24.0 * edges * d,
+                    "fewer parties or coordinates")
         x_tilde = values + self.sigma_star * noise_rng(seed, _TAG_STAR).standard_normal((n, d))
         pair = self.sigma_delta * noise_rng(seed, _TAG_PAIR).standard_normal((execution.edges.shape[0], d))
         masked = pairwise_masked_values(x_tilde, execution.edges, pair)
@@ -267,7 +275,11 @@ class _PairwiseBaseline(LinearGaussianBaseline):
             return random_corrupted(execution.parties, threat.fraction, seed)
         return np.zeros(0, dtype=np.int64)  # terms travel on secure channels: nothing beyond the published
 
-    def observation_model(self, execution: PairwiseExecution, view: np.ndarray) -> ObservationModel:
+    def _view_size(self, execution: PairwiseExecution, view: np.ndarray) -> tuple[int, int]:
+        is_h = honest_mask(execution.parties, view)
+        return int((is_h & execution.published).sum()), int(is_h.sum())
+
+    def _observation_model(self, execution: PairwiseExecution, view: np.ndarray) -> ObservationModel:
         return pairwise_model(execution, view)
 
     def output_weights(self, execution: PairwiseExecution) -> OutputWeights:

@@ -70,8 +70,8 @@ from .conversions import classic_mu, epsilon_for_delta, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
 __all__ = ["DEFAULT_ALPHAS", "AlphaSelection", "Calibration", "NoiseCalibrator", "SimulatedRun", "alpha_candidates",
-           "alpha_grid", "calibrate", "evaluate_alpha", "pick_alpha", "required_sigma_delta", "simulate_runs",
-           "simulation_seeds"]
+           "alpha_grid", "calibrate", "check_runs_fit", "evaluate_alpha", "pick_alpha", "required_sigma_delta",
+           "simulate_runs", "simulation_seeds"]
 
 # alpha: sigma_star^2 in units of 1 / (n_O mu^2), the central-DP level of the honest finalists
 DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0)
@@ -274,6 +274,17 @@ def _threat(collusion: float | None, observed_fraction: float | None) -> tuple[f
     return 0.0, f"eavesdrop fraction={observed_fraction:g}"
 
 
+def check_runs_fit(parties: int, base: IncaConfig, solver: str = "auto",
+                   bound_settings: BoundSettings | None = None) -> None:
+    """Raise ``ValueError`` (one line) if simulated runs of ``base`` among ``parties`` parties would not fit in
+    memory: their traces, and the bound that certifies every run above the exact method's size (the exact
+    method's own size depends on the run and is checked on it). Simulates nothing."""
+    base.check(parties)
+    if parties > EXACT_MAX_PARTIES and solver != "exact":  # every run is bounded
+        check_bytes(f"the bound on the certificate of a simulated run of {parties} parties over "
+                    f"{base.iterations} iterations", bound_bytes(parties, base.iterations, bound_settings))
+
+
 def simulate_runs(
     parties: int,
     base: IncaConfig,
@@ -297,6 +308,7 @@ def simulate_runs(
     rarely among them, and :func:`calibrate` bounds again alone any that is (docs/privacy.md, "Charging
     across runs"). Every bound stays sound. None: every run tightened alone.
     """
+    check_runs_fit(parties, base, solver, bound_settings)
     runs = len(seeds)
     if quantile is not None:
         quantile = check_probability("quantile", quantile, zero=False)
@@ -534,10 +546,6 @@ def calibrate(
 
     base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=iterations, neighbors=neighbors,
                       schedule=schedule, topology=topology, dropout=dropout)
-    base.check(parties)
-    if parties > EXACT_MAX_PARTIES and solver != "exact":  # every run is bounded: refuse before simulating one
-        check_bytes(f"the bound on the certificate of a simulated run of {parties} parties over {iterations} "
-                    "iterations", bound_bytes(parties, iterations, bound_settings))
     seeds = simulation_seeds(seed, runs)
     quantile = 1.0 if procedure == "paper" else float(target_success)
     # bound profiles are tightest near their nominal sigmas: start near the central-DP level

@@ -47,7 +47,13 @@ from ..baselines.base import Threat
 from ..baselines.calibration import calibrate_samples, sample_views
 from ..baselines.gaussian import gaussian_mu
 from ..baselines.pairwise import GOPA, CorDPDME
-from ..privacy.calibration import BOUND_NOMINAL_RATIO, AlphaSelection, simulate_runs, simulation_seeds
+from ..privacy.calibration import (
+    BOUND_NOMINAL_RATIO,
+    AlphaSelection,
+    check_runs_fit,
+    simulate_runs,
+    simulation_seeds,
+)
 from ..privacy.methods import SOLVERS
 from ..privacy.conversions import mu_for_epsilon
 from ..protocol.config import IncaConfig
@@ -128,6 +134,27 @@ def _seed(seed: int, *key: float) -> int:
     return (seed * 1_000_003 + sum(int(round(v * 1000)) * 7919**i for i, v in enumerate(key, 1))) % 2**62
 
 
+def inca_config(T: int, k: int, tail: int, gamma: float) -> IncaConfig:
+    """IncA's setting at a point (unit sigmas): D_Inc or the value-free tail ``tail``, permanent dropouts."""
+    return IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k,
+                      schedule=InjectionSchedule.incremental(T, tail=tail),
+                      dropout=PermanentDropout(gamma) if gamma > 0 else None)
+
+
+def pairwise_points(grid: Grid, n: int, gamma: float) -> list[tuple[GOPA | CorDPDME, str, dict]]:
+    """``(baseline at unit sigmas, protocol label, its settings for the CSV)`` of every pairwise point of
+    ``grid`` at (n, gamma): GOPA per k_PR and gamma_2, CorDP-DME."""
+    points: list[tuple[GOPA | CorDPDME, str, dict]] = []
+    for k_pr in GOPA_NEIGHBORS if "gopa" in grid.protocols else ():
+        for split in GOPA_SPLITS:
+            k, g2 = min(k_pr, n - 1), _gamma_2(split, gamma, n)
+            points.append((GOPA(1.0, 1.0, neighbors=k, gamma=gamma, gamma_rollback=g2), f"GOPA gamma_2={split}",
+                           {"k_PR": k, "gamma_2": g2}))
+    if "cordp-dme" in grid.protocols:
+        points.append((CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", {"k_PR": n - 1}))
+    return points
+
+
 def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: int, bar: ProgressBar,
               epsilons: tuple[float, ...] | None = None, solver: str = "auto") -> list[dict]:
     """IncA calibrated for every epsilon on one set of simulated executions: the steps of the product's
@@ -136,10 +163,8 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
     sigmas; a sound bound is tightest near the central-DP level of the geometric mean of the epsilons'
     targets and valid at both."""
     epsilons = EPSILONS if epsilons is None else epsilons
-    schedule = InjectionSchedule.incremental(T, tail=tail)
-    dropout = PermanentDropout(gamma) if gamma > 0 else None
-    base = IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k, schedule=schedule,
-                      dropout=dropout)
+    base = inca_config(T, k, tail, gamma)
+    schedule = base.schedule
     targets = [mu_for_epsilon(eps, DELTA) for eps in epsilons]
     guess = 1.0 / (math.sqrt(n * (1.0 - RHO)) * math.prod(targets) ** (1.0 / len(targets)))
     bar.set_status(f"IncA n={n} T={T} k={k} {schedule.name} gamma={gamma:g}")
@@ -249,6 +274,19 @@ class Grid:
                 for tail, name in ((0, "inca"), (TAIL[k], "inca-tail")) if name in self.protocols
                 for T in self.iterations if tail < T]
 
+    def check_fits(self) -> None:
+        """Raise ``ValueError`` (one line) if a point would not fit in memory, before any point runs: a
+        refusal after hours of other points would lose them. IncA's runs are checked by
+        :func:`~flwr_inca.privacy.calibration.check_runs_fit`, each pairwise baseline on one execution
+        (its graph and the view of a coalition), which it builds but does not certify."""
+        for n in self.parties:
+            for gamma in self.gammas:
+                for T, k, tail in self.inca_settings():
+                    check_runs_fit(n, inca_config(T, k, tail, gamma), self.solver)
+                for baseline, _, _ in pairwise_points(self, n, gamma):
+                    execution = baseline.sample_execution(n, 0)
+                    baseline.check_size(execution, baseline.adversary(execution, Threat.collusion(RHO), 0))
+
     def pairwise(self) -> int:
         """How many pairwise-baseline points per (n, gamma): GOPA's k_PR x gamma_2, CorDP-DME's one."""
         return (len(GOPA_NEIGHBORS) * len(GOPA_SPLITS) * ("gopa" in self.protocols)
@@ -269,6 +307,7 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
     """The frontier over :class:`Grid` ``.of(**settings)`` (parties, epsilons, gammas, iterations, neighbors,
     solver, protocols)."""
     grid = Grid.of(**settings)
+    grid.check_fits()
     eps = grid.epsilons
     rows: list[dict] = []
     for n in grid.parties:
@@ -277,15 +316,8 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
                 rows += central_rows(n, gamma, eps)
             for T, k, tail in grid.inca_settings():
                 rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps, grid.solver)
-            for k_pr in GOPA_NEIGHBORS if "gopa" in grid.protocols else ():
-                for split in GOPA_SPLITS:
-                    g2 = _gamma_2(split, gamma, n)
-                    gopa = GOPA(1.0, 1.0, neighbors=min(k_pr, n - 1), gamma=gamma, gamma_rollback=g2)
-                    rows += pairwise_rows(gopa, f"GOPA gamma_2={split}", n, gamma, runs, seed, bar, eps,
-                                          k_PR=min(k_pr, n - 1), gamma_2=g2)
-            if "cordp-dme" in grid.protocols:
-                rows += pairwise_rows(CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", n, gamma, runs, seed, bar, eps,
-                                      k_PR=n - 1)
+            for baseline, protocol, extra in pairwise_points(grid, n, gamma):
+                rows += pairwise_rows(baseline, protocol, n, gamma, runs, seed, bar, eps, **extra)
     result = FigureResult(
         "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
         "exactly", COLUMNS, rows, plot=plot, params=_params(grid, runs, seed), write_extra=write_extra,
