@@ -217,13 +217,22 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
     assert "γ = 0 | γ = 0.2" in md and "merged" in (tmp_path / "all" / "frontier.txt").read_text()
     assert any("IncA lower in" in c.measured and "of 1 " in c.measured for c in result.checks)  # the merged cell
     # bad files and combinations: one line naming what was wrong
-    (tmp_path / "bad.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,x,0,IncA k=1,1\n")
-    (tmp_path / "hole.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,1,0,IncA k=1,1\n,1,0,GOPA,2\n")
-    header = "n,epsilon,gamma,protocol,predicted_mse\n"
-    for name, line in (("nan", "30,1,0,IncA k=1,nan"), ("neg", "-5,1,0,IncA k=1,1"), ("g1", "30,1,1,IncA k=1,1")):
+    header = "n,epsilon,gamma,protocol,k,T,messages_per_party,rounds,predicted_mse\n"
+    (tmp_path / "bad.csv").write_text(header + "30,x,0,IncA k=1,1,4,5,5,1\n")
+    (tmp_path / "hole.csv").write_text(header + "30,1,0,IncA k=1,1,4,5,5,1\n,1,0,CorDP-DME,,,29,2,2\n")
+    # a file with the point's place and value but not what the plots need (its messages) is not a frontier CSV
+    (tmp_path / "short.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,1,0.1,CorDP-DME,0.1\n")
+    for name, line in (("nan", "30,1,0,IncA k=1,1,4,5,5,nan"), ("neg", "-5,1,0,IncA k=1,1,4,5,5,1"),
+                       ("g1", "30,1,1,IncA k=1,1,4,5,5,1"), ("who", "30,1,0,IncA k=3 tail,3,4,5,5,1"),
+                       ("noT", "30,1,0,IncA k=2 tail,2,,5,5,1"), ("k", "30,1,0,IncA k=1,2,4,5,5,1")):
         (tmp_path / f"{name}.csv").write_text(header + line + "\n")
     for argv, needle in ((["--merge", str(tmp_path / "none.csv")], "none.csv: cannot read it"),
                          (["--merge", str(tmp_path / "a" / "frontier.txt")], "not a frontier CSV"),
+                         (["--merge", str(tmp_path / "short.csv")],
+                          "not a frontier CSV (no column messages_per_party, rounds)"),
+                         (["--merge", str(tmp_path / "who.csv")], "line 2: protocol must be one of CorDP-DME, GOPA"),
+                         (["--merge", str(tmp_path / "noT.csv")], "line 2: no T (an IncA point needs them)"),
+                         (["--merge", str(tmp_path / "k.csv")], "line 2: k = 2 does not match protocol 'IncA k=1'"),
                          (["--merge", str(tmp_path / "bad.csv")], "line 2: epsilon must be a number, got 'x'"),
                          (["--merge", str(tmp_path / "hole.csv")], "hole.csv, line 3: no n"),
                          (["--merge", str(tmp_path)], "cannot read it"),

@@ -331,7 +331,12 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
 MERGE_MAX_ROWS = 1_000_000  # --merge reads no further (a whole grid is a few hundred rows)
 _INTEGER_COLUMNS = frozenset({"n", "k", "T", "k_PR", "rounds", "runs"})
 _TEXT_COLUMNS = frozenset({"protocol", "schedule"})
-_NEEDED_COLUMNS = ("n", "epsilon", "gamma", "protocol", "predicted_mse")  # what a merged point must hold
+# what a merged point must hold (its place, its value, what the plots and tables show it against)
+_NEEDED_COLUMNS = ("n", "epsilon", "gamma", "protocol", "predicted_mse", "messages_per_party", "rounds")
+# the protocols a frontier writes (an IncA point also needs its k, matching its name, and its T)
+_INCA_LABELS = {f"IncA k={k}{tail}": k for k in INCA_NEIGHBORS for tail in ("", " tail")}
+_LABELS = frozenset({*_INCA_LABELS, *(f"GOPA gamma_2={split}" for split in GOPA_SPLITS), "CorDP-DME", "central DP",
+                     "central DP (stayers)"})
 
 
 # what a merged number may be besides >= 0 (a point no run can produce is refused, not plotted)
@@ -346,6 +351,19 @@ def _check_value(column: str, value):
     if column in _INTEGER_COLUMNS:
         return check_int(column, value, _LIMITS.get(column, {"low": 0})["low"])
     return check_real(column, value, **_LIMITS.get(column, {"low": 0.0}))
+
+
+def _check_point(row: dict) -> None:
+    """What a merged point's columns must say together (``ValueError`` naming the column)."""
+    protocol = row["protocol"]
+    if protocol not in _LABELS:
+        raise ValueError(f"protocol must be one of {', '.join(sorted(_LABELS))}, got {protocol[:60]!r}")
+    if protocol in _INCA_LABELS:
+        missing = [c for c in ("k", "T") if c not in row]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)} (an IncA point needs them)")
+        if row["k"] != _INCA_LABELS[protocol]:
+            raise ValueError(f"k = {row['k']} does not match protocol {protocol!r}")
 
 
 def _point(row: dict) -> tuple:
@@ -383,6 +401,7 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
                     try:
                         for column, value in row.items():
                             _check_value(column, value)
+                        _check_point(row)
                     except ValueError as exc:
                         raise ValueError(f"--merge {path}, line {line}: {exc}") from None
                     if line > MERGE_MAX_ROWS:
