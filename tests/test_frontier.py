@@ -283,3 +283,21 @@ def test_a_piece_without_comparable_points_says_so_instead_of_an_empty_table(tin
     text = (tmp_path / "frontier.txt").read_text()
     assert "(none: these settings hold no points the statements compare)" in text and text in out.getvalue() + "\n"
     assert "paper states  paper  measured" not in text  # no empty table header
+
+
+def test_a_point_too_large_is_refused_before_any_point_of_the_grid_runs(tiny, tmp_path, monkeypatch):
+    """n = 30 would run first; GOPA at n = 20000 would not fit a 1 GiB limit: the grid is refused as a whole,
+    before the first simulated run, naming the point, and nothing is written."""
+    from flwr_inca._checks import MEMORY_ENV
+
+    monkeypatch.setenv(MEMORY_ENV, str(2**30))
+    settings = {"parties": [30, 20000], "gammas": [0.1], "iterations": [4], "neighbors": [1],
+                "protocols": ["inca", "gopa"]}
+    bar = ProgressBar(frontier.work(1, **settings), "t", enabled=False)
+    with pytest.raises(ValueError, match=r"the exact certificate of one GOPA run \(\d+ observed values of 18000 "
+                                         r"honest parties\) would need about .* over the limit of 1 GiB"):
+        frontier.run(1, 0, bar, **settings)
+    assert bar.done == 0
+    with pytest.raises(ValueError, match="over the limit of 1 GiB"):
+        reproduce(["frontier"], runs=1, out=tmp_path, progress=False, stream=io.StringIO(), settings=settings)
+    assert not any(tmp_path.iterdir())
