@@ -190,7 +190,7 @@ class LinearGaussianBaseline(Baseline):
         more memory than :func:`~flwr_inca._checks.memory_limit` allows; builds nothing."""
         rows, honest = self._view_size(execution, view)
         check_bytes(f"the exact certificate of one {self.name} run ({rows} observed values of {honest} honest "
-                    "parties)", max(exact_model_bytes(rows, honest), self._builder_bytes(execution, view)),
+                    "parties)", max(exact_model_bytes(rows, honest), self._builder_bytes(execution, rows, honest)),
                     "fewer parties")
 
     @abstractmethod
@@ -202,8 +202,9 @@ class LinearGaussianBaseline(Baseline):
         """``(rows, honest)``: the values the adversary observes and the honest parties of the view,
         without building it."""
 
-    def _builder_bytes(self, execution: Any, view: Any) -> float:
-        """Peak bytes of building the view, where it needs more than its certificate (default: 0)."""
+    def _builder_bytes(self, execution: Any, rows: int, honest: int) -> float:
+        """Peak bytes of building a view of ``rows`` observed values of ``honest`` honest parties of
+        ``execution``, where it needs more than its certificate (default: 0)."""
         return 0.0
 
     def sensitivity_profile(self, execution: Any, view: Any) -> SensitivityProfile:

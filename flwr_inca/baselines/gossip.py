@@ -370,9 +370,8 @@ class _GossipBaseline(LinearGaussianBaseline):
         is_h = honest_mask(execution.parties, view.corrupted)
         return int(view.observed[:, is_h].sum()), int(is_h.sum())
 
-    def _builder_bytes(self, execution: GossipExecution, view: GossipView) -> float:
+    def _builder_bytes(self, execution: GossipExecution, rows: int, honest: int) -> float:
         # the dense polynomials P_0(W), ..., P_T(W) (n x n each) next to the observation and its Gram
-        rows, honest = self._view_size(execution, view)
         n = float(execution.parties)
         return 8.0 * ((execution.iterations + 2) * n * n + rows * honest + rows * float(rows))
 

@@ -65,8 +65,7 @@ class IncaBaseline(LinearGaussianBaseline):
     def _view_size(self, execution: ExecutionTrace, view: AdversaryView) -> tuple[int, int]:
         return int(view.honest_observed().sum()), int(view.honest.size)
 
-    def _builder_bytes(self, execution: ExecutionTrace, view: AdversaryView) -> float:
-        rows, honest = self._view_size(execution, view)
+    def _builder_bytes(self, execution: ExecutionTrace, rows: int, honest: int) -> float:
         return exact_bytes(execution.parties, honest, rows, execution.iterations)
 
     def _observation_model(self, execution: ExecutionTrace, view: AdversaryView) -> ObservationModel:

@@ -261,7 +261,7 @@ class _PairwiseBaseline(LinearGaussianBaseline):
         check_bytes(f"the pairwise terms of {self.name}'s {edges} edges x {d} coordinates", 24.0 * edges * d,
                     "fewer parties or coordinates")
         x_tilde = values + self.sigma_star * noise_rng(seed, _TAG_STAR).standard_normal((n, d))
-        pair = self.sigma_delta * noise_rng(seed, _TAG_PAIR).standard_normal((execution.edges.shape[0], d))
+        pair = self.sigma_delta * noise_rng(seed, _TAG_PAIR).standard_normal((edges, d))
         masked = pairwise_masked_values(x_tilde, execution.edges, pair)
         estimate = pairwise_estimate(masked, execution, pair)
         revealed, uncancelled = execution.edge_status()

@@ -134,6 +134,19 @@ def _seed(seed: int, *key: float) -> int:
     return (seed * 1_000_003 + sum(int(round(v * 1000)) * 7919**i for i, v in enumerate(key, 1))) % 2**62
 
 
+def inca_label(k: int, tail: int) -> str:
+    """The protocol name of an IncA point in the CSV: ``"IncA k=1"``, ``"IncA k=2 tail"``."""
+    return f"IncA k={k}" + (" tail" if tail else "")
+
+
+def gopa_label(split: str) -> str:
+    """The protocol name of a GOPA point in the CSV (``split``: one of :data:`GOPA_SPLITS`)."""
+    return f"GOPA gamma_2={split}"
+
+
+CENTRAL_LABELS = ("central DP", "central DP (stayers)")  # on all n values; on the parties that stay
+
+
 def inca_config(T: int, k: int, tail: int, gamma: float) -> IncaConfig:
     """IncA's setting at a point (unit sigmas): D_Inc or the value-free tail ``tail``, permanent dropouts."""
     return IncaConfig(sigma_star=1.0, sigma_delta=1.0, iterations=T, neighbors=k,
@@ -148,7 +161,7 @@ def pairwise_points(grid: Grid, n: int, gamma: float) -> list[tuple[GOPA | CorDP
     for k_pr in GOPA_NEIGHBORS if "gopa" in grid.protocols else ():
         for split in GOPA_SPLITS:
             k, g2 = min(k_pr, n - 1), _gamma_2(split, gamma, n)
-            points.append((GOPA(1.0, 1.0, neighbors=k, gamma=gamma, gamma_rollback=g2), f"GOPA gamma_2={split}",
+            points.append((GOPA(1.0, 1.0, neighbors=k, gamma=gamma, gamma_rollback=g2), gopa_label(split),
                            {"k_PR": k, "gamma_2": g2}))
     if "cordp-dme" in grid.protocols:
         points.append((CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", {"k_PR": n - 1}))
@@ -178,7 +191,7 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
         selection = AlphaSelection(procedure="exact", mu_target=mu, quantile=1.0, epsilon=eps, delta=DELTA,
                                    value_sensitivity=1.0, value_variance=VALUE_VARIANCE)
         best, _, _ = selection.choose(sims)
-        rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": f"IncA k={k}" + (" tail" if tail else ""),
+        rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": inca_label(k, tail),
                      "schedule": schedule.name, "k": k, "T": T, "messages_per_party": messages,
                      "bytes_per_party": size, "rounds": rounds, "sigma_star": best["sigma_star"],
                      "sigma_delta": best["sigma_delta"], "alpha": best["alpha"],
@@ -210,7 +223,7 @@ def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float
 def central_rows(n: int, gamma: float, epsilons: tuple[float, ...]) -> list[dict]:
     rows = []
     for eps in epsilons:
-        for protocol, g in (("central DP", 0.0), ("central DP (stayers)", gamma)):
+        for protocol, g in zip(CENTRAL_LABELS, (0.0, gamma)):
             rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
                          "messages_per_party": 1.0, "bytes_per_party": float(FLOAT_BYTES), "rounds": 1,
                          "predicted_mse": central_mse(n, eps, g), "central_dp_mse": central_mse(n, eps)})
@@ -334,9 +347,8 @@ _TEXT_COLUMNS = frozenset({"protocol", "schedule"})
 # what a merged point must hold (its place, its value, what the plots and tables show it against)
 _NEEDED_COLUMNS = ("n", "epsilon", "gamma", "protocol", "predicted_mse", "messages_per_party", "rounds")
 # the protocols a frontier writes (an IncA point also needs its k, matching its name, and its T)
-_INCA_LABELS = {f"IncA k={k}{tail}": k for k in INCA_NEIGHBORS for tail in ("", " tail")}
-_LABELS = frozenset({*_INCA_LABELS, *(f"GOPA gamma_2={split}" for split in GOPA_SPLITS), "CorDP-DME", "central DP",
-                     "central DP (stayers)"})
+_INCA_LABELS = {inca_label(k, tail): k for k in INCA_NEIGHBORS for tail in (0, TAIL[k])}
+_LABELS = frozenset({*_INCA_LABELS, *map(gopa_label, GOPA_SPLITS), "CorDP-DME", *CENTRAL_LABELS})
 
 
 # what a merged number may be besides >= 0 (a point no run can produce is refused, not plotted)
