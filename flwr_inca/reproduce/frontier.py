@@ -468,19 +468,19 @@ def checks(rows: list[dict]) -> list[Check]:
     keys = sorted({(r["n"], r["epsilon"], r["gamma"]) for r in rows})
     for k in sorted({r["k"] for r in rows if r["protocol"].startswith("IncA")}):
         ratios = [r["predicted_mse"] / _mse(rows, n=r["n"], epsilon=r["epsilon"], gamma=r["gamma"], T=r["T"],
-                                             protocol=f"IncA k={k}")
-                  for r in rows if r["protocol"] == f"IncA k={k} tail" and r["gamma"] >= 0.1]
+                                             protocol=inca_label(k, 0))
+                  for r in rows if r["protocol"] == inca_label(k, TAIL[k]) and r["gamma"] >= 0.1]
         ratios = [x for x in ratios if math.isfinite(x)]
         if ratios:
             out.append(Check(f"value-free tail (L = {TAIL[k]}) vs D_Inc, k = {k}, equal messages, gamma >= 0.1: "
                              "MSE ratio", "-", _ratio_line(ratios), None))
     for split in GOPA_SPLITS:
-        for protocol in ("IncA k=1", "IncA k=1 tail"):
+        for protocol in (inca_label(1, 0), inca_label(1, TAIL[1])):
             wins, cells, notes = 0, 0, []
             for n, eps, gamma in keys:
                 for m in sorted(set(GOPA_NEIGHBORS) & {r["T"] for r in rows if r["protocol"] == protocol}):
                     inca = _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol=protocol, T=m)
-                    gopa = _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol=f"GOPA gamma_2={split}", k_PR=m)
+                    gopa = _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol=gopa_label(split), k_PR=m)
                     if gamma > 0 and math.isfinite(inca) and math.isfinite(gopa):
                         cells += 1
                         wins += inca < gopa
@@ -493,7 +493,7 @@ def checks(rows: list[dict]) -> list[Check]:
     for gamma_zero in (True, False):
         gaps = [min((r["predicted_mse"] for r in _select(rows, n=n, epsilon=eps, gamma=gamma)
                      if r["protocol"].startswith("IncA") and math.isfinite(r["predicted_mse"])), default=math.nan)
-                / _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol="central DP (stayers)")
+                / _mse(rows, n=n, epsilon=eps, gamma=gamma, protocol=CENTRAL_LABELS[1])
                 for n, eps, gamma in keys if (gamma == 0) == gamma_zero]
         gaps = [g for g in gaps if math.isfinite(g)]
         if gaps:
@@ -503,9 +503,11 @@ def checks(rows: list[dict]) -> list[Check]:
 
 
 # ---------------------------------------------------------------------------------------------- output
-SERIES = (("IncA k=1", "tab:blue", "o-"), ("IncA k=1 tail", "tab:blue", "o--"),
-          ("IncA k=2", "tab:purple", "s-"), ("IncA k=2 tail", "tab:purple", "s--"),
-          ("GOPA gamma_2=1/n", "tab:green", "^-"), ("GOPA gamma_2=gamma/4", "tab:olive", "^--"),
+# (protocol, colour, marker and line) of every plotted series but central DP's lines, in the legend's order
+SERIES = (*((inca_label(k, tail), colour, marker + ("--" if tail else "-"))
+            for k, colour, marker in ((1, "tab:blue", "o"), (2, "tab:purple", "s")) for tail in (0, TAIL[k])),
+          *((gopa_label(split), colour, style) for split, colour, style in zip(GOPA_SPLITS, ("tab:green", "tab:olive"),
+                                                                              ("^-", "^--"))),
           ("CorDP-DME", "tab:brown", "x"))
 
 
@@ -524,7 +526,7 @@ def _panel(ax, rows: list[dict], n: int, eps: float, gamma: float) -> None:
                      if r["protocol"] == protocol and math.isfinite(r["predicted_mse"]))
         if pts:
             ax.plot(*zip(*pts), style, color=color, label=_label(protocol), ms=4)
-    for protocol, style in (("central DP", "k-"), ("central DP (stayers)", "k:")):
+    for protocol, style in zip(CENTRAL_LABELS, ("k-", "k:")):
         got = _select(cell, protocol=protocol)
         if got:
             ax.axhline(got[0]["predicted_mse"], color="k", ls=style[1:], lw=1, label=protocol)
@@ -553,7 +555,7 @@ def _figure(rows: list[dict], keys: list[tuple[int, float]], gammas: list[float]
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
-    order = [_label(protocol) for protocol, _, _ in SERIES] + ["central DP", "central DP (stayers)"]
+    order = [_label(protocol) for protocol, _, _ in SERIES] + list(CENTRAL_LABELS)
     labels = sorted(entries, key=lambda label: order.index(label) if label in order else len(order))
     fig.legend([entries[label] for label in labels], labels, loc="outside lower center", ncol=columns, fontsize=7,
                frameon=False)
