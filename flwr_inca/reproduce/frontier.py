@@ -504,15 +504,14 @@ def checks(rows: list[dict]) -> list[Check]:
 
 # ---------------------------------------------------------------------------------------------- output
 # (protocol, colour, marker and line) of every plotted series but central DP's lines, in the legend's order
-SERIES = (*((inca_label(k, tail), colour, marker + ("--" if tail else "-"))
-            for k, colour, marker in ((1, "tab:blue", "o"), (2, "tab:purple", "s")) for tail in (0, TAIL[k])),
-          *((gopa_label(split), colour, style) for split, colour, style in zip(GOPA_SPLITS, ("tab:green", "tab:olive"),
-                                                                              ("^-", "^--"))),
+SERIES = ((inca_label(1, 0), "tab:blue", "o-"), (inca_label(1, TAIL[1]), "tab:blue", "o--"),
+          (inca_label(2, 0), "tab:purple", "s-"), (inca_label(2, TAIL[2]), "tab:purple", "s--"),
+          (gopa_label("1/n"), "tab:green", "^-"), (gopa_label("gamma/4"), "tab:olive", "^--"),
           ("CorDP-DME", "tab:brown", "x"))
 
 
 def _label(protocol: str) -> str:
-    label = protocol + (f" (L={TAIL[int(protocol.split()[1][2:])]})" if protocol.endswith("tail") else "")
+    label = protocol + (f" (L={TAIL[_INCA_LABELS[protocol]]})" if protocol.endswith("tail") else "")
     return (label.replace("gamma_2=gamma/4", r"$\gamma_2 = \gamma/4$").replace("gamma_2=1/n", r"$\gamma_2 = 1/n$")
             .replace("L=", "$L$ = ").replace("k=", "$k$ = "))
 
