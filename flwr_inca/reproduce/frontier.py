@@ -164,7 +164,7 @@ def pairwise_points(grid: Grid, n: int, gamma: float) -> list[tuple[GOPA | CorDP
             points.append((GOPA(1.0, 1.0, neighbors=k, gamma=gamma, gamma_rollback=g2), gopa_label(split),
                            {"k_PR": k, "gamma_2": g2}))
     if "cordp-dme" in grid.protocols:
-        points.append((CorDPDME(1.0, 1.0, gamma=gamma), "CorDP-DME", {"k_PR": n - 1}))
+        points.append((CorDPDME(1.0, 1.0, gamma=gamma), CorDPDME.name, {"k_PR": n - 1}))
     return points
 
 
@@ -348,7 +348,7 @@ _TEXT_COLUMNS = frozenset({"protocol", "schedule"})
 _NEEDED_COLUMNS = ("n", "epsilon", "gamma", "protocol", "predicted_mse", "messages_per_party", "rounds")
 # the protocols a frontier writes (an IncA point also needs its k, matching its name, and its T)
 _INCA_LABELS = {inca_label(k, tail): k for k in INCA_NEIGHBORS for tail in (0, TAIL[k])}
-_LABELS = frozenset({*_INCA_LABELS, *map(gopa_label, GOPA_SPLITS), "CorDP-DME", *CENTRAL_LABELS})
+_LABELS = frozenset({*_INCA_LABELS, *map(gopa_label, GOPA_SPLITS), CorDPDME.name, *CENTRAL_LABELS})
 
 
 # what a merged number may be besides >= 0 (a point no run can produce is refused, not plotted)
@@ -507,7 +507,7 @@ def checks(rows: list[dict]) -> list[Check]:
 SERIES = ((inca_label(1, 0), "tab:blue", "o-"), (inca_label(1, TAIL[1]), "tab:blue", "o--"),
           (inca_label(2, 0), "tab:purple", "s-"), (inca_label(2, TAIL[2]), "tab:purple", "s--"),
           (gopa_label("1/n"), "tab:green", "^-"), (gopa_label("gamma/4"), "tab:olive", "^--"),
-          ("CorDP-DME", "tab:brown", "x"))
+          (CorDPDME.name, "tab:brown", "x"))
 
 
 def _label(protocol: str) -> str:
