@@ -301,3 +301,17 @@ def test_a_point_too_large_is_refused_before_any_point_of_the_grid_runs(tiny, tm
     with pytest.raises(ValueError, match="over the limit of 1 GiB"):
         reproduce(["frontier"], runs=1, out=tmp_path, progress=False, stream=io.StringIO(), settings=settings)
     assert not any(tmp_path.iterdir())
+
+
+def test_the_tail_statement_counts_every_cell_with_dropouts():
+    """The tail-vs-D_Inc statement takes every (n, eps, gamma > 0, T) cell, a cell where the tail loses
+    included; without dropouts the schedules are not compared."""
+    def row(gamma: float, protocol: str, mse: float) -> dict:
+        return {"n": 100, "epsilon": 1.0, "gamma": gamma, "protocol": protocol, "k": 2, "T": 10, "k_PR": None,
+                "predicted_mse": mse}
+    rows = [row(0.0, "IncA k=2", 1.0), row(0.0, "IncA k=2 tail", 2.0),
+            row(0.05, "IncA k=2", 1.0), row(0.05, "IncA k=2 tail", 1.5),
+            row(0.1, "IncA k=2", 1.0), row(0.1, "IncA k=2 tail", 0.5),
+            row(0.3, "IncA k=2", 2.0), row(0.3, "IncA k=2 tail", 1.0)]
+    [tail] = [c.measured for c in frontier.checks(rows) if c.claim.startswith("value-free tail (L = 2)")]
+    assert tail == "median x0.50, range [0.50, 1.50]; lower in 2 of 3"
