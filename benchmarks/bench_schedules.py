@@ -22,7 +22,8 @@ Sections (each prints its figures):
   D_Inc for every L.
 * ``stability``: how the worst case over R calibration runs grows with R: each run's smallest sufficient
   sigma_delta at the central-DP level (alpha = 1), and the running maximum over the first R runs (the
-  runs of ``calibrate(seed, runs=R)`` are the first R of any larger R: nested). With ``--gopa K ...``
+  runs of ``calibrate(seed, runs=R)`` are the first R of any larger R: nested); then the distribution of
+  each run's need (quantiles, the largest) and how many later runs need more than the first R's worst. With ``--gopa K ...``
   GOPA with k_PR = K instead (gamma_2 = 1/n, the frontier's best GOPA): its exact calibration (alpha
   chosen, as in the frontier) on the first R runs, sigma_delta and predicted MSE against R = max.
 
@@ -344,6 +345,7 @@ def section_stability(args: argparse.Namespace) -> None:
     print(f"## Worst case over R runs: sigma_delta (running max of each run's need at alpha = 1, 1.1 without "
           f"dropouts), relative to R = {args.runs}; eps = {args.epsilons[0]}")
     print("   n   T  k  gamma  schedule              " + "  ".join(f"R={r:<5d}" for r in checkpoints) + "   seconds")
+    per_run_lines = []
     for n, T, k, gamma, tail in _cells(args, args.tails):
         start = time.perf_counter()
         schedule = InjectionSchedule.incremental(T, tail=tail)
@@ -359,12 +361,31 @@ def section_stability(args: argparse.Namespace) -> None:
         # alpha = 1 is below the floor without dropouts (no sigma_delta suffices there)
         alpha = 1.0 if gamma > 0 else 1.1
         s_star = math.sqrt(alpha / (np.mean(finalists) * mu**2))
-        need = np.maximum.accumulate([p.min_sigma_delta(s_star, mu) for p in profiles])
+        per_run = np.array([p.min_sigma_delta(s_star, mu) for p in profiles])
+        need = np.maximum.accumulate(per_run)
         cells = [need[r - 1] / need[-1] for r in checkpoints]
         print(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f}  {schedule.name:20s}  "
               + "  ".join(f"{c:7.3f}" for c in cells)
               + f"   (sigma_delta {need[-1]:.3f} at R = {args.runs}; {time.perf_counter() - start:.0f})",
               flush=True)
+        per_run_lines.append(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f}  {schedule.name:20s}  "
+                             + _distribution(per_run, checkpoints))
+    print("\n## Each run's need (sigma_delta at the same sigma_star): quantiles over the runs, the largest, and "
+          "how many of the later runs need more than the worst of the first R (a calibration on R runs leaves "
+          "them uncertified at the target)")
+    for line in per_run_lines:
+        print(line)
+
+
+def _distribution(per_run: np.ndarray, checkpoints: list[int]) -> str:
+    """Median, 90% and 99% quantiles and the 5 largest of each run's need; for each checkpoint R below the
+    last, how many of the runs after the first R need more than the worst of the first R."""
+    q50, q90, q99 = np.quantile(per_run, [0.5, 0.9, 0.99])
+    top = np.sort(per_run)[::-1][:5]
+    beyond = [f"R={r}: {int((per_run[r:] > per_run[:r].max()).sum())} of {per_run.size - r}"
+              for r in checkpoints[:-1]]
+    return (f"median {q50:.3f}, 90% {q90:.3f}, 99% {q99:.3f}; largest {', '.join(f'{v:.3f}' for v in top)}; "
+            f"later runs above the first R's worst: {'; '.join(beyond)}")
 
 
 def main() -> None:

@@ -215,6 +215,12 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
     assert {r["gamma"] for r in result.rows} == {0.0, 0.2} and all(isinstance(r["n"], int) for r in result.rows)
     md = (tmp_path / "all" / "frontier.md").read_text()
     assert "γ = 0 | γ = 0.2" in md and "merged" in (tmp_path / "all" / "frontier.txt").read_text()
+    # the points of one table come from different numbers of runs: each point off the usual number shows its own
+    usual = int(md.split("Calibrated on ")[1].split()[0])
+    other = [r for r in written if r["runs"] and int(r["runs"]) != usual]
+    assert usual in (1, 2) and other and md.count(f" ({3 - usual}) |") == len(other)
+    assert "simulated runs per point; (R): on R runs." in md and f" ({usual}) |" not in md
+    assert "alpha  runs  predicted_mse" in (tmp_path / "all" / "frontier.txt").read_text()
     assert any("IncA lower in" in c.measured and "of 1 " in c.measured for c in result.checks)  # the merged cell
     # bad files and combinations: one line naming what was wrong
     header = "n,epsilon,gamma,protocol,k,T,messages_per_party,rounds,predicted_mse\n"

@@ -77,7 +77,7 @@ FIGURES: dict[str, _Figure] = {
     # runs is within 5% of that over 800 (benchmarks/bench_schedules.py "stability")
     "frontier": _Figure("frontier", "run", 400,
                         ("n", "epsilon", "gamma", "protocol", "T", "k_PR", "messages_per_party", "rounds",
-                         "sigma_star", "sigma_delta", "alpha", "predicted_mse"), in_all=False, settings=True),
+                         "sigma_star", "sigma_delta", "alpha", "runs", "predicted_mse"), in_all=False, settings=True),
 }
 DEFAULT_RUNS = {name: f.default_runs for name, f in FIGURES.items()}
 # the frontier's protocols, as its --protocols names them: IncA with D_Inc, IncA with the value-free tail, GOPA

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -578,11 +579,19 @@ def plot(result: FigureResult, path: Path) -> list[Path]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """One table per (n, epsilon): the predicted MSE of every configuration, a column per gamma."""
+    """One table per (n, epsilon): the predicted MSE of every configuration, a column per gamma. Where the
+    points of a table were calibrated on different numbers of simulated runs (pieces merged), a point whose
+    number differs from the table's most common one shows it in brackets, and a line under the table says so."""
     keys, gammas = _keys(rows)
     parts = []
     for n, eps in keys:
         cell = _select(rows, n=n, epsilon=eps)
+        counts = Counter(r["runs"] for r in cell if "runs" in r)
+        usual = counts.most_common(1)[0][0] if counts else None
+
+        def value(r: dict) -> str:
+            other = len(counts) > 1 and r.get("runs", usual) != usual
+            return f"{r['predicted_mse']:.3g}" + (f" ({r['runs']})" if other else "")
         configs: dict[tuple, dict] = {}  # (protocol, T, k_PR) -> its first row (messages, rounds)
         for r in sorted(cell, key=lambda r: (r["protocol"], r["messages_per_party"])):
             configs.setdefault((r["protocol"], r.get("T") or 0, r.get("k_PR") or 0), r)
@@ -594,9 +603,11 @@ def markdown(rows: list[dict]) -> str:
             for g in gammas:
                 got = [r for r in cell if r["gamma"] == g and r["protocol"] == protocol and (r.get("T") or 0) == T
                        and (r.get("k_PR") or 0) == k_pr]
-                values.append(f"{got[0]['predicted_mse']:.3g}" if got else "")
+                values.append(value(got[0]) if got else "")
             lines.append(f"| {protocol} | {T or k_pr or ''} | {first['messages_per_party']:.1f} | {first['rounds']} | "
                          + " | ".join(values) + " |")
+        if len(counts) > 1:
+            lines += ["", f"Calibrated on {usual} simulated runs per point; (R): on R runs."]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
