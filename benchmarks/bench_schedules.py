@@ -23,9 +23,10 @@ Sections (each prints its figures):
 * ``stability``: how the worst case over R calibration runs grows with R: each run's smallest sufficient
   sigma_delta at the central-DP level (alpha = 1), and the running maximum over the first R runs (the
   runs of ``calibrate(seed, runs=R)`` are the first R of any larger R: nested); then the distribution of
-  each run's need (quantiles, the largest) and how many later runs need more than the first R's worst. With ``--gopa K ...``
-  GOPA with k_PR = K instead (gamma_2 = 1/n, the frontier's best GOPA): its exact calibration (alpha
-  chosen, as in the frontier) on the first R runs, sigma_delta and predicted MSE against R = max.
+  each run's need (quantiles, the largest) and how many later runs need more than the first R's worst.
+  With ``--gopa K ...`` GOPA with k_PR = K instead (gamma_2 = 1/n, the frontier's best GOPA): its exact
+  calibration (alpha chosen, as in the frontier) on the first R runs, sigma_delta and predicted MSE against
+  R = max.
 
     python benchmarks/bench_schedules.py decompose
     python benchmarks/bench_schedules.py anatomy --parties 100 --iterations 10 --runs 200
