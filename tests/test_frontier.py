@@ -228,6 +228,7 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
     (tmp_path / "hole.csv").write_text(header + "30,1,0,IncA k=1,1,4,5,5,1\n,1,0,CorDP-DME,,,29,2,2\n")
     # a file with the point's place and value but not what the plots need (its messages) is not a frontier CSV
     (tmp_path / "short.csv").write_text("n,epsilon,gamma,protocol,predicted_mse\n30,1,0.1,CorDP-DME,0.1\n")
+    (tmp_path / "runs0.csv").write_text(header.replace("\n", ",runs\n") + "30,1,0,IncA k=1,1,4,5,5,1,0\n")
     for name, line in (("nan", "30,1,0,IncA k=1,1,4,5,5,nan"), ("neg", "-5,1,0,IncA k=1,1,4,5,5,1"),
                        ("g1", "30,1,1,IncA k=1,1,4,5,5,1"), ("who", "30,1,0,IncA k=3 tail,3,4,5,5,1"),
                        ("noT", "30,1,0,IncA k=2 tail,2,,5,5,1"), ("k", "30,1,0,IncA k=1,2,4,5,5,1")):
@@ -245,6 +246,7 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
                          (["--merge", str(tmp_path / "nan.csv")],
                           "line 2: predicted_mse must be a finite number >= 0, got nan"),
                          (["--merge", str(tmp_path / "neg.csv")], "line 2: n must be an integer >= 1, got -5"),
+                         (["--merge", str(tmp_path / "runs0.csv")], "line 2: runs must be an integer >= 1, got 0"),
                          (["--merge", str(tmp_path / "g1.csv")], "line 2: gamma must be in [0, 1), got 1.0"),
                          (["--merge", paths[0], "--runs", "3"], "without --runs or grid settings")):
         assert cli.main(["reproduce", "frontier", *argv, "--out", str(tmp_path / "x")]) == 2

@@ -353,7 +353,7 @@ _LABELS = frozenset({*_INCA_LABELS, *map(gopa_label, GOPA_SPLITS), CorDPDME.name
 
 
 # what a merged number may be besides >= 0 (a point no run can produce is refused, not plotted)
-_LIMITS = {"n": {"low": 1}, "epsilon": {"low": 0.0, "low_open": True},
+_LIMITS = {"n": {"low": 1}, "runs": {"low": 1}, "epsilon": {"low": 0.0, "low_open": True},
            "gamma": {"low": 0.0, "high": 1.0, "high_open": True}}
 
 
