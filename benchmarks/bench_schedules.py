@@ -370,7 +370,7 @@ def section_stability(args: argparse.Namespace) -> None:
               + f"   (sigma_delta {need[-1]:.3f} at R = {args.runs}; {time.perf_counter() - start:.0f})",
               flush=True)
         per_run_lines.append(f"{n:4d} {T:3d} {k:2d} {gamma:6.2f}  {schedule.name:20s}  "
-                             + _distribution(per_run, checkpoints))
+                             + _distribution(per_run, need, checkpoints))
     print("\n## Each run's need (sigma_delta at the same sigma_star): quantiles over the runs, the largest, and "
           "how many of the later runs need more than the worst of the first R (a calibration on R runs leaves "
           "them uncertified at the target)")
@@ -378,12 +378,13 @@ def section_stability(args: argparse.Namespace) -> None:
         print(line)
 
 
-def _distribution(per_run: np.ndarray, checkpoints: list[int]) -> str:
-    """Median, 90% and 99% quantiles and the 5 largest of each run's need; for each checkpoint R below the
-    last, how many of the runs after the first R need more than the worst of the first R."""
+def _distribution(per_run: np.ndarray, need: np.ndarray, checkpoints: list[int]) -> str:
+    """Median, 90% and 99% quantiles and the 5 largest of each run's need (``need``: its running maximum);
+    for each checkpoint R below the last, how many of the runs after the first R need more than the worst
+    of the first R."""
     q50, q90, q99 = np.quantile(per_run, [0.5, 0.9, 0.99])
     top = np.sort(per_run)[::-1][:5]
-    beyond = [f"R={r}: {int((per_run[r:] > per_run[:r].max()).sum())} of {per_run.size - r}"
+    beyond = [f"R={r}: {int((per_run[r:] > need[r - 1]).sum())} of {per_run.size - r}"
               for r in checkpoints[:-1]]
     return (f"median {q50:.3f}, 90% {q90:.3f}, 99% {q99:.3f}; largest {', '.join(f'{v:.3f}' for v in top)}; "
             f"later runs above the first R's worst: {'; '.join(beyond)}")

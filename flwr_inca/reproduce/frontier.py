@@ -578,6 +578,12 @@ def plot(result: FigureResult, path: Path) -> list[Path]:
     return written
 
 
+def _mse_cell(row: dict, usual: int | None) -> str:
+    """A point's MSE in :func:`markdown`, with its number of runs where it is not ``usual`` (None: never)."""
+    other = usual is not None and row.get("runs", usual) != usual
+    return f"{row['predicted_mse']:.3g}" + (f" ({row['runs']})" if other else "")
+
+
 def markdown(rows: list[dict]) -> str:
     """One table per (n, epsilon): the predicted MSE of every configuration, a column per gamma. Where the
     points of a table were calibrated on different numbers of simulated runs (pieces merged), a point whose
@@ -587,11 +593,7 @@ def markdown(rows: list[dict]) -> str:
     for n, eps in keys:
         cell = _select(rows, n=n, epsilon=eps)
         counts = Counter(r["runs"] for r in cell if "runs" in r)
-        usual = counts.most_common(1)[0][0] if counts else None
-
-        def value(r: dict) -> str:
-            other = len(counts) > 1 and r.get("runs", usual) != usual
-            return f"{r['predicted_mse']:.3g}" + (f" ({r['runs']})" if other else "")
+        usual = counts.most_common(1)[0][0] if len(counts) > 1 else None  # None: one number of runs, no marks
         configs: dict[tuple, dict] = {}  # (protocol, T, k_PR) -> its first row (messages, rounds)
         for r in sorted(cell, key=lambda r: (r["protocol"], r["messages_per_party"])):
             configs.setdefault((r["protocol"], r.get("T") or 0, r.get("k_PR") or 0), r)
@@ -603,10 +605,10 @@ def markdown(rows: list[dict]) -> str:
             for g in gammas:
                 got = [r for r in cell if r["gamma"] == g and r["protocol"] == protocol and (r.get("T") or 0) == T
                        and (r.get("k_PR") or 0) == k_pr]
-                values.append(value(got[0]) if got else "")
+                values.append(_mse_cell(got[0], usual) if got else "")
             lines.append(f"| {protocol} | {T or k_pr or ''} | {first['messages_per_party']:.1f} | {first['rounds']} | "
                          + " | ".join(values) + " |")
-        if len(counts) > 1:
+        if usual is not None:
             lines += ["", f"Calibrated on {usual} simulated runs per point; (R): on R runs."]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
