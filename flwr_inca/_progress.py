@@ -26,13 +26,15 @@ def format_duration(seconds: float) -> str:
 class ProgressBar:
     """A progress bar on stderr: ``label [#####.....] 45% status 12s, ~15s left``.
 
-    Redraws in place on a terminal (at most 5 times a second); elsewhere prints a line every 10%.
-    ``lines=True`` prints one line per :meth:`advance` instead (for steps that take seconds, or output
-    interleaved with a framework's log lines, where redrawing in place would garble both).
+    Redraws in place on a terminal (at most 5 times a second); elsewhere (a log file) prints a line every
+    10%, and after a unit of work also when ``heartbeat`` seconds have passed since the last line, so a log
+    of hours of work shows it moving. ``lines=True`` prints one line per :meth:`advance` instead (for steps
+    that take seconds, or output interleaved with a framework's log lines, where redrawing in place would
+    garble both).
     """
 
     def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True,
-                 lines: bool = False) -> None:
+                 lines: bool = False, heartbeat: float = 120.0) -> None:
         self.total = max(int(total), 1)
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -43,6 +45,9 @@ class ProgressBar:
         self.start = time.perf_counter()
         self._last_draw = 0.0
         self._last_decile = -1
+        self.heartbeat = float(heartbeat)
+        self._last_line = self.start
+        self._done_at_line = 0
         self._tty = not lines and bool(getattr(self.stream, "isatty", lambda: False)())
 
     def advance(self, units: int = 1, status: str | None = None) -> None:
@@ -99,10 +104,12 @@ class ProgressBar:
                 self.stream.flush()
         else:
             decile = int(10 * self.done / self.total)
-            if decile > self._last_decile:
+            slow = self.done > self._done_at_line and now - self._last_line >= self.heartbeat
+            if decile > self._last_decile or slow:
                 self.stream.write(line + "\n")
                 self.stream.flush()
-                self._last_decile = decile
+                self._last_decile = max(decile, self._last_decile)
+                self._last_line, self._done_at_line = now, self.done
 
     def close(self) -> None:
         if self.enabled:

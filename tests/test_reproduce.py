@@ -295,6 +295,19 @@ def test_progress_bar_reports_to_a_stream():
     assert len(lines) == 10  # one per tenth (not a terminal), the last not repeated
 
 
+def test_progress_bar_in_a_log_also_reports_slow_work_between_tenths():
+    """Off a terminal a long unit of work prints a line once ``heartbeat`` seconds have passed, not only at
+    each tenth (heartbeat 0: after every unit that moved the bar; a status change alone prints nothing)."""
+    stream = io.StringIO()
+    bar = ProgressBar(100, "frontier", stream=stream, heartbeat=0.0)
+    bar.advance(status="a")
+    bar.advance()
+    bar.set_status("b")
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split("] ")[1][:7] for line in lines] == ["  1% a ", "  2% a ", "100% b "]
+
+
 def test_progress_bar_total_can_change_as_the_work_becomes_known():
     """A plan whose size is known step by step (the study: runs found done, rounds tuned): the share and
     the time left count the new total; done units never exceed it."""
