@@ -759,7 +759,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     try:
         settings = {"parties": args.parties, "epsilons": args.epsilons, "gammas": args.gammas,
                     "iterations": args.iterations, "neighbors": args.neighbors, "solver": args.solver,
-                    "protocols": args.protocols}
+                    "protocols": args.protocols, "target_success": args.target_success}
         reproduce([args.figure], runs=args.runs, out=args.out, seed=args.seed, progress=not args.no_progress,
                   settings=settings, merge=args.merge)
     except OSError as exc:  # e.g. the disk filled up while writing a figure
@@ -807,6 +807,10 @@ def add_reproduce_parser(sub: argparse._SubParsersAction) -> None:
                           help=f"which protocols run ({', '.join(FRONTIER_PROTOCOLS)}): IncA with D_Inc, IncA with "
                                "the value-free tail, GOPA (every k_PR and gamma_2), CorDP-DME, the central-DP lines; "
                                "pieces of the grid run apart are joined by --merge")
+    frontier.add_argument("--target-success", type=real_in(0.0, 1.0, low_open=True), default=None, metavar="Q",
+                          help="the share of each point's simulated runs its noise must certify at the target, "
+                               "for every protocol alike (default 1: all of them, the worst case over the runs, as "
+                               "the paper; 0.99 is stable with fewer runs where the worst case keeps growing)")
     frontier.add_argument("--merge", nargs="+", default=None, metavar="CSV",
                           help="run nothing: join the frontier.csv files of earlier runs (pieces of the grid; a "
                                "point in several files is taken from the last) and write the frontier's CSV, "

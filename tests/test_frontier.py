@@ -257,6 +257,54 @@ def test_merge_joins_pieces_of_the_grid_into_one_frontier(tiny, tmp_path, capsys
         frontier.merged([paths[0]])
 
 
+def test_target_success_calibrates_every_protocol_to_cover_that_share_of_its_runs(tiny, tmp_path, capsys):
+    """``--target-success q``: IncA's points are the product's ``calibrate(target_success=q)``, GOPA's its
+    ``calibrate_samples(target_success=q)`` on the same views; the share is in the CSV and under the table,
+    covering fewer runs needs less noise somewhere, and a share outside (0, 1] is refused in one line."""
+    from flwr_inca.baselines.base import Threat
+    from flwr_inca.baselines.calibration import calibrate_samples, sample_views
+
+    settings = {"parties": [30], "gammas": [0.2], "iterations": [5], "neighbors": [1], "epsilons": [1.0],
+                "protocols": ["inca", "gopa"]}
+    with single_blas_thread():
+        every = frontier.run(8, 3, ProgressBar(1, "t", enabled=False), **settings).rows
+        (half,) = reproduce(["frontier"], runs=8, out=tmp_path, seed=3, progress=False, stream=io.StringIO(),
+                            plots=False, settings={**settings, "target_success": 0.5})
+    assert {r["target_success"] for r in every} == {1.0} and {r["target_success"] for r in half.rows} == {0.5}
+    assert half.params["target_success"] == 0.5
+    assert {r["target_success"] for r in _csv(tmp_path / "frontier.csv")} == {"0.5"}
+    assert "Noise calibrated to certify 0.5 of each point's runs" in (tmp_path / "frontier.md").read_text()
+    (inca,) = [r for r in half.rows if r["protocol"] == "IncA k=1"]
+    cal = calibrate(1.0, frontier.DELTA, 30, iterations=5, neighbors=1, collusion=frontier.RHO,
+                    schedule=inca["schedule"], runs=8, seed=frontier._seed(3, 30, 5, 1, 0.2),
+                    dropout=PermanentDropout(0.2), target_success=0.5)
+    assert (inca["sigma_star"], inca["alpha"]) == (cal.sigma_star, cal.alpha)
+    assert inca["predicted_mse"] == pytest.approx(cal.predicted_mse, rel=1e-12)
+    assert inca["success_fraction"] >= 0.5
+    gopa = next(r for r in half.rows if r["protocol"] == "GOPA gamma_2=1/n")
+    baseline = GOPA(1.0, 1.0, neighbors=gopa["k_PR"], gamma=0.2, gamma_rollback=gopa["gamma_2"])
+    key = frontier._seed(3, 30, 0.2, gopa["k_PR"], gopa["gamma_2"])
+    views = sample_views(baseline, 30, Threat.collusion(frontier.RHO), 8, key)
+    direct = calibrate_samples(views, 1.0, frontier.DELTA, value_variance=frontier.VALUE_VARIANCE,
+                               target_success=0.5)
+    assert (gopa["sigma_star"], gopa["sigma_delta"]) == (direct.sigma_star, direct.sigma_delta)
+    mse = {(r["protocol"], r.get("k_PR")): r["predicted_mse"] for r in every}
+    lower = [mse[(r["protocol"], r.get("k_PR"))] / r["predicted_mse"] for r in half.rows if "runs" in r]
+    assert min(lower) > 0.999 and max(lower) > 1.01  # never more noise, and less where a run needed the most
+    for value, needle in (("0", "argument --target-success"), ("1.5", "argument --target-success")):
+        with pytest.raises(SystemExit):
+            cli.main(["reproduce", "frontier", "--target-success", value, "--out", str(tmp_path / "x")])
+        assert needle in capsys.readouterr().err
+    assert cli.main(["reproduce", "fig2", "--target-success", "0.9", "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "--target-success: only the frontier takes these settings, not fig2" in err
+    assert len(err.strip().splitlines()) == 1
+    (tmp_path / "q.csv").write_text("n,epsilon,gamma,protocol,k,T,messages_per_party,rounds,predicted_mse,runs,"
+                                    "target_success\n30,1,0,IncA k=1,1,4,5,5,1,4,1.5\n")
+    assert cli.main(["reproduce", "frontier", "--merge", str(tmp_path / "q.csv"), "--out", str(tmp_path / "z")]) == 2
+    assert "line 2: target_success must be in (0, 1], got 1.5" in capsys.readouterr().err
+
+
 def test_protocols_setting_runs_only_the_protocols_named(tiny, tmp_path, capsys):
     """``--protocols inca-tail`` runs IncA's tail schedule alone (no baseline, no D_Inc), its points equal to those
     of the whole grid on the same seed, and the progress plan counts only what runs; a bad name is refused."""

@@ -73,8 +73,9 @@ FIGURES: dict[str, _Figure] = {
                       "mse", "mse_stderr", "noise_lower_bound"), shares_cache=True, work_name="fig3b"),
     "fig5": _Figure("fig5", "run", 100,
                     ("threat", "k", "T", "messages", "precondition_success", "exact_floor_success")),
-    # calibration runs: at n = 200 (T in {10, 20, 40}, gamma = 0.1) the worst-case sigma_delta over the first 400
-    # runs is within 5% of that over 800 (benchmarks/bench_schedules.py "stability")
+    # calibration runs: at n = 200 the worst-case sigma_delta keeps growing with R (by single runs, up to 17% from
+    # 800 to 1600), while covering 99% of the runs is within 2% of its 1600-run value from 400 runs on
+    # (benchmarks/bench_schedules.py "stability")
     "frontier": _Figure("frontier", "run", 400,
                         ("n", "epsilon", "gamma", "protocol", "T", "k_PR", "messages_per_party", "rounds",
                          "sigma_star", "sigma_delta", "alpha", "runs", "predicted_mse"), in_all=False, settings=True),
@@ -101,8 +102,9 @@ def reproduce(
     frontier); see the module docstring.
 
     ``settings`` narrow the frontier's grid (:class:`flwr_inca.reproduce.frontier.Grid`: ``parties``,
-    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``, ``solver``, how IncA's runs are certified, and
-    ``protocols``, which of :data:`FRONTIER_PROTOCOLS` run);
+    ``epsilons``, ``gammas``, ``iterations``, ``neighbors``, ``solver``, how IncA's runs are certified,
+    ``protocols``, which of :data:`FRONTIER_PROTOCOLS` run, and ``target_success``, the share of each point's
+    runs its noise certifies);
     the paper's figures take none. ``merge``: the
     frontier only, runs nothing: joins the ``frontier.csv`` files of earlier runs (pieces of its grid) and
     writes the frontier's outputs for all their points (:func:`flwr_inca.reproduce.frontier.merged`).
@@ -127,7 +129,8 @@ def reproduce(
     if settings:
         fixed = [f for f in names if not FIGURES[f].settings]
         if fixed:
-            raise ValueError(f"--{', --'.join(settings)}: only the frontier takes these settings, not "
+            raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in settings)}: only the frontier takes "
+                             "these settings, not "
                              f"{', '.join(fixed)}")
         from .frontier import Grid
 

@@ -3,7 +3,8 @@
 Mean estimation of values in [0, 1] (U[0, 1] for the MSE), delta = 1e-5, a random coalition of 10%
 of the parties, a fraction gamma of the parties dropping out permanently. Every protocol is calibrated
 by the same exact procedure (``flwr_inca.privacy.calibrate``'s ``"exact"``: every simulated run
-certified at the target, alpha chosen to minimise the predicted MSE, ``min_alpha = 1``); each point is
+certified at the target, alpha chosen to minimise the predicted MSE, ``min_alpha = 1``; with
+``--target-success q`` a share q of the runs instead, every protocol alike); each point is
 the predicted MSE (closed form per execution, averaged over the simulated executions) against what a
 party sends per round:
 
@@ -93,7 +94,7 @@ def inca_units(T: int, k: int) -> int:
 
 COLUMNS = ["n", "epsilon", "gamma", "protocol", "schedule", "k", "T", "k_PR", "gamma_2", "messages_per_party",
            "bytes_per_party", "rounds", "sigma_star", "sigma_delta", "alpha", "success_fraction", "predicted_mse",
-           "central_dp_mse", "runs", "seconds"]
+           "central_dp_mse", "runs", "target_success", "seconds"]
 
 
 # ---------------------------------------------------------------------------------------------- counting
@@ -170,9 +171,11 @@ def pairwise_points(grid: Grid, n: int, gamma: float) -> list[tuple[GOPA | CorDP
 
 
 def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: int, bar: ProgressBar,
-              epsilons: tuple[float, ...] | None = None, solver: str = "auto") -> list[dict]:
+              epsilons: tuple[float, ...] | None = None, solver: str = "auto",
+              target_success: float = 1.0) -> list[dict]:
     """IncA calibrated for every epsilon on one set of simulated executions: the steps of the product's
-    ``calibrate`` (exact procedure), the executions' certificates computed once, each by ``solver``
+    ``calibrate`` (exact procedure, ``target_success``: the share of the runs certified at the target), the
+    executions' certificates computed once, each by ``solver``
     (:func:`~flwr_inca.privacy.certificate.choose_solver`). Exact certificates hold for every pair of
     sigmas; a sound bound is tightest near the central-DP level of the geometric mean of the epsilons'
     targets and valid at both."""
@@ -189,7 +192,7 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
     messages, size, rounds = inca_cost(T, k)
     rows = []
     for eps, mu in zip(epsilons, targets):
-        selection = AlphaSelection(procedure="exact", mu_target=mu, quantile=1.0, epsilon=eps, delta=DELTA,
+        selection = AlphaSelection(procedure="exact", mu_target=mu, quantile=target_success, epsilon=eps, delta=DELTA,
                                    value_sensitivity=1.0, value_variance=VALUE_VARIANCE)
         best, _, _ = selection.choose(sims)
         rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": inca_label(k, tail),
@@ -197,14 +200,16 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
                      "bytes_per_party": size, "rounds": rounds, "sigma_star": best["sigma_star"],
                      "sigma_delta": best["sigma_delta"], "alpha": best["alpha"],
                      "success_fraction": best["success_fraction"], "predicted_mse": best["predicted_mse"],
-                     "central_dp_mse": central_mse(n, eps), "runs": runs,
+                     "central_dp_mse": central_mse(n, eps), "runs": runs, "target_success": target_success,
                      "seconds": (time.perf_counter() - start) / len(epsilons)})
     return rows
 
 
 def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float, runs: int, seed: int,
-                  bar: ProgressBar, epsilons: tuple[float, ...], **extra) -> list[dict]:
-    """GOPA or CorDP-DME: one set of simulated views, calibrated for every epsilon."""
+                  bar: ProgressBar, epsilons: tuple[float, ...], target_success: float = 1.0,
+                  **extra) -> list[dict]:
+    """GOPA or CorDP-DME: one set of simulated views, calibrated for every epsilon (``target_success``: the
+    share of the runs certified at the target)."""
     bar.set_status(f"{protocol} n={n} gamma={gamma:g}")
     key = _seed(seed, n, gamma, extra.get("k_PR", 0), extra.get("gamma_2", 0))
     samples = sample_views(baseline, n, Threat.collusion(RHO), runs, key, bar.callback(len(epsilons)))
@@ -212,12 +217,13 @@ def pairwise_rows(baseline: GOPA | CorDPDME, protocol: str, n: int, gamma: float
     rows = []
     for eps in epsilons:
         cal = calibrate_samples(samples, eps, DELTA, procedure="exact", baseline=baseline.name,
-                                value_variance=VALUE_VARIANCE)
+                                value_variance=VALUE_VARIANCE, target_success=target_success)
         rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": protocol, "schedule": "",
                      "messages_per_party": messages, "bytes_per_party": size, "rounds": rounds,
                      "sigma_star": cal.sigma_star, "sigma_delta": cal.sigma_delta, "alpha": cal.alpha,
                      "success_fraction": cal.success_fraction, "predicted_mse": cal.predicted_mse,
-                     "central_dp_mse": central_mse(n, eps), "runs": runs, "seconds": cal.seconds, **extra})
+                     "central_dp_mse": central_mse(n, eps), "runs": runs, "target_success": target_success,
+                     "seconds": cal.seconds, **extra})
     return rows
 
 
@@ -246,7 +252,9 @@ def _in_order(protocols: tuple[str, ...]) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Grid:
     """The settings a frontier covers; :meth:`of` fills what is not given from the module's constants.
-    ``solver``: how IncA's simulated executions are certified (GOPA's and CorDP-DME's are always exact)."""
+    ``solver``: how IncA's simulated executions are certified (GOPA's and CorDP-DME's are always exact);
+    ``target_success``: the share of each point's simulated runs its noise is calibrated to certify at the
+    target (1: all of them, the worst case over the runs, as the paper), the same for every protocol."""
 
     parties: tuple[int, ...]
     epsilons: tuple[float, ...]
@@ -255,12 +263,13 @@ class Grid:
     neighbors: tuple[int, ...]
     solver: str = "auto"
     protocols: tuple[str, ...] = PROTOCOLS
+    target_success: float = 1.0
 
     @classmethod
     def of(cls, parties: Sequence[int] | None = None, epsilons: Sequence[float] | None = None,
            gammas: Sequence[float] | None = None, iterations: Sequence[int] | None = None,
            neighbors: Sequence[int] | None = None, solver: str | None = None,
-           protocols: Sequence[str] | None = None) -> Grid:
+           protocols: Sequence[str] | None = None, target_success: float | None = None) -> Grid:
         """Raises ``ValueError`` naming the setting (as its command-line option) and its range."""
         def values(name: str, given, default, check) -> tuple:
             # one value (a number, or a name given as a string rather than its letters) is a list of one
@@ -276,7 +285,9 @@ class Grid:
                    values("--iterations", iterations, INCA_ITERATIONS, lambda n, v: check_int(n, v, 1, 1000)),
                    values("--neighbors", neighbors, INCA_NEIGHBORS, lambda n, v: check_int(n, v, 1, 2)),
                    "auto" if solver is None else solver,
-                   _in_order(values("--protocols", protocols, PROTOCOLS, _check_protocol)))
+                   _in_order(values("--protocols", protocols, PROTOCOLS, _check_protocol)),
+                   1.0 if target_success is None else check_real("--target-success", target_success, 0.0, 1.0,
+                                                                  low_open=True))
         if grid.solver not in SOLVERS:
             raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {grid.solver!r}")
         return grid
@@ -319,7 +330,7 @@ def work(runs: int, **settings: Sequence) -> int:
 
 def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureResult:
     """The frontier over :class:`Grid` ``.of(**settings)`` (parties, epsilons, gammas, iterations, neighbors,
-    solver, protocols)."""
+    solver, protocols, target_success)."""
     grid = Grid.of(**settings)
     grid.check_fits()
     eps = grid.epsilons
@@ -329,9 +340,10 @@ def run(runs: int, seed: int, bar: ProgressBar, **settings: Sequence) -> FigureR
             if "central-dp" in grid.protocols:
                 rows += central_rows(n, gamma, eps)
             for T, k, tail in grid.inca_settings():
-                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps, grid.solver)
+                rows += inca_rows(n, T, k, tail, gamma, runs, seed, bar, eps, grid.solver, grid.target_success)
             for baseline, protocol, extra in pairwise_points(grid, n, gamma):
-                rows += pairwise_rows(baseline, protocol, n, gamma, runs, seed, bar, eps, **extra)
+                rows += pairwise_rows(baseline, protocol, n, gamma, runs, seed, bar, eps, grid.target_success,
+                                      **extra)
     result = FigureResult(
         "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
         "exactly", COLUMNS, rows, plot=plot, params=_params(grid, runs, seed), write_extra=write_extra,
@@ -354,6 +366,7 @@ _LABELS = frozenset({*_INCA_LABELS, *map(gopa_label, GOPA_SPLITS), CorDPDME.name
 
 # what a merged number may be besides >= 0 (a point no run can produce is refused, not plotted)
 _LIMITS = {"n": {"low": 1}, "runs": {"low": 1}, "epsilon": {"low": 0.0, "low_open": True},
+           "target_success": {"low": 0.0, "high": 1.0, "low_open": True},
            "gamma": {"low": 0.0, "high": 1.0, "high_open": True}}
 
 
@@ -432,6 +445,7 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
     runs = sorted({r["runs"] for r in rows if "runs" in r})
     params = {"n": tuple(sorted({r["n"] for r in rows})), "epsilon": tuple(sorted({r["epsilon"] for r in rows})),
               "gamma": tuple(sorted({r["gamma"] for r in rows})), "runs": tuple(runs),
+              "target_success": tuple(sorted({r.get("target_success", 1.0) for r in rows if "runs" in r})),
               "merged": ", ".join(str(p) for p in paths)}
     result = FigureResult(
         "frontier", "IncA under dropouts: MSE against messages per party per round, every protocol calibrated "
@@ -445,7 +459,7 @@ def merged(paths: Sequence[str | Path]) -> FigureResult:
 def _params(grid: Grid, runs: int, seed: int) -> dict:
     return {"n": grid.parties, "epsilon": grid.epsilons, "gamma": grid.gammas, "T": grid.iterations,
             "k": grid.neighbors, "delta": DELTA, "rho": RHO, "runs": runs, "seed": seed, "solver": grid.solver,
-            "protocols": grid.protocols}
+            "protocols": grid.protocols, "target_success": grid.target_success}
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -610,6 +624,10 @@ def markdown(rows: list[dict]) -> str:
                          + " | ".join(values) + " |")
         if usual is not None:
             lines += ["", f"Calibrated on {usual} simulated runs per point; (R): on R runs."]
+        covers = sorted({r.get("target_success", 1.0) for r in cell if "runs" in r})
+        if covers and covers != [1.0]:
+            lines += ["", "Noise calibrated to certify " + " or ".join(f"{q:g}" for q in covers)
+                      + " of each point's runs at the target (--target-success; 1: all of them)."]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
