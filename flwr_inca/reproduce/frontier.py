@@ -192,8 +192,8 @@ def inca_rows(n: int, T: int, k: int, tail: int, gamma: float, runs: int, seed: 
     messages, size, rounds = inca_cost(T, k)
     rows = []
     for eps, mu in zip(epsilons, targets):
-        selection = AlphaSelection(procedure="exact", mu_target=mu, quantile=target_success, epsilon=eps, delta=DELTA,
-                                   value_sensitivity=1.0, value_variance=VALUE_VARIANCE)
+        selection = AlphaSelection(procedure="exact", mu_target=mu, quantile=target_success, epsilon=eps,
+                                   delta=DELTA, value_sensitivity=1.0, value_variance=VALUE_VARIANCE)
         best, _, _ = selection.choose(sims)
         rows.append({"n": n, "epsilon": eps, "gamma": gamma, "protocol": inca_label(k, tail),
                      "schedule": schedule.name, "k": k, "T": T, "messages_per_party": messages,
