@@ -60,7 +60,7 @@ from flwr_inca.baselines.base import Threat
 from flwr_inca.baselines.calibration import calibrate_samples, sample_views
 from flwr_inca.baselines.pairwise import GOPA
 from flwr_inca.privacy import calibrate, profile, random_collusion
-from flwr_inca.privacy.calibration import simulation_seeds
+from flwr_inca.privacy.calibration import covered_runs, simulation_seeds
 from flwr_inca.privacy.conversions import mu_for_epsilon
 from flwr_inca.privacy.linear_system import dense_system
 from flwr_inca.protocol import sample_trace
@@ -388,8 +388,9 @@ def _distribution(per_run: np.ndarray, need: np.ndarray, checkpoints: list[int])
     beyond = [f"R={r}: {int((per_run[r:] > need[r - 1]).sum())} of {per_run.size - r}"
               for r in checkpoints[:-1]]
     # what a calibration covering 99% of its R runs would take (calibrate's target_success = 0.99: the
-    # ceil(0.99 R)-th smallest need), beside the worst case: is a quantile stable where the maximum is not?
-    covering = [f"R={r}: {np.sort(per_run[:r])[math.ceil(0.99 * r - 1e-9) - 1]:.3f}" for r in checkpoints]
+    # covered_runs(0.99, R)-th smallest need), beside the worst case: is a quantile stable where the maximum
+    # is not?
+    covering = [f"R={r}: {np.sort(per_run[:r])[covered_runs(0.99, r) - 1]:.3f}" for r in checkpoints]
     return (f"median {q50:.3f}, 90% {q90:.3f}, 99% {q99:.3f}; largest {', '.join(f'{v:.3f}' for v in top)}; "
             f"later runs above the first R's worst: {'; '.join(beyond)}; "
             f"covering 99% of the first R: {'; '.join(covering)}")

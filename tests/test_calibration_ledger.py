@@ -342,6 +342,14 @@ def test_required_sigma_delta_quantile_and_infeasible_runs():
         required_sigma_delta([], 1.0, 1.5)
 
 
+def test_covered_runs_is_the_ceiling_of_the_share_without_rounding_up_by_a_hair():
+    from flwr_inca.privacy.calibration import covered_runs
+
+    # 0.07 * 100 is 7.000000000000001 in floating point: 7 runs, not 8; 0.99 of 25 runs is all 25
+    assert [covered_runs(q, r) for q, r in ((0.07, 100), (0.99, 100), (0.99, 25), (0.99, 400), (0.5, 8), (1.0, 7))] \
+        == [7, 99, 25, 396, 4, 7]
+
+
 def test_a_run_cache_gives_the_same_calibration_at_any_target_without_simulating_again():
     """The runs a calibration certified exactly do not depend on the target: kept in ``run_cache``, a
     later call at another epsilon (or procedure) selects on them, the same calibration as a fresh one,

@@ -70,8 +70,8 @@ from .conversions import classic_mu, epsilon_for_delta, mu_for_epsilon
 from .views import AdversaryView, random_collusion, random_eavesdrop
 
 __all__ = ["DEFAULT_ALPHAS", "AlphaSelection", "Calibration", "NoiseCalibrator", "SimulatedRun", "alpha_candidates",
-           "alpha_grid", "calibrate", "check_runs_fit", "evaluate_alpha", "pick_alpha", "required_sigma_delta",
-           "simulate_runs", "simulation_seeds"]
+           "alpha_grid", "calibrate", "check_runs_fit", "covered_runs", "evaluate_alpha", "pick_alpha",
+           "required_sigma_delta", "simulate_runs", "simulation_seeds"]
 
 # alpha: sigma_star^2 in units of 1 / (n_O mu^2), the central-DP level of the honest finalists
 DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0, 1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0)
@@ -206,6 +206,12 @@ def simulation_seeds(seed: int | None, runs: int) -> np.ndarray:
     return root.generate_state(2 * runs, dtype=np.uint64).reshape(runs, 2)
 
 
+def covered_runs(quantile: float, runs: int) -> int:
+    """How many of ``runs`` simulated runs a calibration covering the share ``quantile`` must certify:
+    ceil(quantile R), floating-point error aside (0.07 of 100 runs is 7, though 0.07 * 100 > 7)."""
+    return math.ceil(quantile * runs - 1e-9)
+
+
 def required_sigma_delta(profiles: Sequence[Profile], sigma_star: float, mu_target: float, *,
                          quantile: float = 1.0, every_run: bool = True) -> tuple[float, float]:
     """``(sigma_delta, success fraction)``: the smallest sigma_delta (unit sensitivity) that makes the
@@ -226,7 +232,7 @@ def required_sigma_delta(profiles: Sequence[Profile], sigma_star: float, mu_targ
     if quantile < 1.0:
         need = np.array([p.min_sigma_delta(sigma_star, mu_target) for p in profiles])
         finite = np.sort(need[np.isfinite(need)])
-        required = math.ceil(quantile * runs - 1e-9)
+        required = covered_runs(quantile, runs)
         s_delta = float(finite[required - 1]) if finite.size >= required and finite.size > 0 else math.inf
         return s_delta, (float(np.mean(need <= s_delta)) if math.isfinite(s_delta) else 0.0)
     current, feasible = 0.0, 0
@@ -254,7 +260,7 @@ def alpha_candidates(profiles: Sequence[Profile], mu_target: float, n_o: float, 
     runs = len(profiles)
     # floor of each run: mu_inf(s*) = mu_inf(1) / s*, so s*_min = mu_inf(1) / mu_target
     floors = np.sort([float(p.mu_limit(1.0).max(initial=0.0)) / mu_target for p in profiles])
-    floor = float(floors[math.ceil(quantile * runs - 1e-9) - 1]) ** 2 * n_o * mu_target**2
+    floor = float(floors[covered_runs(quantile, runs) - 1]) ** 2 * n_o * mu_target**2
     if not math.isfinite(floor):
         raise ValueError("no sigma_star makes the simulated runs private: the adversary sees too "
                          "much (more iterations, fewer neighbours or a weaker threat may help)")
@@ -313,7 +319,7 @@ def simulate_runs(
     if quantile is not None:
         quantile = check_probability("quantile", quantile, zero=False)
     out: list[_Run] = []
-    k = runs - math.ceil(quantile * runs - 1e-9) + 1 if quantile is not None and nominal is not None else 0
+    k = runs - covered_runs(quantile, runs) + 1 if quantile is not None and nominal is not None else 0
     maxima: list[float] = []  # each run's largest mu at the nominal sigmas
     for r in range(runs):
         trace = sample_trace(parties, base, int(seeds[r, 0]))
